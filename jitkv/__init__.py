@@ -1,0 +1,40 @@
+"""jitkv: JIT-compiled KV-cache kernels for LLM serving engines.
+
+Importing jitkv builds nothing, takes no lock and queries no GPU: kernels are compiled on first
+call (or by ``prebuild``/``warmup``) and cached under ``JITKV_CACHE_DIR``."""
+
+import logging as _logging
+import os as _os
+
+from ._version import __version__
+from .ops import _custom_ops  # noqa: F401  (registers torch.ops.jitkv.* for torch.compile)
+from .ops._dispatch import BackendUnavailable, JitkvFallbackWarning, backend_info
+from .ops.mla import set_mla_kv_buffer
+from .ops.store_cache import store_cache
+from .prebuild import prebuild, warmup
+
+
+def _setup_logging() -> None:
+    """Build start/end lines are INFO and shown by default: a first-call compile must not look
+    like a hang. JITKV_LOG_LEVEL changes the level; an app can replace the handler."""
+    logger = _logging.getLogger("jitkv")
+    logger.setLevel(_os.environ.get("JITKV_LOG_LEVEL", "INFO").upper())
+    if not logger.handlers:
+        handler = _logging.StreamHandler()
+        handler.setFormatter(_logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+_setup_logging()
+
+__all__ = [
+    "BackendUnavailable",
+    "JitkvFallbackWarning",
+    "__version__",
+    "backend_info",
+    "prebuild",
+    "set_mla_kv_buffer",
+    "store_cache",
+    "warmup",
+]

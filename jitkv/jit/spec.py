@@ -1,0 +1,136 @@
+"""What a JIT module is made of, and its content-hash cache key (DESIGN §6)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import _version
+from . import toolchain
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
+
+
+@dataclass(frozen=True)
+class JitSpec:
+    """One buildable module.
+
+    op:      readable family name, e.g. "mla_cuda".
+    sources: entry files relative to ``root`` (a .cu with extern "C" launchers plus a .cc binding
+             for CUDA; one .cpp for CPU).
+    args:    template arguments, passed as ``-DJITKV_<NAME>=<value>`` to every source.
+    target:  "cpu" (host ISA, -march=native) or a CUDA arch such as "9.0a".
+    exports: functions the module must export (checked after load)."""
+
+    op: str
+    sources: tuple[str, ...]
+    args: tuple[tuple[str, object], ...] = ()
+    target: str = "cpu"
+    exports: tuple[str, ...] = ()
+    cflags: tuple[str, ...] = ()
+    root: Path = field(default=CSRC)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.target != "cpu"
+
+    @property
+    def target_name(self) -> str:
+        return toolchain.sm_name(self.target) if self.is_cuda else "cpu"
+
+    def include_dirs(self) -> list[Path]:
+        dirs = [self.root / "include", self.root]
+        return dirs + [d for d in (CSRC / "include", CSRC) if d not in dirs]
+
+    def defines(self) -> list[str]:
+        return [f"-DJITKV_{name.upper()}={value}" for name, value in self.args]
+
+    def host_cflags(self) -> list[str]:
+        base = ["-O3", "-std=c++17", *self.defines(), *self.cflags]
+        if self.is_cuda:
+            return base
+        return [*base, "-march=native", "-fopenmp"]
+
+    def cuda_cflags(self) -> list[str]:
+        return ["-O3", "-std=c++17", "--expt-relaxed-constexpr", *self.defines(), *self.cflags]
+
+    def ldflags(self) -> list[str]:
+        return ["-Wl,--no-undefined"] + ([] if self.is_cuda else ["-fopenmp"])
+
+    def closure(self) -> list[tuple[str, Path]]:
+        """Entry sources plus every quoted or <jitkv/...> include they reach, as (key path, file)."""
+        seen: dict[str, Path] = {}
+        todo = [self.root / s for s in self.sources]
+        while todo:
+            path = todo.pop()
+            rel = self._key_path(path)
+            if rel in seen:
+                continue
+            seen[rel] = path
+            for inc in _INCLUDE.findall(path.read_text()):
+                found = self._resolve_include(inc, path.parent)
+                if found is not None:
+                    todo.append(found)
+        return sorted(seen.items())
+
+    def _resolve_include(self, inc: str, here: Path) -> Path | None:
+        for d in (here, *self.include_dirs()):
+            p = (d / inc).resolve()
+            if p.is_file():
+                return p
+        return None  # a system or tvm-ffi header: covered by the toolchain and tvm-ffi versions
+
+    def _key_path(self, path: Path) -> str:
+        path = path.resolve()
+        for base in (self.root, CSRC):
+            try:
+                return path.relative_to(base.resolve()).as_posix()
+            except ValueError:
+                continue
+        return path.as_posix()
+
+    def key_components(self) -> dict[str, object]:
+        import tvm_ffi  # noqa: PLC0415  (imports torch; only when something is built or loaded)
+
+        files = {rel: hashlib.sha256(p.read_bytes()).hexdigest() for rel, p in self.closure()}
+        comps: dict[str, object] = {
+            "op": self.op,
+            "sources": list(self.sources),
+            "files": files,
+            "args": [[k, str(v)] for k, v in self.args],
+            "target": self.target if self.is_cuda else toolchain.cpu_target(),
+            "host_cflags": self.host_cflags(),
+            "ldflags": self.ldflags(),
+            "cxx": toolchain.compiler_identity(toolchain.cxx()),
+            "tvm_ffi": tvm_ffi.__version__,
+            "jitkv": _version.__version__,
+            "python": sys.implementation.cache_tag,
+        }
+        if self.is_cuda:
+            comps["cuda_cflags"] = self.cuda_cflags()
+            comps["nvcc"] = toolchain.compiler_identity(toolchain.nvcc())
+        return comps
+
+    def key(self) -> str:
+        blob = repr(sorted(self.key_components().items())).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def readable_name(self) -> str:
+        parts = [self.op] + [f"{k}{v}" for k, v in self.args] + [self.target_name]
+        return re.sub(r"[^A-Za-z0-9_]+", "_", "_".join(parts))
+
+    def dirname(self, key: str) -> str:
+        return f"{self.readable_name()}_{key[:16]}"
+
+    def describe(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.args)
+        return f"{self.op}[{args}] for {self.target_name}" if args else f"{self.op} for {self.target_name}"
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")

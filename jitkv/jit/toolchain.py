@@ -1,0 +1,144 @@
+"""Toolchain and target probes: compilers, CUDA_HOME, ninja, CPU ISA, CUDA arch.
+
+Every probe is lazy and memoized: importing jitkv runs none of them."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+
+from .util import cache_once
+
+# ISA features that change what `-march=native` emits; their set is part of the CPU target.
+_ISA_FLAG = re.compile(r"^(avx\w*|amx\w*|sse\w*|ssse3|fma\w*|f16c|bmi\w*|popcnt|lzcnt|movbe|vaes|vpclmulqdq|gfni|sha_ni|adx|asimd\w*|sve\w*|fp16|bf16|i8mm)$")
+
+
+def cxx() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+@cache_once
+def compiler_identity(exe: str) -> str:
+    """The resolved compiler binary with its size and mtime: changes with any upgrade, and costs a
+    stat instead of a `--version` subprocess (which would eat the 50 ms warm-start budget)."""
+    path = shutil.which(exe) or exe
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        raise FileNotFoundError(f"compiler {exe!r} not found") from e
+    return f"{real}:{st.st_size}:{int(st.st_mtime)}"
+
+
+@cache_once
+def compiler_version(exe: str) -> str:
+    """First line of `<exe> --version` (for nvcc the last, which names the release); for display."""
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60, check=True).stdout
+    except (subprocess.SubprocessError, OSError) as e:
+        return f"unavailable ({e})"
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    if not lines:
+        return "unknown"
+    return lines[-1] if "nvcc" in exe else lines[0]
+
+
+def _has_cudart(home: str) -> bool:
+    for sub in ("lib64", "lib", os.path.join("targets", f"{platform.machine()}-linux", "lib")):
+        d = os.path.join(home, sub)
+        if os.path.isdir(d) and any(f.startswith("libcudart.so") for f in os.listdir(d)):
+            return True
+    return False
+
+
+@cache_once
+def cuda_home() -> str | None:
+    """CUDA_HOME/CUDA_PATH, else /usr/local/cuda, else the toolkit that owns `nvcc` on PATH.
+
+    `which nvcc` alone is not enough: it may be a wrapper script outside the toolkit."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    for home in candidates:
+        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")) and _has_cudart(home):
+            return home
+    return None
+
+
+def nvcc() -> str:
+    home = cuda_home()
+    if home is None:
+        raise FileNotFoundError("nvcc not found (looked in CUDA_HOME, CUDA_PATH, /usr/local/cuda, PATH)")
+    return os.path.join(home, "bin", "nvcc")
+
+
+def ensure_ninja_on_path() -> None:
+    """tvm-ffi runs `ninja` from PATH; the pip wheel's binary is not on PATH outside a venv's bin."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja  # noqa: PLC0415
+    except ImportError as e:
+        raise FileNotFoundError("ninja not found: pip install ninja") from e
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+@cache_once
+def cpu_target() -> str:
+    """The host ISA as a target string, e.g. 'x86_64+avx512bw+avx512f+...'; builds use -march=native."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = {w for w in line.split(":", 1)[1].split() if _ISA_FLAG.match(w)}
+                    break
+    except OSError:
+        pass
+    return "+".join([platform.machine(), *sorted(flags)])
+
+
+def has_avx512() -> bool:
+    t = cpu_target().split("+")
+    return "avx512f" in t and "avx512bw" in t
+
+
+def normalize_cuda_arch(arch: str) -> str:
+    """'9.0a', '90a', 'sm_90a', '9.0' -> '9.0a' (Hopper and newer get the arch-specific 'a' suffix)."""
+    m = re.fullmatch(r"(?:sm_|compute_)?(\d+)\.?(\d)([af]?)", arch.strip())
+    if not m:
+        raise ValueError(f"jitkv: cannot parse CUDA arch {arch!r} (expected e.g. '9.0a', 'sm_90a', '8.0')")
+    major, minor, suffix = int(m.group(1)), m.group(2), m.group(3)
+    if major >= 9 and not suffix:
+        suffix = "a"
+    return f"{major}.{minor}{suffix}"
+
+
+def sm_name(arch: str) -> str:
+    return "sm_" + arch.replace(".", "")
+
+
+def cuda_arch(device) -> str:
+    """Build target for a CUDA device: JITKV_CUDA_ARCH if set, else the device's capability."""
+    env = os.environ.get("JITKV_CUDA_ARCH")
+    if env:
+        return normalize_cuda_arch(env)
+    return _device_arch(device.index if device.index is not None else _current_device())
+
+
+def _current_device() -> int:
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.current_device()
+
+
+@cache_once
+def _device_arch(index: int) -> str:
+    import torch  # noqa: PLC0415
+
+    major, minor = torch.cuda.get_device_capability(index)
+    return normalize_cuda_arch(f"{major}.{minor}")

@@ -1,0 +1,59 @@
+"""torch.library registrations so the ops work under torch.compile(fullgraph=True).
+
+Eager calls never go through these (the dispatcher costs ~15 µs a call); the public functions
+route here only while compiling."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import mla, store_cache
+
+
+@torch.library.custom_op("jitkv::set_mla_kv_buffer", mutates_args=("kv_buffer",))
+def _set_mla_kv_buffer(
+    kv_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    cache_k_nope: torch.Tensor,
+    cache_k_rope: torch.Tensor,
+    skip_slot: Optional[int],
+    backend: Optional[str],
+) -> None:
+    mla.set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot=skip_slot, backend=backend)
+
+
+@_set_mla_kv_buffer.register_fake
+def _(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot, backend) -> None:
+    return None
+
+
+@torch.library.custom_op("jitkv::store_cache", mutates_args=("k_cache", "v_cache"))
+def _store_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale_tensor: Optional[torch.Tensor],
+    k_scale_value: float,
+    v_scale_tensor: Optional[torch.Tensor],
+    v_scale_value: float,
+    loc_map: Optional[torch.Tensor],
+    skip_slot: Optional[int],
+    backend: Optional[str],
+) -> None:
+    k_scale = k_scale_tensor if k_scale_tensor is not None else (None if k_scale_value < 0 else k_scale_value)
+    v_scale = v_scale_tensor if v_scale_tensor is not None else (None if v_scale_value < 0 else v_scale_value)
+    store_cache.store_cache(
+        k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
+        loc_map=loc_map, skip_slot=skip_slot, backend=backend,
+    )
+
+
+@_store_cache.register_fake
+def _(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale_tensor, k_scale_value, v_scale_tensor,
+      v_scale_value, loc_map, skip_slot, backend) -> None:
+    return None

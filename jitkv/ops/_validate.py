@@ -1,0 +1,209 @@
+"""Argument checks for the Python backends (triton, torch).
+
+The jit backend runs the same rules in C++ (``csrc/mla/mla_args.h``,
+``csrc/store_cache/store_cache_args.h``) so its eager path costs no Python-side checks; the tests
+run every bad input through every backend and expect the same exception type and argument name.
+Messages read ``"<op>: <argument>: <what was expected>, got <what>"``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+COPY_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_SRC_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8_CACHE = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+KV_CACHE_DTYPES = ("auto", *FP8_CACHE)
+
+
+def tensor(op, name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def index(op, name, t, device):
+    tensor(op, name, t)
+    if t.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{op}: {name}: expected dtype int32 or int64, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{op}: {name}: expected a 1-D tensor, got shape {list(t.shape)}")
+    if t.numel() > 1 and t.stride(0) != 1:
+        raise ValueError(f"{op}: {name}: expected a contiguous tensor, got stride {t.stride(0)}")
+    same_device(op, name, t, device)
+    return t
+
+
+def same_device(op, name, t, device):
+    if t.device != device:
+        raise ValueError(f"{op}: {name}: expected a tensor on {device} (the destination's device), got {t.device}")
+
+
+def same_dtype(op, name, t, want, want_from):
+    if t.dtype != want:
+        raise TypeError(f"{op}: {name}: expected dtype {want} (the dtype of {want_from}), got {t.dtype}")
+
+
+def last_dim_contiguous(op, name, t):
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{op}: {name}: innermost dim must be contiguous (stride 1), got stride {t.stride(-1)}")
+
+
+def rows_at_least(op, name, t, n, index_name):
+    if t.shape[0] < n:
+        raise ValueError(f"{op}: {name}: has {t.shape[0]} rows, fewer than {index_name}.numel() = {n}")
+
+
+def scale_value(op, name, scale):
+    """A Python-float scale must be finite and > 0 (there is no silent 1.0)."""
+    s = float(scale)
+    if not (math.isfinite(s) and s > 0):
+        raise ValueError(f"{op}: {name}: must be finite and > 0, got {scale!r}")
+    return s
+
+
+def scale(op, name, s, device):
+    if s is None:
+        raise ValueError(f"{op}: {name}: required for an fp8 kv_cache_dtype (no default scale)")
+    if isinstance(s, torch.Tensor):
+        if s.dtype != torch.float32:
+            raise TypeError(f"{op}: {name}: expected a float32 tensor, got {s.dtype}")
+        if s.numel() != 1:
+            raise ValueError(f"{op}: {name}: expected a 1-element tensor, got {s.numel()} elements")
+        same_device(op, name, s, device)
+        return s
+    if isinstance(s, (int, float)):
+        return scale_value(op, name, s)
+    raise TypeError(f"{op}: {name}: expected a float or a 1-element float32 tensor, got {type(s).__name__}")
+
+
+# --------------------------------------------------------------------------------------------- MLA
+
+
+def _row_view(op, name, t, width_name):
+    """[S, W] or [S, 1, W] -> the 2-D [S, W] view."""
+    if t.dim() == 3 and t.shape[1] == 1:
+        t = t.select(1, 0)
+    elif t.dim() != 2:
+        raise ValueError(f"{op}: {name}: expected shape [rows, {width_name}] or [rows, 1, {width_name}], got {list(t.shape)}")
+    last_dim_contiguous(op, name, t)
+    return t
+
+
+def mla(kv_buffer, loc, k_nope, k_rope):
+    """Validate set_mla_kv_buffer arguments; return 2-D views (kv_buffer, k_nope, k_rope)."""
+    op = "set_mla_kv_buffer"
+    for name, t in (("kv_buffer", kv_buffer), ("k_nope", k_nope), ("k_rope", k_rope)):
+        tensor(op, name, t)
+    if kv_buffer.dtype not in COPY_DTYPES:
+        raise TypeError(f"{op}: kv_buffer: expected dtype bf16, fp16, fp32, uint8 or float8, got {kv_buffer.dtype}")
+    dev = kv_buffer.device
+    index(op, "loc", loc, dev)
+    for name, t in (("k_nope", k_nope), ("k_rope", k_rope)):
+        same_dtype(op, name, t, kv_buffer.dtype, "kv_buffer")
+        same_device(op, name, t, dev)
+    buf = _row_view(op, "kv_buffer", kv_buffer, "W")
+    nope = _row_view(op, "k_nope", k_nope, "nope")
+    rope = _row_view(op, "k_rope", k_rope, "rope")
+    n = loc.numel()
+    rows_at_least(op, "k_nope", nope, n, "loc")
+    rows_at_least(op, "k_rope", rope, n, "loc")
+    if buf.shape[1] < nope.shape[1] + rope.shape[1]:
+        raise ValueError(
+            f"{op}: kv_buffer: row width {buf.shape[1]} is smaller than nope + rope = {nope.shape[1]} + {rope.shape[1]}"
+        )
+    return buf, nope, rope
+
+
+# --------------------------------------------------------------------------------------- store_cache
+
+
+def store_cache(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map):
+    """Validate store_cache arguments; return (k, v, k_cache, v_cache) as [n', H, D] sources and
+    [num_blocks, block_size, H, D] caches (flat caches get block_size 1), plus the parsed scales."""
+    op = "store_cache"
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        tensor(op, name, t)
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"{op}: kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    dev = k_cache.device
+    index(op, "slot_mapping", slot_mapping, dev)
+    if loc_map is not None:
+        index(op, "loc_map", loc_map, dev)
+    n = slot_mapping.numel()
+    if v.dtype != k.dtype:
+        raise TypeError(f"{op}: v: expected dtype {k.dtype} (the dtype of k), got {v.dtype}")
+    h = _num_heads(op, (("k", k), ("k_cache", k_cache), ("v", v), ("v_cache", v_cache)))
+    views = []
+    for src_name, src, cache_name, cache in (("k", k, "k_cache", k_cache), ("v", v, "v_cache", v_cache)):
+        same_device(op, src_name, src, dev)
+        same_device(op, cache_name, cache, dev)
+        _dtypes(op, src_name, src, cache_name, cache, kv_cache_dtype)
+        views.append(_pair_views(op, src_name, src, cache_name, cache, n, h))
+    (kv, kcv), (vv, vcv) = views
+    scales = (None, None)
+    if kv_cache_dtype != "auto":
+        scales = (scale(op, "k_scale", k_scale, dev), scale(op, "v_scale", v_scale, dev))
+    return kv, vv, kcv, vcv, scales
+
+
+def _num_heads(op, named):
+    """H from every tensor that has a head dim (3-D sources, 3-D/4-D caches); they must agree."""
+    h, first = None, None
+    for name, t in named:
+        has_heads = t.dim() == 3 or (t.dim() == 4 and name.endswith("cache"))
+        if has_heads:
+            if h is None:
+                h, first = t.shape[-2], name
+            elif t.shape[-2] != h:
+                raise ValueError(f"{op}: {name}: expected {h} heads like {first}, got {t.shape[-2]}")
+    return 1 if h is None else h
+
+
+def _dtypes(op, src_name, src, cache_name, cache, kv_cache_dtype):
+    if kv_cache_dtype == "auto":
+        if src.dtype not in COPY_DTYPES:
+            raise TypeError(f"{op}: {src_name}: expected dtype bf16, fp16, fp32, uint8 or float8, got {src.dtype}")
+        same_dtype(op, cache_name, cache, src.dtype, src_name + " (kv_cache_dtype='auto' copies)")
+        return
+    want = FP8_CACHE[kv_cache_dtype]
+    if src.dtype not in FP8_SRC_DTYPES:
+        raise TypeError(f"{op}: {src_name}: fp8 quantize-on-write takes bf16, fp16 or fp32 sources, got {src.dtype}")
+    if cache.dtype in FP8_CACHE.values() and cache.dtype != want:
+        raise ValueError(f"{op}: {cache_name}: dtype {cache.dtype} does not match kv_cache_dtype={kv_cache_dtype!r}")
+    if cache.dtype not in (want, torch.uint8):
+        raise ValueError(
+            f"{op}: kv_cache_dtype: {kv_cache_dtype!r} needs a {want} or uint8 {cache_name}, got {cache.dtype}"
+        )
+
+
+def _pair_views(op, src_name, src, cache_name, cache, n, h):
+    """Bring a (source, cache) pair to [n', H, D] and [num_blocks, block_size, H, D] views."""
+    if src.dim() not in (2, 3):
+        raise ValueError(f"{op}: {src_name}: expected shape [tokens, H, D] or [tokens, H*D], got {list(src.shape)}")
+    if cache.dim() not in (2, 3, 4):
+        raise ValueError(
+            f"{op}: {cache_name}: expected shape [slots, H, D], [slots, H*D] or [num_blocks, block_size, H, D], "
+            f"got {list(cache.shape)}"
+        )
+    last_dim_contiguous(op, src_name, src)
+    last_dim_contiguous(op, cache_name, cache)
+    rows_at_least(op, src_name, src, n, "slot_mapping")
+    src_row = math.prod(src.shape[1:])
+    cache_row = math.prod(cache.shape[-2:]) if cache.dim() >= 3 else cache.shape[1]
+    if src_row != cache_row or src_row % h:
+        raise ValueError(
+            f"{op}: {cache_name}: row of {cache_row} elements does not match {src_name}'s {src_row} "
+            f"({h} heads)"
+        )
+    d = src_row // h
+    src_v = src if src.dim() == 3 else src.view(src.shape[0], h, d)
+    if cache.dim() == 4:
+        cache_v = cache
+    elif cache.dim() == 3:
+        cache_v = cache.unsqueeze(1)
+    else:
+        cache_v = cache.view(cache.shape[0], 1, h, d)
+    return src_v, cache_v

@@ -1,0 +1,147 @@
+"""set_mla_kv_buffer: the MLA ``[nope | rope]`` row scatter (DESIGN §2, §3)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import reference
+from ..jit import JitSpec
+from . import _validate
+from ._common import cuda_target, debug_checks, device_of, jit_function, name_ffi_type_error, require_triton
+from ._dispatch import Dispatcher
+
+OP = "set_mla_kv_buffer"
+_DISPATCH = Dispatcher(OP)
+
+
+def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, skip_slot=None, backend=None):
+    """Scatter MLA rows: ``kv_buffer[loc[i], :nope] = k_nope[i]``, ``kv_buffer[loc[i], nope:nope+rope] = k_rope[i]``.
+
+    Args:
+        kv_buffer: ``[num_slots, W]`` or ``[num_slots, 1, W]``, W >= nope + rope; written in place,
+            columns past nope + rope untouched. Any row stride; the last dim must be contiguous.
+        loc: ``[n]`` int32 or int64 slot per row. ``loc < 0`` and ``loc == skip_slot`` are padding
+            (skipped); ``loc >= num_slots`` is never written (CPU raises IndexError first; CUDA skips,
+            or raises IndexError on the host with ``JITKV_DEBUG=1``).
+        cache_k_nope: ``[n', nope]`` or ``[n', 1, nope]``, n' >= n (extra rows are never read).
+        cache_k_rope: ``[n', rope]`` or ``[n', 1, rope]``.
+            One dtype everywhere: bf16, fp16, fp32, or a 1-byte type (uint8, float8_e4m3fn,
+            float8_e5m2) for pre-quantized byte layouts such as 528 + 128.
+        skip_slot: an extra padding slot (engines that reserve slot 0), or None.
+        backend: "jit", "triton", "torch" or None (auto; also ``JITKV_BACKEND``).
+
+    Raises:
+        TypeError: wrong dtype or a non-tensor argument. ValueError: shape, device or layout
+        mismatch. IndexError: an out-of-range slot (CPU, or CUDA under JITKV_DEBUG=1); nothing is
+        written then.
+
+    Algorithm: CPU — one pass over rows with AVX-512 copies, OpenMP above a payload threshold,
+    non-temporal stores when the buffer dwarfs the LLC. CUDA (SM90+) — one warp per row stages the
+    row in shared memory and one lane issues a TMA bulk store (cp.async.bulk) of the whole row;
+    a vectorized warp-per-row copy elsewhere; Triton (one program per row) as the fallback.
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.jitkv.set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot, backend)
+    device = device_of(OP, "kv_buffer", kv_buffer)
+    variant = _cuda_variant(cache_k_nope, cache_k_rope) if device.type == "cuda" else ()
+    _DISPATCH.get(device, backend, variant)(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot)
+
+
+def _cuda_variant(k_nope, k_rope) -> tuple:
+    """CUDA kernels are templated on the nope and rope byte widths."""
+    try:
+        return (k_nope.shape[-1] * k_nope.element_size(), k_rope.shape[-1] * k_rope.element_size())
+    except AttributeError:
+        name = "cache_k_nope" if not isinstance(k_nope, torch.Tensor) else "cache_k_rope"
+        raise TypeError(f"{OP}: {name}: expected a torch.Tensor") from None
+
+
+def cpu_spec() -> JitSpec:
+    return JitSpec("mla_cpu", ("mla/set_mla_kv_buffer_cpu.cpp",), exports=(OP,))
+
+
+def cuda_spec(arch: str, nope_bytes: int, rope_bytes: int) -> JitSpec:
+    return JitSpec(
+        "mla_cuda",
+        ("mla/set_mla_kv_buffer_cuda.cu", "mla/set_mla_kv_buffer_cuda.cc"),
+        args=(("nope_bytes", nope_bytes), ("rope_bytes", rope_bytes)),
+        target=arch,
+        exports=(OP,),
+    )
+
+
+# Byte layouts prebuilt for CUDA: DeepSeek/Kimi bf16 512+64, fp8 528+128 and 512+64.
+CUDA_PREBUILD_VARIANTS = ((1024, 128), (656, 0), (528, 128), (512, 64))
+
+
+_BINDING_ARGS = ("kv_buffer", "loc", "k_nope", "k_rope", "skip_slot", "path")
+
+
+def _skip(skip_slot) -> int:
+    return -1 if skip_slot is None else int(skip_slot)
+
+
+@_DISPATCH.register("jit")
+def _jit(device, variant):
+    if device.type == "cpu":
+        fn, info = jit_function(cpu_spec(), OP)
+
+        def run_cpu(buf, loc, nope, rope, skip):
+            try:
+                fn(buf, loc, nope, rope, -1 if skip is None else skip)
+            except TypeError as e:
+                raise name_ffi_type_error(OP, e, _BINDING_ARGS) from None
+
+        return run_cpu, info
+    fn, info = jit_function(cuda_spec(cuda_target(device), *variant), OP)
+    auto = 0  # the kernel picks TMA or the vectorized path per call (see set_mla_kv_buffer_cuda.cu)
+
+    def run(buf, loc, nope, rope, skip):
+        if debug_checks():
+            _host_range_check(buf, loc, skip)
+        try:
+            fn(buf, loc, nope, rope, _skip(skip), auto)
+        except TypeError as e:
+            raise name_ffi_type_error(OP, e, _BINDING_ARGS) from None
+
+    return run, info
+
+
+def _host_range_check(buf, loc, skip):
+    reference.valid_rows(loc, buf.shape[0], skip_slot=skip, strict=True, name="loc")
+
+
+@_DISPATCH.register("triton")
+def _triton(device, variant):
+    require_triton(device)
+    from ..triton.mla import set_mla_kv_buffer_triton  # noqa: PLC0415
+
+    def run(buf, loc, nope, rope, skip):
+        b, n, r = _validate.mla(buf, loc, nope, rope)
+        if debug_checks():
+            _host_range_check(b, loc, skip)
+        if loc.numel():
+            with torch.cuda.device(device):
+                set_mla_kv_buffer_triton(b, loc, n, r, _skip(skip))
+
+    return run, {}
+
+
+@_DISPATCH.register("torch")
+def _torch(device, variant):
+    def run(buf, loc, nope, rope, skip):
+        b, n, r = _validate.mla(buf, loc, nope, rope)
+        reference.set_mla_kv_buffer(b, loc, n, r, skip_slot=skip)
+
+    return run, {}
+
+
+def jit_specs(target: str) -> list[JitSpec]:
+    """Specs ``prebuild``/``warmup`` build for a target ("cpu" or a CUDA arch)."""
+    if target == "cpu":
+        return [cpu_spec()]
+    return [cuda_spec(target, nope, rope) for nope, rope in CUDA_PREBUILD_VARIANTS]
+
+
+def reset() -> None:
+    _DISPATCH.reset()

@@ -1,0 +1,40 @@
+"""Shared fixtures: an isolated cache dir per test session, random data helpers, GPU skipping."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+# Every test session builds into its own cache unless the caller chose one (CI sets it).
+os.environ.setdefault("JITKV_CACHE_DIR", tempfile.mkdtemp(prefix="jitkv-test-cache-"))
+
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+def rand(shape, dtype, device="cpu", gen=None):
+    """Fresh random data of any dtype (never zeros); 1-byte types get random bytes."""
+    if dtype in (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2):
+        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).view(dtype).to(device)
+    return torch.randn(shape, generator=gen).to(dtype).to(device)
+
+
+def as_bytes(t):
+    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t.contiguous().view(-1).view(torch.uint8)
+
+
+def assert_bitwise(actual, expected):
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    a, e = as_bytes(actual), as_bytes(expected)
+    if not torch.equal(a, e):
+        bad = (a != e).nonzero()
+        raise AssertionError(f"{bad.shape[0]} bytes differ; first at byte {bad[0].tolist()}")
+
+
+def slots(num_slots, n, dtype=torch.int64, device="cpu"):
+    """n distinct random slots (unique: with duplicates the winner is unspecified)."""
+    return torch.randperm(num_slots)[:n].to(dtype).to(device)

@@ -1,0 +1,246 @@
+"""store_cache: whole-cache bitwise equality with the torch reference, on every backend of every
+device present (CPU: jit, torch; CUDA adds triton)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import jitkv
+from jitkv import reference
+from jitkv.tests.conftest import DEVICES, assert_bitwise, rand, slots
+
+BACKENDS = {"cpu": ["jit", "torch"], "cuda": ["jit", "triton", "torch"]}
+DEV_BACKENDS = [(d, b) for d in DEVICES for b in BACKENDS[d]]
+NUM_SLOTS = 1024
+
+
+def _run(k, v, kc, vc, sm, backend, **kw):
+    """Run jitkv.store_cache on clones and the reference on other clones; compare whole caches."""
+    got_k, got_v, ref_k, ref_v = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    jitkv.store_cache(k, v, got_k, got_v, sm, backend=backend, **kw)
+    reference.store_cache(k, v, ref_k, ref_v, sm, **kw)
+    assert_bitwise(got_k, ref_k)
+    assert_bitwise(got_v, ref_v)
+    return got_k, got_v
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.uint8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [1, 8, 16, 32])
+@pytest.mark.parametrize("n", [1, 7, 133])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_matrix_cpu(dtype, head_dim, heads, n, idx_dtype):
+    k, v = rand((n, heads, head_dim), dtype), rand((n, heads, head_dim), dtype)
+    kc, vc = rand((NUM_SLOTS, heads, head_dim), dtype), rand((NUM_SLOTS, heads, head_dim), dtype)
+    _run(k, v, kc, vc, slots(NUM_SLOTS, n, idx_dtype), "jit")
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_padding_skip_and_extra_source_rows(device, backend, idx_dtype):
+    n, h, d = 40, 8, 64
+    k, v = rand((n + 9, h, d), torch.bfloat16, device), rand((n + 9, h, d), torch.bfloat16, device)
+    kc, vc = rand((NUM_SLOTS, h, d), torch.bfloat16, device), rand((NUM_SLOTS, h, d), torch.bfloat16, device)
+    sm = slots(NUM_SLOTS, n, idx_dtype, device)
+    sm[::5] = -1
+    sm[3] = 0  # the reserved padding slot
+    got_k, _ = _run(k, v, kc, vc, sm, backend, skip_slot=0)
+    assert torch.equal(got_k[0], kc[0])
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+def test_loc_map_with_negative_entries(device, backend):
+    n, full, window, h, d = 64, 4096, 512, 4, 128
+    k, v = rand((n, h, d), torch.float16, device), rand((n, h, d), torch.float16, device)
+    kc, vc = rand((window, h, d), torch.float16, device), rand((window, h, d), torch.float16, device)
+    loc_map = torch.randint(0, window, (full,), dtype=torch.int32)
+    loc_map[torch.randperm(full)[: full // 4]] = -1  # slots outside the sliding window
+    sm = slots(full, n, torch.int64, device)
+    sm[1] = -1
+    # unique mapped targets keep the expected result well defined
+    loc_map[sm[sm >= 0].cpu()] = torch.randperm(window)[: int((sm >= 0).sum())].to(torch.int32)
+    loc_map[sm[2].cpu()] = -1
+    _run(k, v, kc, vc, sm, backend, loc_map=loc_map.to(device))
+
+
+def _cache(layout, num_blocks, block_size, h, d, dtype, device):
+    if layout == "flat3d":
+        return rand((num_blocks * block_size, h, d), dtype, device)
+    if layout == "flat2d":
+        return rand((num_blocks * block_size, h * d), dtype, device)
+    if layout == "nhd":
+        return rand((num_blocks, block_size, h, d), dtype, device)
+    return rand((num_blocks, h, block_size, d), dtype, device).permute(0, 2, 1, 3)  # hnd
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+@pytest.mark.parametrize("layout", ["flat3d", "flat2d", "nhd", "hnd"])
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_layouts(device, backend, layout, block_size):
+    h, d, nb, n = 8, 64, 32, 77  # h == block_size at 8: strides, not shapes, say HND
+    k, v = rand((n, h, d), torch.bfloat16, device), rand((n, h * d), torch.bfloat16, device)
+    kc = _cache(layout, nb, block_size, h, d, torch.bfloat16, device)
+    vc = _cache(layout, nb, block_size, h, d, torch.bfloat16, device)
+    _run(k, v, kc, vc, slots(nb * block_size, n, torch.int32, device), backend)
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+def test_sources_are_views_of_fused_qkv(device, backend):
+    n, hq, h, d = 50, 32, 8, 128
+    qkv = rand((n, (hq + 2 * h) * d), torch.bfloat16, device)
+    _, k, v = qkv.split([hq * d, h * d, h * d], dim=1)
+    k3, v3 = k.view(n, h, d), v.view(n, h, d)  # token stride (hq + 2h) * d, not h * d
+    kc, vc = rand((NUM_SLOTS, h, d), torch.bfloat16, device), rand((NUM_SLOTS, h, d), torch.bfloat16, device)
+    _run(k3, v3, kc, vc, slots(NUM_SLOTS, n, torch.int64, device), backend)
+    _run(k, v, kc, vc, slots(NUM_SLOTS, n, torch.int64, device), backend)
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+def test_empty_index(device, backend):
+    k = rand((3, 2, 64), torch.float16, device)
+    kc = rand((16, 2, 64), torch.float16, device)
+    before = kc.clone()
+    jitkv.store_cache(k, k, kc, kc, torch.empty(0, dtype=torch.int64, device=device), backend=backend)
+    assert_bitwise(kc, before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS["cpu"])
+@pytest.mark.parametrize("use_loc_map", [False, True])
+def test_out_of_range_raises_before_writing_cpu(backend, use_loc_map):
+    h, d, n = 2, 64, 20
+    k, v = rand((n, h, d), torch.bfloat16), rand((n, h, d), torch.bfloat16)
+    kc, vc = rand((64, h, d), torch.bfloat16), rand((64, h, d), torch.bfloat16)
+    before_k, before_v = kc.clone(), vc.clone()
+    sm = slots(64, n)
+    loc_map = None
+    if use_loc_map:
+        loc_map = torch.arange(64)
+        loc_map[sm[-1]] = 64  # maps to a slot past the cache
+    else:
+        sm[-1] = 64
+    with pytest.raises(IndexError, match=str(n - 1)):
+        jitkv.store_cache(k, v, kc, vc, sm, loc_map=loc_map, backend=backend)
+    assert_bitwise(kc, before_k)
+    assert_bitwise(vc, before_v)
+
+
+# ------------------------------------------------------------------------------------------ FP8
+
+FP8 = [("fp8", torch.float8_e4m3fn), ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)]
+
+
+def _wide_range(shape, dtype, device):
+    """Magnitudes 1e-3 .. 1e4 with both signs, plus NaN, ±inf, ±0 and fp8 subnormal-range values."""
+    mag = torch.exp(torch.empty(shape).uniform_(math.log(1e-3), math.log(1e4)))
+    x = mag * torch.where(torch.rand(shape) < 0.5, -1.0, 1.0)
+    flat = x.view(-1)
+    flat[:8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-6, -3e-5, 448.5])
+    return x.to(dtype).to(device)
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+@pytest.mark.parametrize("kv_dtype,fp8", FP8)
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("cache_as_uint8", [False, True])
+def test_fp8_bit_exact(device, backend, kv_dtype, fp8, src_dtype, cache_as_uint8):
+    n, h, d = 133, 8, 128
+    k, v = _wide_range((n, h, d), src_dtype, device), _wide_range((n, h, d), src_dtype, device)
+    cdt = torch.uint8 if cache_as_uint8 else fp8
+    kc, vc = rand((512, h, d), cdt, device), rand((512, h, d), cdt, device)
+    sm = slots(512, n, torch.int32, device)
+    _run(k, v, kc, vc, sm, backend, kv_cache_dtype=kv_dtype, k_scale=0.37, v_scale=2.5)
+    scale = torch.tensor([0.1], dtype=torch.float32, device=device)
+    _run(k, v, kc, vc, sm, backend, kv_cache_dtype=kv_dtype, k_scale=scale, v_scale=scale)
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+def test_fp8_saturates_and_keeps_nan(device, backend):
+    x = torch.tensor([1e4, -1e4, 449.0, float("nan"), 1e-12], dtype=torch.float32).repeat(64, 1).view(64, 1, 5 * 1)
+    x = torch.cat([x] * 16, dim=2).to(device)  # [64, 1, 80]
+    kc = rand((64, 1, 80), torch.float8_e4m3fn, device)
+    jitkv.store_cache(x, x, kc, kc.clone(), torch.arange(64, device=device), kv_cache_dtype="fp8", k_scale=1.0,
+                      v_scale=1.0, backend=backend)
+    vals = kc[0, 0, :5].float().tolist()
+    assert vals[:3] == [448.0, -448.0, 448.0] and math.isnan(vals[3]) and vals[4] == 0.0
+
+
+# ----------------------------------------------------------------------------------- bad inputs
+
+
+def _good(device):
+    return dict(
+        k=rand((8, 2, 64), torch.bfloat16, device),
+        v=rand((8, 2, 64), torch.bfloat16, device),
+        k_cache=rand((32, 2, 64), torch.bfloat16, device),
+        v_cache=rand((32, 2, 64), torch.bfloat16, device),
+        slot_mapping=slots(32, 8, torch.int64, device),
+    )
+
+
+def _fp8(device):
+    g = _good(device)
+    g["k_cache"] = rand((32, 2, 64), torch.float8_e4m3fn, device)
+    g["v_cache"] = rand((32, 2, 64), torch.float8_e4m3fn, device)
+    return g, dict(kv_cache_dtype="fp8", k_scale=0.5, v_scale=0.5)
+
+
+BAD = [
+    # (name, mutate(args, kwargs, device), exception, argument named in the message)
+    ("slot float", lambda a, kw, d: a.update(slot_mapping=a["slot_mapping"].float()), TypeError, "slot_mapping"),
+    ("slot 2-D", lambda a, kw, d: a.update(slot_mapping=a["slot_mapping"].view(2, 4)), ValueError, "slot_mapping"),
+    ("k_cache dtype", lambda a, kw, d: a.update(k_cache=a["k_cache"].half()), TypeError, "k_cache"),
+    ("v dtype", lambda a, kw, d: a.update(v=a["v"].half()), TypeError, "v"),
+    ("v_cache dtype", lambda a, kw, d: a.update(v_cache=a["v_cache"].float()), TypeError, "v_cache"),
+    ("k rank", lambda a, kw, d: a.update(k=a["k"].view(8, 2, 8, 8)), ValueError, "k"),
+    ("k head mismatch", lambda a, kw, d: a.update(k=rand((8, 4, 32), torch.bfloat16, d)), ValueError, "k_cache"),
+    ("row mismatch", lambda a, kw, d: a.update(k_cache=rand((32, 2, 32), torch.bfloat16, d)), ValueError, "k_cache"),
+    ("too few rows", lambda a, kw, d: a.update(k=a["k"][:5]), ValueError, "k"),
+    ("noncontig last", lambda a, kw, d: a.update(k_cache=rand((32, 64, 2), torch.bfloat16, d).transpose(1, 2)), ValueError, "k_cache"),
+    ("cache device", lambda a, kw, d: a.update(v_cache=a["v_cache"].cpu()), ValueError, "v_cache"),
+    ("unknown dtype", lambda a, kw, d: kw.update(kv_cache_dtype="int4"), ValueError, "kv_cache_dtype"),
+    ("fp8 on bf16 cache", lambda a, kw, d: kw.update(kv_cache_dtype="fp8", k_scale=1.0, v_scale=1.0), ValueError, "kv_cache_dtype"),
+    ("k not tensor", lambda a, kw, d: a.update(k=[1, 2]), TypeError, "k"),
+]
+FP8_BAD = [
+    ("missing scale", lambda kw: kw.pop("k_scale"), ValueError, "k_scale"),
+    ("zero scale", lambda kw: kw.update(v_scale=0.0), ValueError, "v_scale"),
+    ("negative scale", lambda kw: kw.update(k_scale=-2.0), ValueError, "k_scale"),
+    ("nan scale", lambda kw: kw.update(k_scale=float("nan")), ValueError, "k_scale"),
+    ("inf scale", lambda kw: kw.update(v_scale=float("inf")), ValueError, "v_scale"),
+    ("scale tensor f64", None, TypeError, "k_scale"),
+    ("scale tensor 2 elements", None, ValueError, "v_scale"),
+    ("e5m2 string, e4m3 cache", lambda kw: kw.update(kv_cache_dtype="fp8_e5m2"), ValueError, "k_cache"),
+]
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input(device, backend, case):
+    _, mutate, exc, name = case
+    if case[0] == "cache device" and device == "cpu":
+        pytest.skip("needs a second device type (a CUDA tensor beside CPU ones)")
+    args, kw = _good(device), {}
+    mutate(args, kw, device)
+    before = {k: t.clone() for k, t in args.items() if isinstance(t, torch.Tensor) and k.endswith("cache")}
+    with pytest.raises(exc, match=rf"store_cache: {name}\b"):
+        jitkv.store_cache(*args.values(), backend=backend, **kw)
+    for key, t in before.items():
+        assert_bitwise(args[key], t)
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+@pytest.mark.parametrize("case", FP8_BAD, ids=[c[0] for c in FP8_BAD])
+def test_bad_fp8_input(device, backend, case):
+    _, mutate, exc, name = case
+    args, kw = _fp8(device)
+    if case[0] == "scale tensor f64":
+        kw["k_scale"] = torch.tensor([1.0], dtype=torch.float64, device=device)
+    elif case[0] == "scale tensor 2 elements":
+        kw["v_scale"] = torch.ones(2, dtype=torch.float32, device=device)
+    else:
+        mutate(kw)
+    with pytest.raises(exc, match=rf"store_cache: {name}\b"):
+        jitkv.store_cache(*args.values(), backend=backend, **kw)
