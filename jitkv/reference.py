@@ -36,20 +36,23 @@ def valid_rows(index, num_slots, *, skip_slot=None, loc_map=None, strict=None, n
         keep &= s != skip_slot
     if loc_map is not None:
         lm = loc_map.long()
-        keep = _check_range(keep, s, lm.numel(), strict, name, "loc_map size")
-        s = torch.where(keep, lm[s.clamp(0, max(lm.numel() - 1, 0))] if lm.numel() else s, -1)
-        keep &= s >= 0
-    keep = _check_range(keep, s, num_slots, strict, "loc_map" if loc_map is not None else name, "num_slots")
+        keep = _check_range(keep, s, lm.numel(), strict, f"{name}: position {{i}} has slot {{v}}, out of range for loc_map of size {lm.numel()}")
+        mapped = lm[s.clamp(0, lm.numel() - 1)] if lm.numel() else s
+        keep &= mapped >= 0
+        keep = _check_range(keep, mapped, num_slots, strict, f"loc_map: {name} position {{i}} maps to {{v}}, out of range for a cache of {num_slots} slots")
+        s = mapped
+    else:
+        keep = _check_range(keep, s, num_slots, strict, f"{name}: position {{i}} has slot {{v}}, out of range for a cache of {num_slots} slots")
     rows = keep.nonzero().flatten()
     return s[rows], rows
 
 
-def _check_range(keep, s, bound, strict, name, what):
+def _check_range(keep, s, bound, strict, message):
     oob = keep & (s >= bound)
     if bool(oob.any()):
         if strict:
             i = int(oob.nonzero()[0, 0])
-            raise IndexError(f"{name}[{i}] = {int(s[i])} is out of range ({what} = {bound})")
+            raise IndexError(message.format(i=i, v=int(s[i])))
         keep = keep & ~oob
     return keep
 
