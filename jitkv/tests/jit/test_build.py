@@ -1,0 +1,243 @@
+"""The build core: cache keys, publish/load across processes, races, failures, cache-dir fallback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import jitkv
+from jitkv.jit import JitSpec, JitUnavailable, ensure_built, get_module
+from jitkv.jit import toolchain
+from jitkv.tests.conftest import assert_bitwise, rand, slots
+
+REPO = Path(__file__).resolve().parents[3]
+
+GOOD = textwrap.dedent(
+    """
+    #include "jitkv/check.h"
+    #include "tiny/delta.h"
+    #include <tvm/ffi/function.h>
+    // Adds JITKV_SCALE * kDelta to every float of x.
+    void add(tvm::ffi::TensorView x) {
+      float* p = reinterpret_cast<float*>(jitkv::data_ptr(x));
+      for (int64_t i = 0; i < x.numel(); ++i) p[i] += JITKV_SCALE * kDelta;
+    }
+    TVM_FFI_DLL_EXPORT_TYPED_FUNC(add, add);
+    """
+)
+
+
+def _tree(root: Path, delta: int = 1, body: str = GOOD) -> Path:
+    (root / "tiny").mkdir(parents=True, exist_ok=True)
+    (root / "tiny" / "add.cpp").write_text(body)
+    (root / "tiny" / "delta.h").write_text(f"#pragma once\nconstexpr int kDelta = {delta};\n")
+    return root
+
+
+def _spec(root: Path, scale: int = 2, **kw) -> JitSpec:
+    return JitSpec("tiny", ("tiny/add.cpp",), args=(("scale", scale),), exports=("add",), root=root, **kw)
+
+
+def _run_py(code: str, cache: Path, **env) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "JITKV_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO), **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env, timeout=300)
+
+
+def test_key_tracks_content_args_flags_target_not_location(tmp_path):
+    a, b = _tree(tmp_path / "a"), _tree(tmp_path / "b")
+    base = _spec(a).key()
+    assert _spec(b).key() == base  # same bytes installed elsewhere
+    assert _spec(a, scale=3).key() != base  # template arg
+    assert _spec(a, cflags=("-DEXTRA=1",)).key() != base  # flags
+    assert _spec(a, target="9.0a").key() != _spec(a, target="10.0a").key()  # target
+    _tree(b, delta=5)  # an included header changes
+    assert _spec(b).key() != base
+
+
+def test_closure_follows_includes(tmp_path):
+    rels = [rel for rel, _ in _spec(_tree(tmp_path)).closure()]
+    assert rels == ["include/jitkv/check.h", "tiny/add.cpp", "tiny/delta.h"]
+
+
+def test_build_publish_and_second_process_loads_without_compiling(tmp_path):
+    root, cache = _tree(tmp_path / "src"), tmp_path / "cache"
+    code = f"""
+        import time, torch
+        from pathlib import Path
+        from jitkv.jit import JitSpec, get_module
+        spec = JitSpec("tiny", ("tiny/add.cpp",), args=(("scale", 2),), exports=("add",), root=Path({str(root)!r}))
+        t = time.perf_counter(); m = get_module(spec); x = torch.ones(3); m.add(x)
+        print("RESULT", x.tolist(), time.perf_counter() - t)
+    """
+    first = _run_py(code, cache)
+    assert first.returncode == 0, first.stderr
+    assert "building tiny[scale=2]" in first.stderr and "built tiny[scale=2]" in first.stderr
+    second = _run_py(code, cache)
+    assert second.returncode == 0, second.stderr
+    assert "building" not in second.stderr
+    assert "RESULT [3.0, 3.0, 3.0]" in second.stdout
+    (artifact,) = [p for p in cache.iterdir() if (p / "manifest.json").is_file()]
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["components"]["args"] == [["scale", "2"]] and manifest["seconds"] > 0
+
+
+def test_four_processes_racing_a_cold_cache_build_once(tmp_path):
+    root, cache = _tree(tmp_path / "src"), tmp_path / "cache"
+    code = f"""
+        import torch
+        from pathlib import Path
+        from jitkv.jit import JitSpec, get_module
+        spec = JitSpec("tiny", ("tiny/add.cpp",), args=(("scale", 2),), exports=("add",), root=Path({str(root)!r}))
+        x = torch.arange(4, dtype=torch.float32); get_module(spec).add(x); print("RESULT", x.tolist())
+    """
+    env = {**os.environ, "JITKV_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(4)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
+    assert all("RESULT [2.0, 3.0, 4.0, 5.0]" in o[0] for o in outs)
+    assert sum(o[1].count("building tiny") for o in outs) == 1
+    assert not any((cache / "staging").iterdir())
+
+
+def test_unwritable_cache_dir_falls_back_with_warning(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")  # a dir below a file cannot be created, even by root
+    res = _run_py(
+        """
+        import warnings, torch
+        import jitkv
+        from jitkv.jit import cache_dir
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            print("DIR", cache_dir())
+        print("WARN", " | ".join(str(x.message) for x in w))
+        """,
+        blocker / "cache",
+    )
+    assert res.returncode == 0, res.stderr
+    used = res.stdout.split("DIR ")[1].split()[0]
+    assert used != str(blocker / "cache") and os.path.isdir(used)
+    assert str(blocker / "cache") in res.stdout and used in res.stdout.split("WARN")[1]
+
+
+def test_broken_source_falls_back_and_failure_is_remembered(tmp_path, monkeypatch):
+    broken = _tree(tmp_path / "broken", body=GOOD.replace("p[i] +=", "p[i] + = undeclared_thing"))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("JITKV_CACHE_DIR", str(cache))
+    spec = _spec(broken)
+    with pytest.raises(JitUnavailable, match="error") as err:
+        get_module(spec)
+    assert err.value.log_path and "undeclared_thing" in Path(err.value.log_path).read_text()
+    # A second process falls back at once: no compile, the remembered reason.
+    code = f"""
+        from pathlib import Path
+        from jitkv.jit import JitSpec, JitUnavailable, get_module
+        spec = JitSpec("tiny", ("tiny/add.cpp",), args=(("scale", 2),), exports=("add",), root=Path({str(broken)!r}))
+        try:
+            get_module(spec)
+        except JitUnavailable as e:
+            print("FALLBACK", e.reason)
+    """
+    again = _run_py(code, cache)
+    assert "FALLBACK earlier build failed" in again.stdout and "building" not in again.stderr
+    retried = _run_py(code, cache, JITKV_RETRY_FAILED="1")
+    assert "building" in retried.stderr and "FALLBACK" in retried.stdout
+
+
+def test_op_falls_back_to_torch_with_one_warning(tmp_path, monkeypatch):
+    from jitkv.ops import mla  # noqa: PLC0415
+
+    broken = _tree(tmp_path / "broken", body="#error deliberately broken for this test\n")
+    monkeypatch.setenv("JITKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(mla, "cpu_spec", lambda: JitSpec("mla_cpu_broken", ("tiny/add.cpp",), root=broken))
+    mla.reset()
+    try:
+        buf, k_nope, k_rope = rand((64, 576), torch.bfloat16), rand((8, 512), torch.bfloat16), rand((8, 64), torch.bfloat16)
+        loc = slots(64, 8)
+        ref = buf.clone()
+        jitkv.reference.set_mla_kv_buffer(ref, loc, k_nope, k_rope)
+        with pytest.warns(jitkv.JitkvFallbackWarning, match="deliberately broken") as rec:
+            jitkv.set_mla_kv_buffer(buf, loc, k_nope, k_rope)
+            jitkv.set_mla_kv_buffer(buf, loc, k_nope, k_rope)
+        assert len(rec) == 1
+        assert_bitwise(buf, ref)
+        info = jitkv.backend_info("set_mla_kv_buffer")["cpu"]
+        assert info["backend"] == "torch" and "deliberately broken" in info["reason"]
+        with pytest.raises(jitkv.BackendUnavailable, match="deliberately broken"):
+            mla.reset()
+            jitkv.set_mla_kv_buffer(buf, loc, k_nope, k_rope, backend="jit")
+    finally:
+        monkeypatch.undo()
+        mla.reset()
+
+
+def test_import_builds_nothing(tmp_path):
+    res = _run_py(
+        """
+        import os, sys, jitkv
+        print("TVM", "tvm_ffi" in sys.modules, "CACHE", os.path.exists(os.environ["JITKV_CACHE_DIR"]))
+        """,
+        tmp_path / "cache",
+    )
+    assert res.returncode == 0, res.stderr
+    assert "TVM False CACHE False" in res.stdout
+
+
+def test_backend_choice_and_info():
+    buf, k_nope, k_rope = rand((64, 576), torch.bfloat16), rand((8, 512), torch.bfloat16), rand((8, 64), torch.bfloat16)
+    jitkv.set_mla_kv_buffer(buf, slots(64, 8), k_nope, k_rope)
+    info = jitkv.backend_info()["set_mla_kv_buffer"]["cpu"]
+    assert info["backend"] == "jit" and os.path.isdir(info["artifact"])
+    with pytest.raises(jitkv.BackendUnavailable, match="not available on cpu"):
+        jitkv.set_mla_kv_buffer(buf, slots(64, 8), k_nope, k_rope, backend="triton")
+    with pytest.raises(ValueError, match="unknown backend"):
+        jitkv.set_mla_kv_buffer(buf, slots(64, 8), k_nope, k_rope, backend="cutlass")
+
+
+def _need_nvcc():
+    if toolchain.cuda_home() is None:
+        if os.environ.get("JITKV_REQUIRE_NVCC"):
+            pytest.fail("JITKV_REQUIRE_NVCC is set but nvcc was not found")
+        pytest.skip("nvcc not found")
+
+
+def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
+    """The Hopper kernels compile with no GPU present (CI has nvcc, no GPU)."""
+    _need_nvcc()
+    from jitkv.prebuild import specs_for  # noqa: PLC0415
+
+    monkeypatch.setenv("JITKV_CACHE_DIR", str(tmp_path))
+    for spec in specs_for("9.0a")[:1] + [s for s in specs_for("9.0a") if s.op != "mla_cuda"]:
+        artifact = ensure_built(spec)
+        manifest = json.loads((artifact / "manifest.json").read_text())
+        so = artifact / manifest["lib"]
+        assert so.is_file()
+        cuobjdump = shutil.which("cuobjdump") or os.path.join(toolchain.cuda_home(), "bin", "cuobjdump")
+        if os.path.exists(cuobjdump):
+            listing = subprocess.run([cuobjdump, "--list-elf", str(so)], capture_output=True, text=True).stdout
+            assert "sm_90a" in listing
+            if spec.op == "mla_cuda":
+                sass = subprocess.run([cuobjdump, "-sass", str(so)], capture_output=True, text=True).stdout
+                assert "UBLKCP" in sass  # the TMA bulk store is really there
+
+
+def test_prebuild_cli_cpu(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "jitkv", "prebuild"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "JITKV_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0, res.stderr
+    info = subprocess.run([sys.executable, "-m", "jitkv", "info"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JITKV_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)})
+    assert info.returncode == 0, info.stderr
+    assert "2 built module(s)" in info.stdout and "not built yet" not in info.stdout.split("backend per op")[1].split("cuda")[0]
+    clear = subprocess.run([sys.executable, "-m", "jitkv", "cache", "clear"], capture_output=True, text=True,
+                           env={**os.environ, "JITKV_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)})
+    assert clear.returncode == 0 and not any((tmp_path / d / "manifest.json").exists() for d in os.listdir(tmp_path))
