@@ -1,0 +1,1 @@
+"""python -m jitkv.benchmark: jitkv against torch (and its own fallbacks) in the same run."""

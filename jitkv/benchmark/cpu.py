@@ -1,0 +1,135 @@
+"""CPU cases (issue 2 / DESIGN §8): jit kernels against torch indexing, timed in the same process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import json
+import textwrap
+
+import torch
+
+import jitkv
+from jitkv import reference
+
+from .common import Row, median_us
+
+
+def _rand(shape, dtype):
+    return torch.randn(shape).to(dtype)
+
+
+def store_cache_rows(ns=(1, 7, 133, 4096)) -> list[Row]:
+    rows = []
+    kc, vc = _rand((4096, 8, 128), torch.bfloat16), _rand((4096, 8, 128), torch.bfloat16)
+    for n in ns:
+        k, v = _rand((n, 8, 128), torch.bfloat16), _rand((n, 8, 128), torch.bfloat16)
+        idx = torch.randperm(4096)[:n]
+        moved = 2 * 2 * k.numel() * 2  # K and V, read + write, 2 bytes each
+
+        def torch_index():
+            kc[idx] = k
+            vc[idx] = v
+
+        base = median_us(torch_index)
+        rows.append(Row("store_cache", "[4096,8,128] bf16", n, "torch index", base, moved, base))
+        us = median_us(lambda: jitkv.store_cache(k, v, kc, vc, idx))
+        rows.append(Row("store_cache", "[4096,8,128] bf16", n, "jitkv jit", us, moved, base))
+    return rows
+
+
+def store_cache_fp8_rows(ns=(133, 4096)) -> list[Row]:
+    rows = []
+    kc, vc = torch.empty(4096, 8, 128, dtype=torch.float8_e4m3fn), torch.empty(4096, 8, 128, dtype=torch.float8_e4m3fn)
+    for n in ns:
+        k, v = _rand((n, 8, 128), torch.bfloat16), _rand((n, 8, 128), torch.bfloat16)
+        idx = torch.randperm(4096)[:n]
+        moved = 2 * k.numel() * (2 + 1)  # K and V: 2 bytes read, 1 written per element
+        kw = dict(kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=0.25)
+        base = median_us(lambda: reference.store_cache(k, v, kc, vc, idx, **kw))
+        rows.append(Row("store_cache fp8", "[4096,8,128] bf16->e4m3", n, "torch reference", base, moved, base))
+        us = median_us(lambda: jitkv.store_cache(k, v, kc, vc, idx, **kw))
+        rows.append(Row("store_cache fp8", "[4096,8,128] bf16->e4m3", n, "jitkv jit", us, moved, base))
+    return rows
+
+
+def large_cache_rows(num_rows=1 << 20, n=65536) -> list[Row]:
+    """A cache far larger than the LLC: K and V caches of 512 Ki rows x 1152 B (1.2 GB together)."""
+    half = num_rows // 2
+    kc, vc = _rand((half, 576), torch.bfloat16), _rand((half, 576), torch.bfloat16)
+    k, v = _rand((n, 576), torch.bfloat16), _rand((n, 576), torch.bfloat16)
+    idx = torch.randperm(half)[:n]
+    payload = 2 * k.numel() * 2
+    src, dst = torch.cat([k, v]), torch.empty(2 * n, 576, dtype=torch.bfloat16)
+    copy_us = median_us(lambda: dst.copy_(src), min_time=1.0)
+    copy_gbps = 2 * payload / copy_us / 1e3
+    rows = [Row("copy_", "same payload bytes", n, "torch copy_", copy_us, 2 * payload, None, copy_gbps)]
+
+    def torch_index():
+        kc[idx] = k
+        vc[idx] = v
+
+    base = median_us(torch_index, min_time=1.0)
+    rows.append(Row("store_cache", "1.2 GB cache, 1152 B rows", n, "torch index", base, 2 * payload, base, copy_gbps))
+    us = median_us(lambda: jitkv.store_cache(k, v, kc, vc, idx), min_time=1.0)
+    rows.append(Row("store_cache", "1.2 GB cache, 1152 B rows", n, "jitkv jit", us, 2 * payload, base, copy_gbps))
+    return rows
+
+
+def mla_rows(ns=(1, 133, 4096)) -> list[Row]:
+    rows = []
+    buf = _rand((65536, 576), torch.bfloat16)
+    for n in ns:
+        nope, rope = _rand((n, 512), torch.bfloat16), _rand((n, 64), torch.bfloat16)
+        loc = torch.randperm(65536)[:n]
+        moved = 2 * n * 576 * 2
+
+        def torch_index():
+            buf[loc, :512] = nope
+            buf[loc, 512:] = rope
+
+        base = median_us(torch_index)
+        rows.append(Row("set_mla_kv_buffer", "512+64 bf16", n, "torch index", base, moved, base))
+        us = median_us(lambda: jitkv.set_mla_kv_buffer(buf, loc, nope, rope))
+        rows.append(Row("set_mla_kv_buffer", "512+64 bf16", n, "jitkv jit", us, moved, base))
+    return rows
+
+
+_BUILD_PROBE = """
+import time, torch
+t0 = time.perf_counter()
+import jitkv
+t1 = time.perf_counter()
+kc = torch.zeros(64, 8, 128, dtype=torch.bfloat16); k = torch.ones(1, 8, 128, dtype=torch.bfloat16)
+jitkv.store_cache(k, k, kc, kc.clone(), torch.tensor([3]))
+buf = torch.zeros(64, 576, dtype=torch.bfloat16)
+jitkv.set_mla_kv_buffer(buf, torch.tensor([3]), torch.ones(1, 512, dtype=torch.bfloat16), torch.ones(1, 64, dtype=torch.bfloat16))
+t2 = time.perf_counter()
+print(f"IMPORT {(t1 - t0) * 1e3:.1f} FIRST {(t2 - t1) * 1e3:.1f}")
+"""
+
+
+def build_timings() -> dict:
+    """Cold build of each CPU module in an empty cache, then a new process that finds it cached."""
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "JITKV_CACHE_DIR": cache, "JITKV_LOG_LEVEL": "WARNING"}
+        res = subprocess.run([sys.executable, "-m", "jitkv", "prebuild"], capture_output=True, text=True, env=env)
+        if res.returncode != 0:
+            return {"error": res.stderr[-2000:]}
+        for d in sorted(os.listdir(cache)):
+            m = os.path.join(cache, d, "manifest.json")
+            if os.path.isfile(m):
+                with open(m) as f:
+                    man = json.load(f)
+                out[f"cold build {man['op']} (s)"] = man["seconds"]
+        warm = [subprocess.run([sys.executable, "-c", textwrap.dedent(_BUILD_PROBE)], capture_output=True, text=True, env=env).stdout
+                for _ in range(3)]
+        firsts = sorted(float(w.split("FIRST ")[1]) for w in warm if "FIRST" in w)
+        imports = sorted(float(w.split("IMPORT ")[1].split()[0]) for w in warm if "IMPORT" in w)
+        if firsts:
+            out["warm process: import jitkv (ms, median of 3)"] = imports[len(imports) // 2]
+            out["warm process: first calls of both ops after import (ms, median of 3)"] = firsts[len(firsts) // 2]
+    return out
