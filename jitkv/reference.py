@@ -103,7 +103,15 @@ def _write_rows(cache, slots, vals):
 
 
 # ---------------------------------------------------------------------------------------------
-# DeepSeek-V4 FP8 K cache
+# DeepSeek-V4 FP8 K cache (DESIGN §5)
+#
+# Per group of 64 nope dims: amax = max |x| (NaN propagates); e = the smallest integer with
+# 448 * 2^e >= max(amax, 1e-4), exactly via frexp: for m = f * 2^E (f in [0.5, 1)) and
+# 448 = 0.875 * 2^9, e = E - 9 + (f > 0.875). A group whose amax is inf or NaN gets e = 128.
+# Scale byte = e + 127 (UE8M0, clamped to [0, 255]; the 8th byte is 0). Stored = e4m3(clamp(x * 2^-e,
+# ±448)) rounded to nearest even (x * 2^-e == x / 2^e exactly for finite groups); a NaN element is
+# stored as 0x7F with its sign. Dequantized = bf16(float32(e4m3) * 2^(byte - 127)), exact; a NaN
+# result is written as 0x7FFF (what the GPU conversion gives). Rope dims are bf16 bytes, bit-exact.
 
 
 def dsv4_block_stride(block_size: int) -> int:
@@ -111,72 +119,85 @@ def dsv4_block_stride(block_size: int) -> int:
     return -(-block_size * DSV4_TOKEN_BYTES // DSV4_DATA_BYTES) * DSV4_DATA_BYTES
 
 
-def _flat_blocks(k_cache):
-    stride = k_cache.stride(0)
-    return torch.as_strided(k_cache, (k_cache.shape[0], stride), (stride, 1), k_cache.storage_offset())
+def _dsv4_rows(k_cache, block_size):
+    """[num_blocks, block_size * 584] uint8 view of the bytes each block uses (2-D or 3-D cache)."""
+    return k_cache.as_strided((k_cache.shape[0], block_size * DSV4_TOKEN_BYTES), (k_cache.stride(0), 1))
 
 
-def ue8m0_exponent(amax):
-    """Smallest integer e with 448 * 2^e >= max(amax, 1e-4), exactly (frexp, no log2)."""
-    a = amax.float().clamp(min=1e-4) / 448.0
-    m, e = torch.frexp(a)  # a = m * 2^e, m in [0.5, 1)
-    return torch.where(m == 0.5, e - 1, e).to(torch.int32)
-
-
-def dsv4_quantize_tokens(k):
-    """k [n, 512] bf16 -> (data [n, 576] uint8, scales [n, 8] uint8) of the DSv4 record."""
-    n = k.shape[0]
-    groups = k[:, :DSV4_NOPE].float().reshape(n, DSV4_NOPE // DSV4_GROUP, DSV4_GROUP)
-    e = ue8m0_exponent(groups.abs().amax(dim=2))
-    q = (groups / torch.ldexp(torch.ones_like(groups[..., :1]), e[..., None].float())).clamp(-448, 448)
-    data = torch.cat([q.to(torch.float8_e4m3fn).view(torch.uint8).reshape(n, DSV4_NOPE), k[:, DSV4_NOPE:].contiguous().view(torch.uint8)], dim=1)
-    scales = torch.zeros(n, DSV4_SCALE_BYTES, dtype=torch.uint8, device=k.device)
-    scales[:, : DSV4_NOPE // DSV4_GROUP] = (e + 127).clamp(0, 255).to(torch.uint8)
+def dsv4_quantize_tokens(x):
+    """x bf16 [m, 512] -> (data uint8 [m, 576], scales uint8 [m, 8])."""
+    m = x.shape[0]
+    groups = DSV4_NOPE // DSV4_GROUP
+    nope = x[:, :DSV4_NOPE].reshape(m, groups, DSV4_GROUP)
+    bits = nope.contiguous().view(torch.int16).to(torch.int32)
+    amax = ((bits & 0x7FFF).amax(-1) << 16).view(torch.float32)  # bf16 magnitude, NaN propagates
+    mant, exp = torch.frexp(torch.clamp(amax, min=1e-4))
+    e = exp - 9 + (mant > 0.875).to(exp.dtype)
+    e = torch.where(torch.isfinite(amax), e, torch.full_like(e, 128)).to(torch.int64)
+    scale_bytes = (e + 127).clamp(0, 255).to(torch.uint8)
+    inv = torch.pow(2.0, -e.to(torch.float64)).unsqueeze(-1)  # 2^-128 is a float32 denormal: exact
+    q = (nope.to(torch.float64) * inv).to(torch.float32).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    nan_byte = (0x7F | ((bits >> 8) & 0x80)).to(torch.uint8)
+    q = torch.where(torch.isnan(nope), nan_byte, q).reshape(m, DSV4_NOPE)
+    data = torch.cat([q, x[:, DSV4_NOPE:].contiguous().view(torch.uint8)], dim=1)
+    scales = torch.cat([scale_bytes, torch.zeros(m, 1, dtype=torch.uint8, device=x.device)], dim=1)
     return data, scales
+
+
+def dsv4_dequantize_tokens(data, scales):
+    """(data uint8 [m, 576], scales uint8 [m, 8]) -> bf16 [m, 512]."""
+    m = data.shape[0]
+    groups = DSV4_NOPE // DSV4_GROUP
+    fp8 = data[:, :DSV4_NOPE].contiguous().view(torch.float8_e4m3fn).to(torch.float32).reshape(m, groups, DSV4_GROUP)
+    b = scales[:, :groups].to(torch.int32)
+    scale = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23).view(torch.float32)  # 2^(b - 127)
+    val = (fp8 * scale.unsqueeze(-1)).to(torch.bfloat16).reshape(m, DSV4_NOPE)
+    nan = torch.tensor(0x7FFF, dtype=torch.int16, device=data.device).view(torch.bfloat16)
+    val = torch.where(torch.isnan(val), nan, val)
+    return torch.cat([val, data[:, DSV4_NOPE:].contiguous().view(torch.bfloat16)], dim=1)
 
 
 def quantize_and_insert_k_cache(k, k_cache, slot_mapping, *, block_size=64):
     """Quantize k [n', 512] bf16 into the DSv4 FP8 K cache at slot_mapping (slot < 0 skipped)."""
-    blocks = _flat_blocks(k_cache)
-    num_slots = blocks.shape[0] * block_size
-    slots, rows = valid_rows(slot_mapping, num_slots)
-    data, scales = dsv4_quantize_tokens(k[rows])
-    blk, pos = slots // block_size, slots % block_size
-    cols = torch.arange(DSV4_DATA_BYTES, device=k.device)
-    blocks[blk[:, None], pos[:, None] * DSV4_DATA_BYTES + cols] = data
-    scols = torch.arange(DSV4_SCALE_BYTES, device=k.device)
-    blocks[blk[:, None], block_size * DSV4_DATA_BYTES + pos[:, None] * DSV4_SCALE_BYTES + scols] = scales
-
-
-def dsv4_dequantize_tokens(data, scales):
-    """(data [n, 576], scales [n, 8]) uint8 -> [n, 512] bf16."""
-    n = data.shape[0]
-    q = data[:, :DSV4_NOPE].contiguous().view(torch.float8_e4m3fn).float().reshape(n, -1, DSV4_GROUP)
-    e = scales[:, : DSV4_NOPE // DSV4_GROUP].to(torch.int32) - 127
-    nope = (q * torch.ldexp(torch.ones_like(q[..., :1]), e[..., None].float())).to(torch.bfloat16).reshape(n, DSV4_NOPE)
-    rope = data[:, DSV4_NOPE:].contiguous().view(torch.bfloat16)
-    return torch.cat([nope, rope], dim=1)
+    rows = _dsv4_rows(k_cache, block_size)
+    slots, keep = valid_rows(slot_mapping, rows.shape[0] * block_size)
+    if not slots.numel():
+        return
+    data, scales = dsv4_quantize_tokens(k[keep])
+    blk, pos = (slots // block_size).unsqueeze(1), (slots % block_size).unsqueeze(1)
+    dev = k.device
+    rows[blk, pos * DSV4_DATA_BYTES + torch.arange(DSV4_DATA_BYTES, device=dev)] = data
+    rows[blk, block_size * DSV4_DATA_BYTES + pos * DSV4_SCALE_BYTES + torch.arange(DSV4_SCALE_BYTES, device=dev)] = scales
 
 
 def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset=0):
     """out[r, offset + i] = dequant(token seq_len - gather_len + i of request r), DESIGN §5.
 
-    Positions whose block-table entry is < 0 or past the table yield zero rows; rows at or past
-    out.shape[1] are not written."""
-    blocks = _flat_blocks(k_cache)
-    max_blocks = block_table.shape[1]
+    Positions whose block-table entry is < 0, >= num_blocks or past the table yield zero rows; rows
+    at or past out.shape[1] are not written. No host sync."""
+    num_reqs, n_rows = out.shape[0], out.shape[1] - offset
+    if num_reqs == 0 or n_rows <= 0:
+        return
     dev = out.device
-    for r, sl in enumerate(seq_lens.tolist()):
-        gl = sl if gather_lens is None else int(gather_lens[r])
-        i = torch.arange(max(min(gl, out.shape[1] - offset), 0), device=dev)
-        p = sl - gl + i
-        blk = torch.div(p, block_size, rounding_mode="floor")
-        ok = (p >= 0) & (blk < max_blocks)
-        phys = torch.where(ok, block_table[r, blk.clamp(0, max_blocks - 1)].long(), -1)
-        ok &= phys >= 0
-        pos = (p % block_size)[:, None]
-        b = phys.clamp(min=0)[:, None]
-        data = blocks[b, pos * DSV4_DATA_BYTES + torch.arange(DSV4_DATA_BYTES, device=dev)]
-        scales = blocks[b, block_size * DSV4_DATA_BYTES + pos * DSV4_SCALE_BYTES + torch.arange(DSV4_SCALE_BYTES, device=dev)]
-        rows = dsv4_dequantize_tokens(data, scales)
-        out[r, offset + i] = torch.where(ok[:, None], rows, torch.zeros((), dtype=rows.dtype, device=dev))
+    rows = _dsv4_rows(k_cache, block_size)
+    seq = seq_lens.to(torch.int64).unsqueeze(1)
+    gl = (gather_lens if gather_lens is not None else seq_lens).to(torch.int64).unsqueeze(1)
+    i = torch.arange(n_rows, device=dev).unsqueeze(0)
+    write = i < gl  # [R, n_rows]
+    pos = seq - gl + i
+    blk = torch.div(pos, block_size, rounding_mode="floor")
+    max_blocks = block_table.shape[1]
+    valid = write & (pos >= 0) & (blk < max_blocks)
+    if max_blocks > 0:
+        phys = torch.gather(block_table.to(torch.int64), 1, blk.clamp(0, max_blocks - 1))
+    else:
+        phys = torch.full_like(blk, -1)
+    valid &= (phys >= 0) & (phys < rows.shape[0])
+    phys = torch.where(valid, phys, torch.zeros_like(phys)).reshape(-1, 1)
+    row = torch.where(valid, pos % block_size, torch.zeros_like(pos)).reshape(-1, 1)
+    data = rows[phys, row * DSV4_DATA_BYTES + torch.arange(DSV4_DATA_BYTES, device=dev)]
+    scales = rows[phys, block_size * DSV4_DATA_BYTES + row * DSV4_SCALE_BYTES + torch.arange(DSV4_SCALE_BYTES, device=dev)]
+    val = dsv4_dequantize_tokens(data, scales).reshape(num_reqs, n_rows, 512)
+    val = torch.where(valid.unsqueeze(-1), val, torch.zeros_like(val))
+    dst = out[:, offset:]
+    dst.copy_(torch.where(write.unsqueeze(-1), val, dst))

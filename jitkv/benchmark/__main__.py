@@ -14,11 +14,11 @@ from .common import print_table
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jitkv.benchmark", description=__doc__)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present, else cpu")
-    p.add_argument("--op", choices=["store_cache", "set_mla_kv_buffer", "build"], action="append", default=None)
+    p.add_argument("--op", choices=["store_cache", "set_mla_kv_buffer", "dsv4", "build"], action="append", default=None)
     p.add_argument("--json", metavar="FILE", help="write every row and the machine description here")
     args = p.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    ops = set(args.op or ["store_cache", "set_mla_kv_buffer", "build"])
+    ops = set(args.op or ["store_cache", "set_mla_kv_buffer", "dsv4", "build"])
     report = {"device": _describe(device), "torch": torch.__version__, "rows": [], "build": {}}
     rows = _cpu(ops, report) if device == "cpu" else _gpu(ops)
     report["rows"] = [r.as_dict() for r in rows]
@@ -68,6 +68,14 @@ def _gpu(ops):
     if "set_mla_kv_buffer" in ops:
         part = gpu.mla_rows(bw, empty)
         print_table("set_mla_kv_buffer (CUDA graph, 8 layers, caches >> L2)", part)
+        rows += part
+    if "store_cache" in ops:
+        part = gpu.store_cache_rows(bw, empty)
+        print_table("store_cache (CUDA graph, 8 layers, caches >> L2)", part)
+        rows += part
+    if "dsv4" in ops:
+        part = gpu.dsv4_rows(bw, empty)
+        print_table("DeepSeek-V4 FP8 K cache (CUDA graph, 8 layers, caches >> L2)", part)
         rows += part
     return rows
 

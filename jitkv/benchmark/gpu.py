@@ -64,10 +64,42 @@ def empty_kernel_us() -> float:
     return graph_us(lambda layer: _empty[(1,)](x, BLOCK=1))
 
 
+def _timed_rows(op, case, n, moved, cases, bw, empty_us, *, eager=()) -> list[Row]:
+    """One row per (name, step) case; the first case is the torch baseline. Names in ``eager`` are
+    timed per call with events instead of graph replay (they sync on the host)."""
+    from jitkv.ops._dispatch import BackendUnavailable  # noqa: PLC0415
+
+    rows, base = [], None
+    for name, step in cases:
+        try:
+            us = eager_us(step) if name in eager else graph_us(step)
+        except (BackendUnavailable, RuntimeError, ValueError) as e:
+            print(f"  skipped {name} at n={n}: {str(e)[:200]}")
+            continue
+        base = us if base is None else base
+        label = name + (" (eager)" if name in eager else "")
+        rows.append(Row(op, case, n, label, us, moved, base, bw, {"x_empty": round(us / empty_us, 2)}))
+    return rows
+
+
+def eager_us(step_for_layer, reps=5) -> float:
+    step_for_layer(0)
+    torch.cuda.synchronize()
+    times = []
+    for r in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for layer in range(LAYERS):
+            step_for_layer(layer)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / LAYERS)
+    return sorted(times)[len(times) // 2]
+
+
 def mla_rows(bw: float, empty_us: float, ns=MLA_NS) -> list[Row]:
     from jitkv.ops import mla  # noqa: PLC0415
     from jitkv.ops._common import jit_function  # noqa: PLC0415
-    from jitkv.ops._dispatch import BackendUnavailable  # noqa: PLC0415
 
     rows_per_layer = (2 << 20) // LAYERS  # 2 Mi slots x 1152 B = 2.4 GB of caches
     bufs = [torch.empty(rows_per_layer, 576, dtype=torch.bfloat16, device="cuda").normal_() for _ in range(LAYERS)]
@@ -75,28 +107,92 @@ def mla_rows(bw: float, empty_us: float, ns=MLA_NS) -> list[Row]:
     fn, _ = jit_function(spec, "set_mla_kv_buffer")
     rows = [Row("empty kernel", "triton, graph", 0, "—", empty_us, 0, None, bw)]
     for n in ns:
+        # Fresh sources per layer (read from DRAM), and one shared source (L2-warm, as when the
+        # previous kernel of the layer has just produced it).
         nope = [torch.randn(n, 512, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
         rope = [torch.randn(n, 64, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
         locs = [torch.randperm(rows_per_layer, device="cuda")[:n] for _ in range(LAYERS)]
-        moved = 2 * n * 1152
 
         def torch_index(i):
             bufs[i][locs[i], :512] = nope[i]
             bufs[i][locs[i], 512:] = rope[i]
 
-        base = graph_us(torch_index)
-        cases = [("torch index", torch_index)]
-        cases.append(("jitkv auto", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i])))
-        cases.append(("jit TMA", lambda i: fn(bufs[i], locs[i], nope[i], rope[i], -1, 1)))
-        cases.append(("jit vector", lambda i: fn(bufs[i], locs[i], nope[i], rope[i], -1, 2)))
-        cases.append(("triton", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i], backend="triton")))
-        for name, step in cases:
-            try:
-                us = base if name == "torch index" else graph_us(step)
-            except (BackendUnavailable, RuntimeError, ValueError) as e:
-                print(f"  skipped {name} at n={n}: {e}")
-                continue
-            rows.append(Row("set_mla_kv_buffer", "512+64 bf16, 8 layers", n, name, us, moved, base, bw,
-                            {"x_empty": round(us / empty_us, 2)}))
+        cases = [
+            ("torch index", torch_index),
+            ("jitkv auto", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i])),
+            ("jit TMA", lambda i: fn(bufs[i], locs[i], nope[i], rope[i], -1, 1)),
+            ("jit vector", lambda i: fn(bufs[i], locs[i], nope[i], rope[i], -1, 2)),
+            ("triton", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i], backend="triton")),
+            ("jitkv auto, L2-warm source", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[0], rope[0])),
+            ("triton, L2-warm source", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[0], rope[0], backend="triton")),
+        ]
+        rows += _timed_rows("set_mla_kv_buffer", "512+64 bf16", n, 2 * n * 1152, cases, bw, empty_us)
         del nope, rope, locs
+    return rows
+
+
+STORE_NS = (1, 64, 1024, 16384, 131072)
+
+
+def store_cache_rows(bw: float, empty_us: float, ns=STORE_NS) -> list[Row]:
+    slots_per_layer = 131072  # K and V caches of 8 heads x 128 bf16: 512 MB per layer, 4 GB in all
+    rows = []
+    for label, cache_dtype, kv_dtype in (("bf16", torch.bfloat16, "auto"), ("bf16->fp8 e4m3", torch.float8_e4m3fn, "fp8_e4m3")):
+        kcs = [torch.empty(slots_per_layer, 8, 128, device="cuda").normal_().to(cache_dtype) for _ in range(LAYERS)]
+        vcs = [torch.empty(slots_per_layer, 8, 128, device="cuda").normal_().to(cache_dtype) for _ in range(LAYERS)]
+        kw = {} if kv_dtype == "auto" else dict(kv_cache_dtype=kv_dtype, k_scale=torch.tensor([0.5], device="cuda"),
+                                                v_scale=torch.tensor([0.25], device="cuda"))
+        for n in ns:
+            ks = [torch.randn(n, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+            vs = [torch.randn(n, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+            sms = [torch.randperm(slots_per_layer, device="cuda")[:n] for _ in range(LAYERS)]
+            moved = 2 * n * 1024 * (2 + kcs[0].element_size())
+
+            def torch_index(i):
+                if kv_dtype == "auto":
+                    kcs[i][sms[i]] = ks[i]
+                    vcs[i][sms[i]] = vs[i]
+                else:
+                    kcs[i][sms[i]] = (ks[i].float() / kw["k_scale"]).clamp(-448, 448).to(cache_dtype)
+                    vcs[i][sms[i]] = (vs[i].float() / kw["v_scale"]).clamp(-448, 448).to(cache_dtype)
+
+            cases = [("torch index", torch_index)] + [
+                (name, lambda i, b=b: jitkv.store_cache(ks[i], vs[i], kcs[i], vcs[i], sms[i], backend=b, **kw))
+                for name, b in (("jitkv auto", None), ("triton", "triton"))
+            ]
+            rows += _timed_rows("store_cache", f"H8 D128 K+V {label}", n, moved, cases, bw, empty_us)
+            del ks, vs, sms
+        del kcs, vcs
+    return rows
+
+
+def dsv4_rows(bw: float, empty_us: float) -> list[Row]:
+    from jitkv import DSV4_K_CACHE, reference  # noqa: PLC0415
+
+    bs, blocks_per_layer = 64, 8192  # 307 MB of cache per layer
+    caches = [DSV4_K_CACHE.allocate(blocks_per_layer, bs, "cuda").random_(0, 256) for _ in range(LAYERS)]
+    rows = []
+    for reqs, k_len in ((1, 512), (1, 2048), (1, 8192), (1, 32768), (16, 4096)):
+        nblk = k_len // bs
+        tables = [torch.randperm(blocks_per_layer, device="cuda")[: reqs * nblk].view(reqs, nblk).int() for _ in range(LAYERS)]
+        seq = torch.full((reqs,), k_len, dtype=torch.int32, device="cuda")
+        outs = [torch.empty(reqs, k_len, 512, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+        moved = reqs * k_len * (584 + 1024) + reqs * nblk * 4
+        cases = [("torch reference", lambda i: reference.dequantize_and_gather_k_cache(outs[i], caches[i], seq, None, tables[i], bs))] + [
+            (name, lambda i, b=b: jitkv.dequantize_and_gather_k_cache(outs[i], caches[i], seq, None, tables[i], bs, backend=b))
+            for name, b in (("jitkv auto", None), ("triton", "triton"))
+        ]
+        rows += _timed_rows("dequantize_and_gather_k_cache", f"{reqs} req x {k_len}", reqs * k_len, moved, cases, bw,
+                            empty_us, eager=("torch reference",))
+        del outs, tables
+    for n in (1, 128, 4096, 65536):
+        ks = [torch.randn(n, 512, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+        sms = [torch.randperm(blocks_per_layer * bs, device="cuda")[:n] for _ in range(LAYERS)]
+        cases = [("torch reference", lambda i: reference.quantize_and_insert_k_cache(ks[i], caches[i], sms[i], block_size=bs))] + [
+            (name, lambda i, b=b: jitkv.quantize_and_insert_k_cache(ks[i], caches[i], sms[i], block_size=bs, backend=b))
+            for name, b in (("jitkv auto", None), ("triton", "triton"))
+        ]
+        rows += _timed_rows("quantize_and_insert_k_cache", "block_size 64", n, n * (1024 + 584), cases, bw, empty_us,
+                            eager=("torch reference",))
+        del ks, sms
     return rows

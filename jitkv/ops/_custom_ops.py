@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from . import mla, store_cache
+from . import dsv4, mla, store_cache
 
 
 @torch.library.custom_op("jitkv::set_mla_kv_buffer", mutates_args=("kv_buffer",))
@@ -56,4 +56,35 @@ def _store_cache(
 @_store_cache.register_fake
 def _(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale_tensor, k_scale_value, v_scale_tensor,
       v_scale_value, loc_map, skip_slot, backend) -> None:
+    return None
+
+
+@torch.library.custom_op("jitkv::quantize_and_insert_k_cache", mutates_args=("k_cache",))
+def _quantize_and_insert_k_cache(
+    k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor, block_size: int, backend: Optional[str]
+) -> None:
+    dsv4.quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size=block_size, backend=backend)
+
+
+@_quantize_and_insert_k_cache.register_fake
+def _(k, k_cache, slot_mapping, block_size, backend) -> None:
+    return None
+
+
+@torch.library.custom_op("jitkv::dequantize_and_gather_k_cache", mutates_args=("out",))
+def _dequantize_and_gather_k_cache(
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    gather_lens: Optional[torch.Tensor],
+    block_table: torch.Tensor,
+    block_size: int,
+    offset: int,
+    backend: Optional[str],
+) -> None:
+    dsv4.dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset, backend=backend)
+
+
+@_dequantize_and_gather_k_cache.register_fake
+def _(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset, backend) -> None:
     return None

@@ -54,8 +54,9 @@ Factory = Callable[[torch.device, tuple], tuple[Callable, dict]]
 
 
 class Dispatcher:
-    def __init__(self, op: str):
+    def __init__(self, op: str, order: dict[str, tuple[str, ...]] | None = None):
         self.op = op
+        self.order = {**ORDER, **(order or {})}
         self.factories: dict[str, Factory] = {}
         self._memo: dict[tuple, Callable] = {}
 
@@ -79,7 +80,7 @@ class Dispatcher:
         self._memo.clear()
 
     def _resolve(self, device: torch.device, forced: str | None, variant: tuple) -> Callable:
-        order = ORDER.get(device.type)
+        order = self.order.get(device.type)
         if order is None:
             raise ValueError(f"{self.op}: unsupported device type {device.type!r} (expected cpu or cuda)")
         if forced is not None:

@@ -1,0 +1,204 @@
+// tvm-ffi binding of the DeepSeek-V4 FP8 K cache kernels (dsv4_cuda.cu): validates every argument,
+// then calls the extern "C" launcher on the current stream of the cache's device (the launcher sets and
+// restores the device). Empty work returns without a launch.
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/function.h>
+#include <tvm/ffi/optional.h>
+
+#include <cstdint>
+
+#include "dsv4/dsv4_layout.h"
+#include "jitkv/check.h"
+
+extern "C" const char* jitkv_dsv4_error_string(int err);
+extern "C" int jitkv_dsv4_quantize_insert(int device, void* stream, const void* k, int64_t k_stride,
+                                          void* cache, int64_t block_stride, int64_t num_blocks,
+                                          const void* slots, int slots_int64, int64_t n,
+                                          int64_t block_size);
+extern "C" int jitkv_dsv4_dequant_gather(int device, void* stream, void* out, int64_t out_s0,
+                                         int64_t out_s1, int64_t num_reqs, int64_t rows,
+                                         int64_t offset, const void* cache, int64_t block_stride,
+                                         int64_t num_blocks, const int32_t* seq_lens,
+                                         const int32_t* gather_lens, const int32_t* block_table,
+                                         int64_t bt_stride, int64_t max_blocks, int64_t block_size);
+
+namespace {
+
+using jitkv::data_ptr;
+using jitkv::shape_str;
+using tvm::ffi::Optional;
+using tvm::ffi::TensorView;
+namespace layout = jitkv::dsv4;
+
+constexpr DLDataType kBf16{kDLBfloat, 16, 1};
+constexpr DLDataType kUint8{kDLUInt, 8, 1};
+constexpr DLDataType kInt32{kDLInt, 32, 1};
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+void check_dtype(const char* op, const char* name, const TensorView& t, DLDataType want,
+                 const char* want_name) {
+  if (t.dtype() != want) {
+    TVM_FFI_THROW(TypeError) << op << ": " << name << ": expected dtype " << want_name << ", got "
+                             << t.dtype();
+  }
+}
+
+void check_block_size(const char* op, int64_t block_size) {
+  if (block_size <= 0 || block_size > INT32_MAX) {
+    TVM_FFI_THROW(ValueError) << op << ": block_size: expected 1 <= block_size < 2^31, got "
+                              << block_size;
+  }
+}
+
+struct CacheView {
+  void* ptr;
+  int64_t block_stride;  // bytes
+  int64_t num_blocks;
+};
+
+// uint8 [num_blocks, >= block_size*584] with stride(0) the block stride, or its
+// [num_blocks, block_size, 584] view; kernels use stride(0) only.
+CacheView check_cache(const char* op, const TensorView& c, int64_t block_size) {
+  if (c.device().device_type != kDLCUDA) {
+    TVM_FFI_THROW(ValueError) << op << ": k_cache: expected a CUDA tensor, got device_type "
+                              << c.device().device_type;
+  }
+  check_dtype(op, "k_cache", c, kUint8, "uint8");
+  if (c.ndim() == 2) {
+    if (c.size(1) < block_size * layout::kTokenBytes) {
+      TVM_FFI_THROW(ValueError) << op << ": k_cache: expected [num_blocks, >= " << block_size
+                                << " * 584] bytes per block for block_size " << block_size
+                                << ", got shape " << shape_str(c);
+    }
+  } else if (c.ndim() == 3) {
+    if (c.size(1) != block_size || c.size(2) != layout::kTokenBytes) {
+      TVM_FFI_THROW(ValueError) << op << ": k_cache: expected shape [num_blocks, " << block_size
+                                << ", 584], got " << shape_str(c);
+    }
+  } else {
+    TVM_FFI_THROW(ValueError) << op << ": k_cache: expected a 2-D [num_blocks, block_stride] or 3-D "
+                              << "[num_blocks, block_size, 584] uint8 tensor, got shape "
+                              << shape_str(c);
+  }
+  jitkv::check_last_dim_contiguous(op, "k_cache", c);
+  const int64_t need = layout::block_stride(block_size);
+  const int64_t stride = c.size(0) > 1 ? c.stride(0) : need;
+  if (stride < need || stride % 16 != 0) {
+    TVM_FFI_THROW(ValueError) << op << ": k_cache: expected stride(0) (the block stride in bytes) to be "
+                              << "a multiple of 16 and >= ceil(block_size*584/576)*576 = " << need
+                              << ", got " << stride;
+  }
+  if (!aligned16(data_ptr(c))) {
+    TVM_FFI_THROW(ValueError) << op << ": k_cache: expected a 16-byte aligned data pointer";
+  }
+  return {data_ptr(c), stride, c.size(0)};
+}
+
+// 1-D dense int32 of length num_reqs on the cache's device.
+void check_req_index(const char* op, const char* name, const TensorView& t, int64_t num_reqs,
+                     DLDevice dev) {
+  jitkv::check_index(op, name, t);
+  check_dtype(op, name, t, kInt32, "int32");
+  if (t.size(0) != num_reqs) {
+    TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected " << num_reqs
+                              << " entries (out.shape[0]), got " << t.size(0);
+  }
+  jitkv::check_device(op, name, t, dev);
+}
+
+void check_launch(const char* op, int err) {
+  if (err != 0) {
+    TVM_FFI_THROW(RuntimeError) << op << ": CUDA launch failed: " << jitkv_dsv4_error_string(err)
+                                << " (cudaError " << err << ")";
+  }
+}
+
+void* current_stream(DLDevice dev) { return TVMFFIEnvGetStream(dev.device_type, dev.device_id); }
+
+}  // namespace
+
+void quantize_and_insert_k_cache(TensorView k, TensorView k_cache, TensorView slot_mapping,
+                                 int64_t block_size) {
+  constexpr const char* op = "quantize_and_insert_k_cache";
+  check_block_size(op, block_size);
+  const CacheView cache = check_cache(op, k_cache, block_size);
+  const DLDevice dev = k_cache.device();
+  const bool slots64 = jitkv::check_index(op, "slot_mapping", slot_mapping);
+  jitkv::check_device(op, "slot_mapping", slot_mapping, dev);
+  check_dtype(op, "k", k, kBf16, "bfloat16");
+  jitkv::check_device(op, "k", k, dev);
+  const int64_t n = slot_mapping.size(0);
+  if (k.ndim() != 2 || k.size(1) != layout::kHeadDim || k.size(0) < n) {
+    TVM_FFI_THROW(ValueError) << op << ": k: expected shape [n', 512] with n' >= " << n
+                              << " (slot_mapping.numel()), got " << shape_str(k);
+  }
+  jitkv::check_last_dim_contiguous(op, "k", k);
+  const int64_t k_stride = k.size(0) > 1 ? k.stride(0) : layout::kHeadDim;
+  if (!aligned16(data_ptr(k)) || k_stride % 8 != 0) {
+    TVM_FFI_THROW(ValueError) << op << ": k: expected a 16-byte aligned data pointer and a row stride "
+                              << "that is a multiple of 8 elements, got stride " << k_stride;
+  }
+  if (n == 0) return;
+  check_launch(op, jitkv_dsv4_quantize_insert(dev.device_id, current_stream(dev), data_ptr(k),
+                                              k_stride, cache.ptr, cache.block_stride,
+                                              cache.num_blocks, data_ptr(slot_mapping), slots64, n,
+                                              block_size));
+}
+
+void dequantize_and_gather_k_cache(TensorView out, TensorView k_cache, TensorView seq_lens,
+                                   Optional<TensorView> gather_lens, TensorView block_table,
+                                   int64_t block_size, int64_t offset) {
+  constexpr const char* op = "dequantize_and_gather_k_cache";
+  check_block_size(op, block_size);
+  if (offset < 0) {
+    TVM_FFI_THROW(ValueError) << op << ": offset: expected >= 0, got " << offset;
+  }
+  const CacheView cache = check_cache(op, k_cache, block_size);
+  const DLDevice dev = k_cache.device();
+
+  check_dtype(op, "out", out, kBf16, "bfloat16");
+  jitkv::check_device(op, "out", out, dev);
+  if (out.ndim() != 3 || out.size(2) != layout::kHeadDim) {
+    TVM_FFI_THROW(ValueError) << op << ": out: expected shape [num_reqs, max_tokens, 512], got "
+                              << shape_str(out);
+  }
+  jitkv::check_last_dim_contiguous(op, "out", out);
+  const int64_t num_reqs = out.size(0), max_tokens = out.size(1);
+  const int64_t out_s0 = num_reqs > 1 ? out.stride(0) : 0;
+  const int64_t out_s1 = max_tokens > 1 ? out.stride(1) : 0;
+  if (!aligned16(data_ptr(out)) || out_s0 % 8 != 0 || out_s1 % 8 != 0) {
+    TVM_FFI_THROW(ValueError) << op << ": out: expected a 16-byte aligned data pointer and strides "
+                              << "that are multiples of 8 elements, got strides (" << out.stride(0)
+                              << ", " << out.stride(1) << ")";
+  }
+
+  check_req_index(op, "seq_lens", seq_lens, num_reqs, dev);
+  const int32_t* gl_ptr = nullptr;
+  if (gather_lens.has_value()) {
+    const TensorView gl = gather_lens.value();
+    check_req_index(op, "gather_lens", gl, num_reqs, dev);
+    gl_ptr = static_cast<const int32_t*>(static_cast<void*>(data_ptr(gl)));
+  }
+  check_dtype(op, "block_table", block_table, kInt32, "int32");
+  jitkv::check_device(op, "block_table", block_table, dev);
+  if (block_table.ndim() != 2 || block_table.size(0) != num_reqs) {
+    TVM_FFI_THROW(ValueError) << op << ": block_table: expected shape [" << num_reqs
+                              << ", max_blocks], got " << shape_str(block_table);
+  }
+  jitkv::check_last_dim_contiguous(op, "block_table", block_table);
+
+  const int64_t rows = max_tokens - offset;  // rows past out.shape[1] are never written
+  if (num_reqs == 0 || rows <= 0) return;
+  check_launch(op, jitkv_dsv4_dequant_gather(
+                       dev.device_id, current_stream(dev), data_ptr(out), out_s0, out_s1, num_reqs,
+                       rows, offset, cache.ptr, cache.block_stride, cache.num_blocks,
+                       static_cast<const int32_t*>(static_cast<void*>(data_ptr(seq_lens))), gl_ptr,
+                       static_cast<const int32_t*>(static_cast<void*>(data_ptr(block_table))),
+                       block_table.stride(0), block_table.size(1), block_size));
+}
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(quantize_and_insert_k_cache, quantize_and_insert_k_cache);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(dequantize_and_gather_k_cache, dequantize_and_gather_k_cache);

@@ -1,0 +1,484 @@
+// DeepSeek-V4 FP8 K cache kernels (DESIGN §5). No tvm-ffi includes: the binding is dsv4_cuda.cc.
+//
+// Writer (quantize_and_insert_k_cache): one warp per token, kWriteTok tokens per warp. Lane l holds dims
+// [8l, 8l+8) and [256+8l, 256+8l+8) (two coalesced 16-byte loads), so each 64-dim group lives in 8 lanes
+// and its amax needs 3 xor-shuffles (both groups of a lane packed in one word). The UE8M0 exponent comes
+// from the float bits of max(amax, 1e-4) (exact, no log2), the scale is a power of two, so x * 2^-e is
+// exact and one hardware RN satfinite conversion gives the e4m3 byte torch would give (pre-sm_89
+// targets do the same rounding in integer arithmetic). Slots are read first; slot < 0 or past the cache
+// skips the token before its row is loaded. The 8 scale bytes go out as one 8-byte store.
+//
+// Gather (dequantize_and_gather_k_cache): one warp per token, kGatherTok tokens per warp and
+// kGatherWarps warps per CTA, so one CTA covers a tile of consecutive positions of one request. Lane t
+// resolves token t (block-table lookup once per token; for whole-sequence gathers it is issued together
+// with the seq_lens load) and shuffles its address to the warp; the warp then issues the loads of all
+// its tokens before converting any (kGatherTok x 584 B in flight per warp), converts e4m3 -> f16 -> f32,
+// multiplies by the exact power-of-two scale and stores 16-byte bf16 vectors. The grid is sized from
+// R x out.shape[1] (graph-safe: no read of seq_lens on the host) but capped at the resident CTA count;
+// CTAs loop over tiles and jump past a request's tiles once they lie beyond its gather length, so an out
+// buffer much longer than the gathers costs O(R) per CTA.
+//
+// JITKV_DSV4_{WRITE_TOK,GATHER_WARPS,GATHER_TOK} are tuning knobs; the defaults measured best on an H200
+// (1/2/4/8 tokens per warp and 4/8 warps per CTA were within 3 % of each other at the sizes of issue 5).
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "dsv4/dsv4_layout.h"
+
+#ifndef JITKV_DSV4_WRITE_TOK
+#define JITKV_DSV4_WRITE_TOK 1
+#endif
+#ifndef JITKV_DSV4_GATHER_WARPS
+#define JITKV_DSV4_GATHER_WARPS 8
+#endif
+#ifndef JITKV_DSV4_GATHER_TOK
+#define JITKV_DSV4_GATHER_TOK 2
+#endif
+
+namespace {
+
+using namespace jitkv::dsv4;
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kWriteWarps = 8;
+constexpr int kWriteTok = JITKV_DSV4_WRITE_TOK;
+constexpr int kGatherWarps = JITKV_DSV4_GATHER_WARPS;
+constexpr int kGatherTok = JITKV_DSV4_GATHER_TOK;
+constexpr uint32_t kMinAmaxBits = 0x38D1B717u;  // bits of 1e-4f
+constexpr uint32_t kNoScaleExp = 128;           // exponent of a group whose amax is inf or NaN
+static_assert(kWriteTok <= 32 && kGatherTok <= 32, "one lane resolves each token of a warp");
+
+// ---------------------------------------------------------------------------------------------
+// Scalar conversions.
+
+// e = smallest integer with 448 * 2^e >= m, m = max(amax, 1e-4) given as bf16 magnitude bits. With
+// m = 1.f * 2^(E-127) (float bits E, f), 448 = 1.75 * 2^8 gives e = E - 135 + (1.f > 1.75). Finite bf16
+// amax keeps e in [-22, 120]; inf or NaN gives 128 (byte 255, the UE8M0 NaN code).
+__device__ __forceinline__ uint32_t ue8m0_exponent_biased(uint32_t amax16) {
+  const uint32_t m = max(amax16 << 16, kMinAmaxBits);  // integer max == float max here, NaN largest
+  const uint32_t be = m >> 23;
+  if (be == 255) return kNoScaleExp + 127;
+  return be - 8 + ((m & 0x7FFFFFu) > 0x600000u);      // (E - 135 + carry) + 127
+}
+
+// 2^-e as a float for the biased exponent b = e + 127 (2^-128 is a float denormal).
+__device__ __forceinline__ float inv_pow2(uint32_t b) {
+  return __uint_as_float(b == 255 ? 0x00200000u : (254u - b) << 23);
+}
+
+// 2^(b - 127) as a float; b = 0 is the denormal 2^-127, b = 255 gives inf.
+__device__ __forceinline__ float ue8m0_scale(uint32_t b) {
+  return __uint_as_float(b ? b << 23 : 0x00400000u);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+// Pre-Ada: no fp8 conversion instructions; same rounding in integer arithmetic.
+__device__ __forceinline__ uint32_t e4m3_encode(float y) {  // RNE, saturating to 448; NaN -> 0x7E
+  const uint32_t b = __float_as_uint(y);
+  const uint32_t a = min(b & 0x7FFFFFFFu, 0x43E00000u);
+  uint32_t r;
+  if (a >= 0x3C800000u) {  // normal e4m3: keep 3 mantissa bits, rebias 127 -> 7
+    r = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - 960u;
+  } else {                 // denormal e4m3: round |y| * 2^9 to an integer
+    const uint32_t ea = a >> 23;
+    const uint32_t m = (a & 0x7FFFFFu) | (ea ? 0x800000u : 0u);
+    const uint32_t s = min(141u - max(ea, 1u), 31u);
+    r = (m + (1u << (s - 1)) - 1u + ((m >> s) & 1u)) >> s;
+  }
+  return r | ((b >> 24) & 0x80u);
+}
+
+__device__ __forceinline__ uint32_t e4m3x2(float hi, float lo) {
+  return (e4m3_encode(hi) << 8) | e4m3_encode(lo);
+}
+
+__device__ __forceinline__ float e4m3_decode(uint32_t b) {
+  const uint32_t e = (b >> 3) & 15u, m = b & 7u, sign = (b & 0x80u) << 24;
+  if ((b & 0x7Fu) == 0x7Fu) return __uint_as_float(0x7FFFFFFFu);
+  if (e == 0) return __uint_as_float(__float_as_uint(float(m) * 0.001953125f) | sign);
+  return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+__device__ __forceinline__ void e4m3x2_to_f32(uint32_t q, float& lo, float& hi) {
+  lo = e4m3_decode(q & 0xFFu);
+  hi = e4m3_decode((q >> 8) & 0xFFu);
+}
+#else
+// Two floats -> two e4m3 bytes (hi in bits 8..15): round to nearest even, finite values past 448 and
+// infinities saturate to +-448 (equal to clamp then round).
+__device__ __forceinline__ uint32_t e4m3x2(float hi, float lo) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Two e4m3 bytes -> two floats, exact (through f16, which holds every e4m3 value).
+__device__ __forceinline__ void e4m3x2_to_f32(uint32_t q, float& lo, float& hi) {
+  uint32_t h2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(static_cast<uint16_t>(q)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(static_cast<uint16_t>(h2)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(static_cast<uint16_t>(h2 >> 16)));
+}
+#endif
+
+__device__ __forceinline__ uint32_t bf16x2(float hi, float lo) {  // RN; NaN -> 0x7FFF
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory access. The cache and the source rows are read once: skip L1. A false predicate loads no
+// memory and yields zeros (zero rows of the gather, skipped tokens of the writer).
+
+__device__ __forceinline__ uint2 ld_v2(const void* p, bool pred) {
+  uint2 v;
+  asm volatile(
+      "{.reg .pred p; setp.ne.b32 p, %3, 0; mov.b32 %0, 0; mov.b32 %1, 0;\n"
+      "@p ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];}"
+      : "=r"(v.x), "=r"(v.y) : "l"(p), "r"(int(pred)));
+  return v;
+}
+
+__device__ __forceinline__ uint4 ld_v4(const void* p, bool pred) {
+  uint4 v;
+  asm volatile(
+      "{.reg .pred p; setp.ne.b32 p, %5, 0; mov.b32 %0, 0; mov.b32 %1, 0; mov.b32 %2, 0; mov.b32 %3, 0;\n"
+      "@p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];}"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "r"(int(pred)));
+  return v;
+}
+
+__device__ __forceinline__ int32_t ld_s32(const int32_t* p, bool pred, int32_t fallback) {
+  int32_t v;
+  asm volatile(
+      "{.reg .pred p; setp.ne.b32 p, %2, 0; mov.b32 %0, %3;\n"
+      "@p ld.global.nc.s32 %0, [%1];}"
+      : "=r"(v) : "l"(p), "r"(int(pred)), "r"(fallback));
+  return v;
+}
+
+__device__ __forceinline__ int64_t shfl64(int64_t v, int src) {
+  const int lo = __shfl_sync(kFull, static_cast<int>(v), src);
+  const int hi = __shfl_sync(kFull, static_cast<int>(v >> 32), src);
+  return static_cast<int64_t>((static_cast<uint64_t>(static_cast<uint32_t>(hi)) << 32) |
+                              static_cast<uint32_t>(lo));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writer.
+
+struct WriteParams {
+  const uint16_t* k;      // bf16 bits
+  int64_t k_stride;       // elements between rows of k
+  uint8_t* cache;
+  int64_t block_stride;   // bytes
+  int64_t num_slots;      // num_blocks * block_size
+  const void* slots;
+  int64_t n;
+  int64_t block_size;
+};
+
+// Max |x| over 8 bf16 as magnitude bits (integer max: NaN > inf > finite, so NaN propagates).
+__device__ __forceinline__ uint32_t absmax8(uint4 v) {
+  constexpr uint32_t kMag = 0x7FFF7FFFu;
+  const uint32_t m = __vmaxu2(__vmaxu2(v.x & kMag, v.y & kMag), __vmaxu2(v.z & kMag, v.w & kMag));
+  return max(m & 0xFFFFu, m >> 16);
+}
+
+// e4m3 of two bf16 (one word) times 2^-e.
+__device__ __forceinline__ uint32_t quant2(uint32_t w, float inv) {
+  return e4m3x2(__uint_as_float(w & 0xFFFF0000u) * inv, __uint_as_float(w << 16) * inv);
+}
+
+// e4m3 NaN keeps the sign of the bf16 NaN (as torch's conversion does); the scaled product may not.
+__device__ __noinline__ uint2 fix_nan8(uint4 x, uint2 q) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+  uint32_t out[2] = {q.x, q.y};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t h = (w[j / 2] >> (16 * (j % 2))) & 0xFFFFu;
+    if ((h & 0x7FFFu) > 0x7F80u) {
+      const int sh = 8 * (j % 4);
+      out[j / 4] = (out[j / 4] & ~(0xFFu << sh)) | ((0x7Fu | ((h >> 8) & 0x80u)) << sh);
+    }
+  }
+  return make_uint2(out[0], out[1]);
+}
+
+// 8 bf16 -> 8 e4m3 bytes with the group's biased exponent b.
+__device__ __forceinline__ uint2 quant8(uint4 x, uint32_t b, bool has_nan) {
+  const float inv = inv_pow2(b);
+  uint2 q = make_uint2(quant2(x.x, inv) | (quant2(x.y, inv) << 16),
+                       quant2(x.z, inv) | (quant2(x.w, inv) << 16));
+  if (has_nan) q = fix_nan8(x, q);
+  return q;
+}
+
+// One token: xa = dims [8l, 8l+8), xb = dims [256+8l, 256+8l+8) of lane l.
+__device__ __forceinline__ void quantize_token(uint4 xa, uint4 xb, uint8_t* dst, uint8_t* dst_scale,
+                                               int lane) {
+  uint32_t amax = absmax8(xa) | (absmax8(xb) << 16);  // groups lane/8 and 4 + lane/8 (or rope)
+#pragma unroll
+  for (int s = 1; s < 8; s <<= 1) amax = __vmaxu2(amax, __shfl_xor_sync(kFull, amax, s));
+  const uint32_t amax_a = amax & 0xFFFFu, amax_b = amax >> 16;
+  const uint32_t ba = ue8m0_exponent_biased(amax_a), bb = ue8m0_exponent_biased(amax_b);
+
+  *reinterpret_cast<uint2*>(dst + 8 * lane) = quant8(xa, ba, amax_a > 0x7F80u);
+  if (lane < 24) {
+    *reinterpret_cast<uint2*>(dst + 256 + 8 * lane) = quant8(xb, bb, amax_b > 0x7F80u);
+  } else {  // dims 448..511: bf16 bytes as they are
+    *reinterpret_cast<uint4*>(dst + kNopeBytes + 16 * (lane - 24)) = xb;
+  }
+  // The 8 scale bytes as one store (one partial-sector write, not two): group g's byte sits in lane 8g.
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int g = 0; g < 4; ++g) {
+    lo |= __shfl_sync(kFull, ba, 8 * g) << (8 * g);
+    if (g < 3) hi |= __shfl_sync(kFull, bb, 8 * g) << (8 * g);  // byte 7 stays 0
+  }
+  if (lane == 0) *reinterpret_cast<uint2*>(dst_scale) = make_uint2(lo, hi);
+}
+
+template <typename IdxT>
+__global__ void __launch_bounds__(kWriteWarps * 32) dsv4_quant_insert_kernel(const WriteParams p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kWriteWarps + (threadIdx.x >> 5)) * kWriteTok;
+
+  // Lane t < kWriteTok resolves the slot of token first + t: block base (-1: skip) and row.
+  int64_t base = -1;
+  int row = 0;
+  if (lane < kWriteTok && first + lane < p.n) {
+    const int64_t slot = static_cast<int64_t>(__ldg(static_cast<const IdxT*>(p.slots) + first + lane));
+    if (slot >= 0 && slot < p.num_slots) {
+      const int64_t blk = slot / p.block_size;
+      base = blk * p.block_stride;
+      row = static_cast<int>(slot - blk * p.block_size);
+    }
+  }
+
+  int64_t b[kWriteTok];
+  int rw[kWriteTok];
+  uint4 xa[kWriteTok], xb[kWriteTok];
+#pragma unroll
+  for (int t = 0; t < kWriteTok; ++t) {  // all rows in flight before the first conversion
+    b[t] = shfl64(base, t);
+    rw[t] = __shfl_sync(kFull, row, t);
+    const uint16_t* src = p.k + (first + t) * p.k_stride;
+    xa[t] = ld_v4(src + 8 * lane, b[t] >= 0);
+    xb[t] = ld_v4(src + 256 + 8 * lane, b[t] >= 0);
+  }
+#pragma unroll
+  for (int t = 0; t < kWriteTok; ++t) {
+    if (b[t] < 0) continue;
+    uint8_t* blk = p.cache + b[t];
+    quantize_token(xa[t], xb[t], blk + int64_t(rw[t]) * kDataBytes,
+                   blk + scale_offset(p.block_size) + rw[t] * kScaleBytes, lane);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gather.
+
+struct GatherParams {
+  uint16_t* out;          // bf16 bits
+  int64_t out_s0, out_s1; // elements
+  int64_t rows;           // out.shape[1] - offset: rows each request may fill
+  int64_t offset;
+  const uint8_t* cache;
+  int64_t block_stride;   // bytes
+  int64_t num_blocks;
+  const int32_t* seq_lens;
+  const int32_t* gather_lens;  // null: gather whole sequences
+  const int32_t* block_table;
+  int64_t bt_stride;
+  int64_t max_blocks;
+  int32_t block_size;
+  int64_t tiles_per_req;
+  int64_t num_tiles;
+};
+
+// 8 e4m3 bytes times 2^(b-127) -> 8 bf16 (exact unless the scale leaves the bf16 range).
+__device__ __forceinline__ uint4 dequant8(uint2 q, float scale) {
+  uint32_t o[4];
+  const uint32_t w[2] = {q.x, q.y};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float lo, hi;
+    e4m3x2_to_f32(w[j / 2] >> (16 * (j % 2)), lo, hi);
+    o[j] = bf16x2(hi * scale, lo * scale);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// Block-table entry of position pos of request r, or -1 when pred is false or the position lies past
+// the table. Issued as a load that the caller need not wait for yet.
+__device__ __forceinline__ int32_t lookup_block(const GatherParams& p, int64_t r, int64_t pos,
+                                                bool pred) {
+  pred = pred && pos >= 0 && pos <= INT32_MAX;
+  const uint32_t blk = pred ? static_cast<uint32_t>(pos) / static_cast<uint32_t>(p.block_size) : 0u;
+  return ld_s32(p.block_table + r * p.bt_stride + blk, pred && blk < p.max_blocks, -1);
+}
+
+// One tile: tokens i = first + t * kGatherWarps (t < kGatherTok) of request r for this warp, at
+// positions start + i; rows i >= limit are not written. Lane t resolves token t; phys is its
+// block-table entry if have_phys (whole-sequence gathers look it up early).
+__device__ __forceinline__ void gather_tokens(const GatherParams& p, int64_t r, int64_t first,
+                                              int64_t start, int64_t limit, int32_t phys,
+                                              bool have_phys, int lane) {
+  const int64_t i = first + lane * kGatherWarps;
+  const bool write = lane < kGatherTok && i < limit;
+  const int64_t pos = start + i;  // < seq_len <= INT32_MAX when written
+  if (!have_phys) phys = lookup_block(p, r, pos, write);
+  int64_t base = -1;  // byte offset of the token's block; -1: zero row
+  int row = 0;
+  if (write && phys >= 0 && phys < p.num_blocks) {
+    base = phys * p.block_stride;
+    row = static_cast<int>(static_cast<uint32_t>(pos) % static_cast<uint32_t>(p.block_size));
+  }
+  const uint32_t write_mask = __ballot_sync(kFull, write);
+  if (write_mask == 0) return;
+
+  uint2 a[kGatherTok], sc[kGatherTok];
+  uint4 b[kGatherTok];
+#pragma unroll
+  for (int t = 0; t < kGatherTok; ++t) {  // every load of the warp in flight before the first use
+    const int64_t bt = shfl64(base, t);
+    const int rt = __shfl_sync(kFull, row, t);
+    const bool ld = bt >= 0;
+    const uint8_t* blk = p.cache + (ld ? bt : 0);
+    const uint8_t* data = blk + int64_t(rt) * kDataBytes;
+    a[t] = ld_v2(data + 8 * lane, ld);
+    const uint2 nope = ld_v2(data + 256 + 8 * lane, ld && lane < 24);
+    b[t] = ld_v4(data + kNopeBytes + 16 * (lane - 24), ld && lane >= 24);
+    if (lane < 24) b[t] = make_uint4(nope.x, nope.y, 0u, 0u);
+    sc[t] = ld_v2(blk + scale_offset(p.block_size) + rt * kScaleBytes, ld);
+  }
+  const int g = lane >> 3;
+#pragma unroll
+  for (int t = 0; t < kGatherTok; ++t) {
+    if (!((write_mask >> t) & 1u)) continue;
+    const int64_t it = first + t * kGatherWarps;
+    uint16_t* orow = p.out + r * p.out_s0 + (p.offset + it) * p.out_s1;
+    const uint4 oa = dequant8(a[t], ue8m0_scale((sc[t].x >> (8 * g)) & 0xFFu));
+    const uint4 ob = lane < 24 ? dequant8(make_uint2(b[t].x, b[t].y),
+                                          ue8m0_scale((sc[t].y >> (8 * g)) & 0xFFu))
+                               : b[t];
+    *reinterpret_cast<uint4*>(orow + 8 * lane) = oa;
+    *reinterpret_cast<uint4*>(orow + 256 + 8 * lane) = ob;
+  }
+}
+
+__global__ void __launch_bounds__(kGatherWarps * 32) dsv4_gather_kernel(const GatherParams p) {
+  constexpr int kTile = kGatherWarps * kGatherTok;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const bool whole = p.gather_lens == nullptr;
+  const int64_t grid = gridDim.x;
+  int64_t tile = blockIdx.x;
+  while (tile < p.num_tiles) {
+    const int64_t r = tile / p.tiles_per_req;
+    const int64_t i0 = (tile - r * p.tiles_per_req) * kTile;
+    const int64_t first = i0 + warp;
+    // A whole-sequence gather has position == row index: its block-table lookup goes out together
+    // with the seq_lens load instead of after it (one memory latency less per tile).
+    const int32_t phys = whole ? lookup_block(p, r, first + lane * kGatherWarps,
+                                              lane < kGatherTok && first + lane * kGatherWarps < p.rows)
+                               : -1;
+    const int64_t seq = ld_s32(p.seq_lens + r, true, 0);
+    const int64_t gl = whole ? seq : ld_s32(p.gather_lens + r, true, 0);
+    const int64_t limit = min(gl, p.rows);
+    if (i0 >= limit) {  // this and later tiles of r are empty: first tile of r + 1 that is ours
+      const int64_t next = (r + 1) * p.tiles_per_req;
+      tile = next + ((static_cast<int64_t>(blockIdx.x) - next) % grid + grid) % grid;
+      continue;
+    }
+    gather_tokens(p, r, first, seq - gl, limit, phys, whole, lane);
+    tile += grid;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+
+// Sets the device for the launch and restores the caller's afterwards.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cudaGetDevice(&prev_);
+    if (prev_ != device) cudaSetDevice(device);
+    device_ = device;
+  }
+  ~DeviceGuard() {
+    if (prev_ != device_) cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = 0, device_ = 0;
+};
+
+// CTAs of the gather kernel that fit on the device at once (cached per device).
+int gather_resident_ctas(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices];
+  if (device >= 0 && device < kMaxDevices) {
+    const int v = cached[device].load(std::memory_order_relaxed);
+    if (v > 0) return v;
+  }
+  int sms = 0, per_sm = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dsv4_gather_kernel, kGatherWarps * 32, 0);
+  const int v = sms * per_sm > 0 ? sms * per_sm : 1;
+  if (device >= 0 && device < kMaxDevices) cached[device].store(v, std::memory_order_relaxed);
+  return v;
+}
+
+}  // namespace
+
+extern "C" const char* jitkv_dsv4_error_string(int err) {
+  return cudaGetErrorString(static_cast<cudaError_t>(err));
+}
+
+// Returns a cudaError_t. n > 0; k 16-byte aligned with k_stride % 8 == 0; cache and block_stride 16-byte
+// aligned.
+extern "C" int jitkv_dsv4_quantize_insert(int device, void* stream, const void* k, int64_t k_stride,
+                                          void* cache, int64_t block_stride, int64_t num_blocks,
+                                          const void* slots, int slots_int64, int64_t n,
+                                          int64_t block_size) {
+  DeviceGuard guard(device);
+  WriteParams p{static_cast<const uint16_t*>(k), k_stride, static_cast<uint8_t*>(cache), block_stride,
+                num_blocks * block_size, slots, n, block_size};
+  constexpr int64_t kPerCta = int64_t(kWriteWarps) * kWriteTok;
+  const int64_t grid = (n + kPerCta - 1) / kPerCta;
+  if (grid > 0x7FFFFFFF) return static_cast<int>(cudaErrorInvalidConfiguration);
+  auto s = static_cast<cudaStream_t>(stream);
+  if (slots_int64) {
+    dsv4_quant_insert_kernel<int64_t><<<static_cast<unsigned>(grid), kWriteWarps * 32, 0, s>>>(p);
+  } else {
+    dsv4_quant_insert_kernel<int32_t><<<static_cast<unsigned>(grid), kWriteWarps * 32, 0, s>>>(p);
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+
+// Returns a cudaError_t. num_reqs > 0 and rows = out.shape[1] - offset > 0; out 16-byte aligned with
+// strides % 8 == 0; cache and block_stride 16-byte aligned; block_size in [1, 2^31).
+extern "C" int jitkv_dsv4_dequant_gather(int device, void* stream, void* out, int64_t out_s0,
+                                         int64_t out_s1, int64_t num_reqs, int64_t rows,
+                                         int64_t offset, const void* cache, int64_t block_stride,
+                                         int64_t num_blocks, const int32_t* seq_lens,
+                                         const int32_t* gather_lens, const int32_t* block_table,
+                                         int64_t bt_stride, int64_t max_blocks, int64_t block_size) {
+  DeviceGuard guard(device);
+  constexpr int64_t kTile = int64_t(kGatherWarps) * kGatherTok;
+  GatherParams p{static_cast<uint16_t*>(out), out_s0, out_s1, rows, offset,
+                 static_cast<const uint8_t*>(cache), block_stride, num_blocks, seq_lens, gather_lens,
+                 block_table, bt_stride, max_blocks, static_cast<int32_t>(block_size),
+                 (rows + kTile - 1) / kTile, 0};
+  p.num_tiles = num_reqs * p.tiles_per_req;
+  const int64_t grid = p.num_tiles < gather_resident_ctas(device) ? p.num_tiles
+                                                                  : gather_resident_ctas(device);
+  dsv4_gather_kernel<<<static_cast<unsigned>(grid), kGatherWarps * 32, 0,
+                       static_cast<cudaStream_t>(stream)>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}

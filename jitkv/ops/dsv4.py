@@ -1,0 +1,287 @@
+"""DeepSeek-V4 FP8 K cache (DESIGN §5): the layout descriptor, the quantize-and-insert writer and
+the dequantize-and-gather reader."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import reference
+from ..jit import JitSpec
+from . import _validate
+from ._common import cuda_target, device_of, jit_function, name_ffi_type_error, require_triton
+from ._dispatch import Dispatcher
+
+WRITE_OP = "quantize_and_insert_k_cache"
+GATHER_OP = "dequantize_and_gather_k_cache"
+# No CPU kernel: on CPU the torch reference is the implementation, not a fallback.
+_WRITE = Dispatcher(WRITE_OP, order={"cpu": ("torch",)})
+_GATHER = Dispatcher(GATHER_OP, order={"cpu": ("torch",)})
+
+
+class DSv4KCacheLayout:
+    """The 584-byte-per-token DeepSeek-V4 FP8 K cache record and its paged block layout.
+
+    Per token: dims 0..447 as e4m3 (448 B) + dims 448..511 as bf16 (128 B) = 576 B of data, and 8 B
+    of UE8M0 scales (one per 64 nope dims, 8th byte 0). A block holds all token data first (token t
+    at ``t * 576``), then all scales (token t at ``block_size * 576 + t * 8``), then padding up to a
+    multiple of 576 bytes. A cache is uint8 ``[num_blocks, block_stride]`` (or a
+    ``[num_blocks, block_size, 584]`` view of one); kernels use ``stride(0)``."""
+
+    head_dim = reference.DSV4_HEAD_DIM
+    nope_dim = reference.DSV4_NOPE
+    rope_dim = reference.DSV4_ROPE
+    group_size = reference.DSV4_GROUP
+    data_bytes = reference.DSV4_DATA_BYTES
+    scale_bytes = reference.DSV4_SCALE_BYTES
+    token_bytes = reference.DSV4_TOKEN_BYTES
+    data_offset = 0
+    alignment = 16  # bytes: base pointer and block stride
+
+    def scale_offset(self, block_size: int) -> int:
+        """Bytes from a block's start to its scale region."""
+        return block_size * self.data_bytes
+
+    def block_stride(self, block_size: int) -> int:
+        """Bytes per block: ceil(block_size * 584 / 576) * 576 (37,440 at block_size 64)."""
+        return reference.dsv4_block_stride(block_size)
+
+    def allocate(self, num_blocks: int, block_size: int = 64, device="cuda") -> torch.Tensor:
+        """A zeroed uint8 cache ``[num_blocks, block_stride(block_size)]``."""
+        return torch.zeros(num_blocks, self.block_stride(block_size), dtype=torch.uint8, device=device)
+
+    def validate(self, k_cache, block_size: int, op: str = "DSV4_K_CACHE") -> None:
+        """Raise TypeError/ValueError unless ``k_cache`` is a cache of this layout for ``block_size``."""
+        _validate.tensor(op, "k_cache", k_cache)
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"{op}: block_size: expected a positive int, got {block_size!r}")
+        if k_cache.dtype != torch.uint8:
+            raise TypeError(f"{op}: k_cache: expected dtype uint8, got {k_cache.dtype}")
+        need = self.block_stride(block_size)
+        if k_cache.dim() == 2:
+            if k_cache.shape[1] < block_size * self.token_bytes:
+                raise ValueError(f"{op}: k_cache: expected [num_blocks, >= {block_size * self.token_bytes}] for "
+                                 f"block_size {block_size}, got {list(k_cache.shape)}")
+        elif k_cache.dim() == 3:
+            if tuple(k_cache.shape[1:]) != (block_size, self.token_bytes):
+                raise ValueError(f"{op}: k_cache: expected [num_blocks, {block_size}, 584], got {list(k_cache.shape)}")
+        else:
+            raise ValueError(f"{op}: k_cache: expected a 2-D [num_blocks, block_stride] or 3-D "
+                             f"[num_blocks, block_size, 584] tensor, got {list(k_cache.shape)}")
+        _validate.last_dim_contiguous(op, "k_cache", k_cache)
+        stride = k_cache.stride(0) if k_cache.shape[0] > 1 else need
+        if stride < need or stride % self.alignment:
+            raise ValueError(f"{op}: k_cache: expected stride(0) (the block stride in bytes) to be a multiple of "
+                             f"{self.alignment} and >= {need}, got {stride}")
+        if k_cache.data_ptr() % self.alignment:
+            raise ValueError(f"{op}: k_cache: expected a {self.alignment}-byte aligned data pointer")
+
+
+DSV4_K_CACHE = DSv4KCacheLayout()
+
+
+def quantize_and_insert_k_cache(k, k_cache, slot_mapping, *, block_size=64, backend=None):
+    """Quantize K rows into the DeepSeek-V4 FP8 K cache: token ``slot_mapping[i]`` gets ``k[i]``.
+
+    Args:
+        k: ``[n', 512]`` bf16, n' >= n = slot_mapping.numel() (extra rows never read); last dim
+            contiguous, any row stride.
+        k_cache: uint8 cache of ``DSV4_K_CACHE`` layout (``[num_blocks, block_stride]`` or its
+            ``[num_blocks, block_size, 584]`` view), written in place.
+        slot_mapping: ``[n]`` int32/int64; slot s is block ``s // block_size``, row
+            ``s % block_size``; slot < 0 is skipped; slot >= num_blocks * block_size is never
+            written (CPU raises IndexError first).
+        block_size: tokens per block.
+
+    Per 64 nope dims: UE8M0 scale 2^e with e the smallest integer such that 448 * 2^e >=
+    max(amax, 1e-4) (exact, via frexp); dims stored as e4m3(clamp(x / 2^e, ±448)), round to nearest
+    even; dims 448..511 copied as bf16; the 8th scale byte written 0.
+
+    Raises TypeError/ValueError for bad arguments, IndexError as above.
+
+    Algorithm: CUDA — one warp per token, 16-byte loads, warp-shuffle amax, hardware e4m3
+    conversion, 16-byte stores; Triton fallback (integer-exact conversion); torch reference on CPU.
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.jitkv.quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size, backend)
+    device = device_of(WRITE_OP, "k_cache", k_cache)
+    _WRITE.get(device, backend)(k, k_cache, slot_mapping, block_size)
+
+
+def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset=0, *, backend=None):
+    """Gather each request's last tokens from the DeepSeek-V4 FP8 K cache, dequantized to bf16.
+
+    For request r, the last ``gather_lens[r]`` tokens (``gather_lens=None``: all ``seq_lens[r]``):
+    position ``p = seq_lens[r] - gather_len + i`` comes from block ``block_table[r, p // block_size]``,
+    row ``p % block_size``, and is written to ``out[r, offset + i, :]``. Positions whose block-table
+    entry is < 0 (or >= num_blocks, or past the table's width) give zero rows; rows at or past
+    ``out.shape[1]`` are not written. The rope dims are bit-exact; nope dims are e4m3 * 2^(scale-127),
+    exact in bf16.
+
+    Args:
+        out: ``[num_reqs, max_tokens, 512]`` bf16, last dim contiguous.
+        k_cache: uint8 cache of ``DSV4_K_CACHE`` layout.
+        seq_lens, gather_lens: ``[num_reqs]`` int32 (gather_lens may be None).
+        block_table: ``[num_reqs, max_blocks]`` int32.
+        block_size: tokens per block. offset: first row of ``out`` written (>= 0).
+
+    Raises TypeError/ValueError for bad arguments.
+
+    Algorithm: CUDA — one warp per token, block-table lookup once per token, several 16-byte loads
+    in flight, exact power-of-two scaling, 16-byte stores, grid sized from num_reqs * max_tokens;
+    Triton fallback; torch reference on CPU.
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.jitkv.dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table,
+                                                            block_size, offset, backend)
+    device = device_of(GATHER_OP, "out", out)
+    _GATHER.get(device, backend)(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset)
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def _check_write(k, k_cache, slot_mapping, block_size):
+    op = WRITE_OP
+    DSV4_K_CACHE.validate(k_cache, block_size, op)
+    dev = k_cache.device
+    _validate.index(op, "slot_mapping", slot_mapping, dev)
+    _validate.tensor(op, "k", k)
+    _validate.same_device(op, "k", k, dev)
+    if k.dtype != torch.bfloat16:
+        raise TypeError(f"{op}: k: expected dtype bfloat16, got {k.dtype}")
+    if k.dim() != 2 or k.shape[1] != 512:
+        raise ValueError(f"{op}: k: expected shape [n', 512], got {list(k.shape)}")
+    _validate.last_dim_contiguous(op, "k", k)
+    _validate.rows_at_least(op, "k", k, slot_mapping.numel(), "slot_mapping")
+
+
+def _check_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset):
+    op = GATHER_OP
+    DSV4_K_CACHE.validate(k_cache, block_size, op)
+    dev = k_cache.device
+    _validate.tensor(op, "out", out)
+    _validate.same_device(op, "out", out, dev)
+    if out.dtype != torch.bfloat16:
+        raise TypeError(f"{op}: out: expected dtype bfloat16, got {out.dtype}")
+    if out.dim() != 3 or out.shape[2] != 512:
+        raise ValueError(f"{op}: out: expected shape [num_reqs, max_tokens, 512], got {list(out.shape)}")
+    _validate.last_dim_contiguous(op, "out", out)
+    num_reqs = out.shape[0]
+    for name, t in (("seq_lens", seq_lens), ("gather_lens", gather_lens)):
+        if t is None and name == "gather_lens":
+            continue
+        _validate.index(op, name, t, dev)
+        if t.dtype != torch.int32:
+            raise TypeError(f"{op}: {name}: expected dtype int32, got {t.dtype}")
+        if t.shape[0] != num_reqs:
+            raise ValueError(f"{op}: {name}: expected {num_reqs} entries (out.shape[0]), got {t.shape[0]}")
+    _validate.tensor(op, "block_table", block_table)
+    _validate.same_device(op, "block_table", block_table, dev)
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"{op}: block_table: expected dtype int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != num_reqs:
+        raise ValueError(f"{op}: block_table: expected shape [{num_reqs}, max_blocks], got {list(block_table.shape)}")
+    _validate.last_dim_contiguous(op, "block_table", block_table)
+    if not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"{op}: offset: expected an int >= 0, got {offset!r}")
+
+
+def _flat(k_cache):
+    """The 2-D [num_blocks, block_stride] uint8 view Triton kernels take."""
+    if k_cache.dim() == 2:
+        return k_cache
+    stride = k_cache.stride(0)
+    return k_cache.as_strided((k_cache.shape[0], stride), (stride, 1))
+
+
+# -------------------------------------------------------------------------------------- backends
+
+
+def cuda_spec(arch: str) -> JitSpec:
+    return JitSpec("dsv4_cuda", ("dsv4/dsv4_cuda.cu", "dsv4/dsv4_cuda.cc"), target=arch, exports=(WRITE_OP, GATHER_OP))
+
+
+_WRITE_ARGS = ("k", "k_cache", "slot_mapping", "block_size")
+_GATHER_ARGS = ("out", "k_cache", "seq_lens", "gather_lens", "block_table", "block_size", "offset")
+
+
+def _vector_aligned(t) -> bool:
+    """The CUDA kernels move 16-byte vectors: base 16-byte aligned, row strides multiples of 8 bf16."""
+    return isinstance(t, torch.Tensor) and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+
+
+def _jit_factory(op, arg_names, fallback):
+    def factory(device, variant):
+        fn, info = jit_function(cuda_spec(cuda_target(device)), op)
+        unaligned = []  # the Triton path, built on first use, for views the kernel cannot vectorize
+
+        def run(*args):
+            if not _vector_aligned(args[0]):
+                if not unaligned:
+                    unaligned.append(fallback(device, variant)[0])
+                return unaligned[0](*args)
+            try:
+                fn(*args)
+            except TypeError as e:
+                raise name_ffi_type_error(op, e, arg_names) from None
+
+        return run, info
+
+    return factory
+
+
+@_WRITE.register("triton")
+def _write_triton(device, variant):
+    require_triton(device)
+    from ..triton.dsv4 import quantize_and_insert_k_cache_triton  # noqa: PLC0415
+
+    def run(k, k_cache, slot_mapping, block_size):
+        _check_write(k, k_cache, slot_mapping, block_size)
+        with torch.cuda.device(device):
+            quantize_and_insert_k_cache_triton(k, _flat(k_cache), slot_mapping, block_size)
+
+    return run, {}
+
+
+@_GATHER.register("triton")
+def _gather_triton(device, variant):
+    require_triton(device)
+    from ..triton.dsv4 import dequantize_and_gather_k_cache_triton  # noqa: PLC0415
+
+    def run(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset):
+        _check_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset)
+        with torch.cuda.device(device):
+            dequantize_and_gather_k_cache_triton(out, _flat(k_cache), seq_lens, gather_lens, block_table, block_size, offset)
+
+    return run, {}
+
+
+@_WRITE.register("torch")
+def _write_torch(device, variant):
+    def run(k, k_cache, slot_mapping, block_size):
+        _check_write(k, k_cache, slot_mapping, block_size)
+        reference.quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size=block_size)
+
+    return run, {}
+
+
+@_GATHER.register("torch")
+def _gather_torch(device, variant):
+    def run(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset):
+        _check_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset)
+        reference.dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset)
+
+    return run, {}
+
+
+_WRITE.register("jit")(_jit_factory(WRITE_OP, _WRITE_ARGS, _write_triton))
+_GATHER.register("jit")(_jit_factory(GATHER_OP, _GATHER_ARGS, _gather_triton))
+
+
+def jit_specs(target: str) -> list[JitSpec]:
+    return [] if target == "cpu" else [cuda_spec(target)]
+
+
+def reset() -> None:
+    _WRITE.reset()
+    _GATHER.reset()
