@@ -1,0 +1,1 @@
+"""Triton fallbacks, one module per op family (CUDA only; no autotuning)."""
