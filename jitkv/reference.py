@@ -193,11 +193,14 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
     else:
         phys = torch.full_like(blk, -1)
     valid &= (phys >= 0) & (phys < rows.shape[0])
-    phys = torch.where(valid, phys, torch.zeros_like(phys)).reshape(-1, 1)
-    row = torch.where(valid, pos % block_size, torch.zeros_like(pos)).reshape(-1, 1)
-    data = rows[phys, row * DSV4_DATA_BYTES + torch.arange(DSV4_DATA_BYTES, device=dev)]
-    scales = rows[phys, block_size * DSV4_DATA_BYTES + row * DSV4_SCALE_BYTES + torch.arange(DSV4_SCALE_BYTES, device=dev)]
-    val = dsv4_dequantize_tokens(data, scales).reshape(num_reqs, n_rows, 512)
-    val = torch.where(valid.unsqueeze(-1), val, torch.zeros_like(val))
+    if rows.shape[0] == 0:  # an empty cache: every position reads as a zero row
+        val = torch.zeros(num_reqs, n_rows, 512, dtype=torch.bfloat16, device=dev)
+    else:
+        phys = torch.where(valid, phys, torch.zeros_like(phys)).reshape(-1, 1)
+        row = torch.where(valid, pos % block_size, torch.zeros_like(pos)).reshape(-1, 1)
+        data = rows[phys, row * DSV4_DATA_BYTES + torch.arange(DSV4_DATA_BYTES, device=dev)]
+        scales = rows[phys, block_size * DSV4_DATA_BYTES + row * DSV4_SCALE_BYTES + torch.arange(DSV4_SCALE_BYTES, device=dev)]
+        val = dsv4_dequantize_tokens(data, scales).reshape(num_reqs, n_rows, 512)
+        val = torch.where(valid.unsqueeze(-1), val, torch.zeros_like(val))
     dst = out[:, offset:]
     dst.copy_(torch.where(write.unsqueeze(-1), val, dst))

@@ -8,7 +8,7 @@ import torch
 from .. import reference
 from ..jit import JitSpec
 from . import _validate
-from ._common import cuda_target, device_of, jit_function, name_ffi_type_error, require_triton
+from ._common import cuda_target, debug_checks, device_of, jit_function, name_ffi_type_error, require_triton
 from ._dispatch import Dispatcher
 
 WRITE_OP = "quantize_and_insert_k_cache"
@@ -186,6 +186,11 @@ def _check_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, 
         raise ValueError(f"{op}: offset: expected an int >= 0, got {offset!r}")
 
 
+def _host_range_check(k, k_cache, slot_mapping, block_size):
+    """JITKV_DEBUG=1: raise IndexError for a slot past the cache (GPU kernels would skip it)."""
+    reference.valid_rows(slot_mapping, k_cache.shape[0] * block_size, strict=True)
+
+
 def _flat(k_cache):
     """The 2-D [num_blocks, block_stride] uint8 view Triton kernels take."""
     if k_cache.dim() == 2:
@@ -216,6 +221,8 @@ def _jit_factory(op, arg_names, fallback):
         unaligned = []  # the Triton path, built on first use, for views the kernel cannot vectorize
 
         def run(*args):
+            if op == WRITE_OP and debug_checks():
+                _host_range_check(*args)
             if not _vector_aligned(args[0]):
                 if not unaligned:
                     unaligned.append(fallback(device, variant)[0])
@@ -237,6 +244,8 @@ def _write_triton(device, variant):
 
     def run(k, k_cache, slot_mapping, block_size):
         _check_write(k, k_cache, slot_mapping, block_size)
+        if debug_checks():
+            _host_range_check(k, k_cache, slot_mapping, block_size)
         with torch.cuda.device(device):
             quantize_and_insert_k_cache_triton(k, _flat(k_cache), slot_mapping, block_size)
 
