@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import reference
 from ..jit import JitSpec
 from . import _validate
 from ._common import cuda_target, debug_checks, device_of, jit_function, name_ffi_type_error, require_triton
-from ._dispatch import BackendUnavailable, Dispatcher
+from ._dispatch import Dispatcher
 
 OP = "store_cache"
 _DISPATCH = Dispatcher(OP)
@@ -82,12 +84,36 @@ def _scale_args(scale, name, kv_cache_dtype):
     return None, _validate.scale_value(OP, name, scale)
 
 
+_KV_CODE = {"auto": 0, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 2}
+_SRC_CODE = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+GENERIC = (0, 0)  # head bytes of the generic build: any alignment, vector width picked per call
+
+
 def _cuda_variant(k, k_cache, v, v_cache, kv_cache_dtype) -> tuple:
-    """CUDA kernels are templated on the row bytes of K and V and on the source/cache dtypes."""
+    """CUDA template args: (K head bytes, V head bytes, source dtype code, fp8 format code).
+
+    Head bytes are those of the cache (head_dim * cache element size); rows that are not a multiple
+    of 16 bytes use the generic build. Unknown inputs also map to the generic build, whose binding
+    then raises the precise error."""
     try:
-        return (k.dtype, k_cache.dtype, kv_cache_dtype, k.shape[-1], v.shape[-1])
-    except AttributeError:
-        raise TypeError(f"{OP}: k, v, k_cache, v_cache: expected torch.Tensor arguments") from None
+        kv = _KV_CODE[kv_cache_dtype]
+        src = _SRC_CODE.get(k.dtype, 0) if kv else 0
+        h = _num_heads(k, k_cache, v, v_cache)
+        kb = math.prod(k.shape[1:]) // h * k_cache.element_size()
+        vb = math.prod(v.shape[1:]) // h * v_cache.element_size()
+    except (AttributeError, KeyError, TypeError, ZeroDivisionError):
+        return (*GENERIC, 0, 0)
+    if kb % 16 or vb % 16 or kb <= 0 or vb <= 0:
+        kb, vb = GENERIC
+    return (kb, vb, src, kv)
+
+
+def _num_heads(k, k_cache, v, v_cache) -> int:
+    """H from the first tensor with a head dim (3-D source, 3-D/4-D cache), as the binding does."""
+    for t, is_cache in ((k, False), (k_cache, True), (v, False), (v_cache, True)):
+        if t.dim() == 3 or (is_cache and t.dim() == 4):
+            return t.shape[-2]
+    return 1
 
 
 # Argument names of the C++ binding, by position (for tvm-ffi's positional type errors).
@@ -99,21 +125,64 @@ def cpu_spec() -> JitSpec:
     return JitSpec("store_cache_cpu", ("store_cache/store_cache_cpu.cpp",), exports=(OP,))
 
 
+def cuda_spec(arch: str, k_head_bytes: int, v_head_bytes: int, src_dtype: int, kv_dtype: int) -> JitSpec:
+    return JitSpec(
+        "store_cache_cuda",
+        ("store_cache/store_cache_cuda.cu", "store_cache/store_cache_cuda.cc"),
+        args=(("k_head_bytes", k_head_bytes), ("v_head_bytes", v_head_bytes), ("src_dtype", src_dtype),
+              ("kv_dtype", kv_dtype)),
+        target=arch,
+        exports=(OP,),
+    )
+
+
+# Prebuilt CUDA variants: bf16/fp16 head_dim 64, 128, 256 copies; bf16 -> e4m3 at 128; generic.
+CUDA_PREBUILD_VARIANTS = ((128, 128, 0, 0), (256, 256, 0, 0), (512, 512, 0, 0), (128, 128, 1, 1), (0, 0, 0, 0))
+
+
 @_DISPATCH.register("jit")
 def _jit(device, variant):
-    if device.type != "cpu":
-        raise BackendUnavailable("no CUDA store_cache kernel yet")
-    fn, info = jit_function(cpu_spec(), OP)
+    if device.type == "cpu":
+        fn, info = jit_function(cpu_spec(), OP)
+        return _binding_caller(fn, lambda: fn), info
+    arch = cuda_target(device)
+    fn, info = jit_function(cuda_spec(arch, *variant), OP)
+    generic = []  # the any-alignment build, loaded on first use
+
+    def generic_fn():
+        if not generic:
+            generic.append(jit_function(cuda_spec(arch, *GENERIC, *variant[2:]), OP)[0])
+        return generic[0]
+
+    return _binding_caller(fn, generic_fn, debug=True), info
+
+
+def _binding_caller(fn, generic_fn, debug=False):
+    """Call a store_cache binding with the public arguments; a 16-byte specialised CUDA build
+    refuses less aligned views ("generic build" in its ValueError) and the generic build takes them."""
 
     def run(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, skip):
         ks_t, ks_v = _scale_args(k_scale, "k_scale", kv_dtype)
         vs_t, vs_v = _scale_args(v_scale, "v_scale", kv_dtype)
+        args = (k, v, k_cache, v_cache, slot_mapping, loc_map, -1 if skip is None else skip, kv_dtype, ks_t, vs_t, ks_v, vs_v)
+        if debug and debug_checks():
+            _validate.store_cache(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map)
+            _host_range_check(k_cache, slot_mapping, loc_map, skip)
         try:
-            fn(k, v, k_cache, v_cache, slot_mapping, loc_map, -1 if skip is None else skip, kv_dtype, ks_t, vs_t, ks_v, vs_v)
+            fn(*args)
+        except ValueError as e:
+            if "generic build" not in str(e):
+                raise
+            generic_fn()(*args)
         except TypeError as e:
             raise name_ffi_type_error(OP, e, _BINDING_ARGS) from None
 
-    return run, info
+    return run
+
+
+def _host_range_check(k_cache, slot_mapping, loc_map, skip):
+    num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
+    reference.valid_rows(slot_mapping, num_slots, skip_slot=skip, loc_map=loc_map, strict=True)
 
 
 @_DISPATCH.register("triton")
@@ -124,7 +193,7 @@ def _triton(device, variant):
     def run(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, skip):
         kv, vv, kc, vc, (ks, vs) = _validate.store_cache(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map)
         if debug_checks():
-            reference.valid_rows(slot_mapping, kc.shape[0] * kc.shape[1], skip_slot=skip, loc_map=loc_map, strict=True)
+            _host_range_check(kc, slot_mapping, loc_map, skip)
         if slot_mapping.numel():
             with torch.cuda.device(device):
                 store_cache_triton(kv, vv, kc, vc, slot_mapping, loc_map, -1 if skip is None else skip,
@@ -154,7 +223,9 @@ def _torch(device, variant):
 
 
 def jit_specs(target: str) -> list[JitSpec]:
-    return [cpu_spec()] if target == "cpu" else []
+    if target == "cpu":
+        return [cpu_spec()]
+    return [cuda_spec(target, *v) for v in CUDA_PREBUILD_VARIANTS]
 
 
 def reset() -> None:

@@ -16,16 +16,18 @@ namespace {
 
 constexpr const char* kOp = "set_mla_kv_buffer";
 
-template <bool NT>
 void write_rows(const MlaArgs& a, const cpu::RowSlot* rows, int64_t m) {
   int64_t payload = m * (a.nope_bytes + a.rope_bytes);
-  cpu::for_rows(m, payload, [&](int64_t begin, int64_t end) {
+  int threads = cpu::threads_for(payload);
+  bool nt = cpu::want_streaming(a.num_slots * cpu::abs64(a.dst_row_stride), payload, threads) &&
+            cpu::aligned64(a.dst) && a.dst_row_stride % 64 == 0;
+  cpu::for_rows(m, threads, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       int64_t r = rows[i].row;
-      cpu::copy_two<NT>(a.dst + rows[i].slot * a.dst_row_stride, a.nope + r * a.nope_row_stride, a.nope_bytes,
-                        a.rope + r * a.rope_row_stride, a.rope_bytes);
+      cpu::copy_two(a.dst + rows[i].slot * a.dst_row_stride, a.nope + r * a.nope_row_stride, a.nope_bytes,
+                        a.rope + r * a.rope_row_stride, a.rope_bytes, nt);
     }
-    if (NT) cpu::stream_fence();
+    if (nt) cpu::stream_fence();
   });
 }
 
@@ -39,20 +41,12 @@ void set_mla_kv_buffer_cpu(TensorView kv_buffer, TensorView loc, TensorView k_no
   if (a.n == 0) return;
 
   cpu::RowSlotBuffer buf(a.n);
-  const int32_t* no_map = nullptr;
   int64_t m = a.loc_i64 ? cpu::resolve_slots(kOp, "loc", static_cast<const int64_t*>(a.loc), a.n, a.skip_slot,
-                                             no_map, 0, a.num_slots, buf.data())
+                                             nullptr, false, 0, a.num_slots, buf.data())
                         : cpu::resolve_slots(kOp, "loc", static_cast<const int32_t*>(a.loc), a.n, a.skip_slot,
-                                             no_map, 0, a.num_slots, buf.data());
+                                             nullptr, false, 0, a.num_slots, buf.data());
   if (m == 0) return;
-
-  bool nt = cpu::want_streaming(a.num_slots * cpu::abs64(a.dst_row_stride)) && cpu::aligned64(a.dst) &&
-            a.dst_row_stride % 64 == 0;
-  if (nt) {
-    write_rows<true>(a, buf.data(), m);
-  } else {
-    write_rows<false>(a, buf.data(), m);
-  }
+  write_rows(a, buf.data(), m);
 }
 
 }  // namespace

@@ -61,12 +61,34 @@ for bs in (64, 2):
 print("OK")
 """
 
-CASES = {"mla": MLA, "dsv4": DSV4}
-if (REPO / "jitkv" / "triton" / "store_cache.py").exists():
-    CASES["store_cache"] = None  # filled in below once the module exists
+STORE_CACHE = """
+import torch
+from jitkv import reference
+from jitkv.tests.conftest import assert_bitwise, rand, slots
+from jitkv.triton.store_cache import store_cache_triton
+n, h, d = 21, 4, 64
+for kv_dtype, cdt in (("auto", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.uint8)):
+    k, v = rand((n + 3, h, d), torch.bfloat16) * 300, rand((n + 3, h, d), torch.bfloat16)
+    kc = rand((6, h, 8, d), cdt).permute(0, 2, 1, 3)  # paged HND
+    vc = rand((6, 8, h, d), cdt)  # paged NHD
+    sm = slots(48, n)
+    sm[::4] = -1
+    loc_map = torch.randperm(48)
+    loc_map[sm[1]] = -1
+    scale = torch.tensor([0.37])
+    got_k, got_v, ref_k, ref_v = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    store_cache_triton(k, v, got_k, got_v, sm, loc_map, 5, kv_dtype, scale, scale)
+    kw = {} if kv_dtype == "auto" else dict(k_scale=scale, v_scale=scale)
+    reference.store_cache(k, v, ref_k, ref_v, sm, kv_cache_dtype=kv_dtype, loc_map=loc_map, skip_slot=5, **kw)
+    assert_bitwise(got_k, ref_k)
+    assert_bitwise(got_v, ref_v)
+print("OK")
+"""
+
+CASES = {"mla": MLA, "dsv4": DSV4, "store_cache": STORE_CACHE}
 
 
-@pytest.mark.parametrize("name", [k for k, v in CASES.items() if v])
+@pytest.mark.parametrize("name", list(CASES))
 def test_triton_kernel_under_interpreter(name):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(CASES[name])], capture_output=True, text=True,
