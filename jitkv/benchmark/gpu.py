@@ -123,6 +123,8 @@ def mla_rows(bw: float, empty_us: float, ns=MLA_NS) -> list[Row]:
             ("jitkv auto", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i])),
             ("jit TMA", lambda i: fn(bufs[i], locs[i], nope[i], rope[i], -1, 1)),
             ("jit vector", lambda i: fn(bufs[i], locs[i], nope[i], rope[i], -1, 2)),
+            # opt-in: source rows loaded together with their slots (reads padding rows' sources)
+            ("jit vector, speculative loads", lambda i: fn(bufs[i], locs[i], nope[i], rope[i], -1, 2 + 8)),
             ("triton", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i], backend="triton")),
             ("jitkv auto, L2-warm source", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[0], rope[0])),
             ("triton, L2-warm source", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[0], rope[0], backend="triton")),

@@ -45,8 +45,8 @@ inline int64_t row_width(const char* op, const char* name, const TensorView& t, 
 
 }  // namespace mla_detail
 
-inline MlaArgs parse_mla_args(const char* op, TensorView kv_buffer, TensorView loc, TensorView k_nope,
-                              TensorView k_rope, int64_t skip_slot) {
+inline MlaArgs parse_mla_args(const char* op, const TensorView& kv_buffer, const TensorView& loc,
+                              const TensorView& k_nope, const TensorView& k_rope, int64_t skip_slot) {
   DLDataType dt = kv_buffer.dtype();
   if (!mla_detail::is_supported_dtype(dt)) {
     TVM_FFI_THROW(TypeError) << op << ": kv_buffer: expected dtype bfloat16, float16, float32, uint8, "

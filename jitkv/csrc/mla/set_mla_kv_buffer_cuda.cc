@@ -89,23 +89,6 @@ void set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView k_nope, 
   }
 }
 
-// The kernel path (1 = TMA, 2 = vector) that path=0 takes for these tensors and n rows.
-int64_t set_mla_kv_buffer_path(TensorView kv_buffer, TensorView k_nope, TensorView k_rope, int64_t n) {
-  check_cuda_device("kv_buffer", kv_buffer.device());
-  JitkvMlaLaunchParams p = {};
-  p.dst = jitkv::data_ptr(kv_buffer);
-  p.nope = jitkv::data_ptr(k_nope);
-  p.rope = jitkv::data_ptr(k_rope);
-  const int64_t es = jitkv::elem_bytes(kv_buffer.dtype());
-  p.dst_row_stride = kv_buffer.stride(0) * es;
-  p.nope_row_stride = k_nope.stride(0) * es;
-  p.rope_row_stride = k_rope.stride(0) * es;
-  p.n = n;
-  p.device = kv_buffer.device().device_id;
-  return jitkv_set_mla_kv_buffer_auto_path(&p);
-}
-
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(set_mla_kv_buffer, set_mla_kv_buffer);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(set_mla_kv_buffer_path, set_mla_kv_buffer_path);

@@ -119,13 +119,12 @@ constexpr bool two_rows() {
     return false;
   }
 }
+constexpr int kTunedWarps = 2;  // best or within noise at every n (see the top of this file)
 constexpr Shape kFixedShape{2, 1, false};
 
 Shape pick_shape(const JitkvMlaLaunchParams& p, int vec, int sms) {
   if (vec != 16 || !tunable<16>()) return kFixedShape;
-  Shape s{2, p.n > 16 * static_cast<int64_t>(sms) ? 2 : 1, p.speculative != 0};
-  if (p.warps_per_block > 0) s.warps = p.warps_per_block;
-  if (p.rows_per_warp > 0) s.rows = p.rows_per_warp;
+  Shape s{kTunedWarps, p.n > 16 * static_cast<int64_t>(sms) ? 2 : 1, p.speculative != 0};
   if (s.spec || !two_rows()) s.rows = 1;  // speculative loads are a small-n tool
   return s;
 }
@@ -164,11 +163,7 @@ cudaError_t dispatch_rows(const Launch& l) {
 template <bool kTma, int V, typename TLoc>
 cudaError_t dispatch_shape(const Launch& l) {
   if constexpr (tunable<V>()) {
-    switch (l.shape.warps) {
-      case 2: return dispatch_rows<kTma, V, TLoc, 2>(l);
-      case 4: return dispatch_rows<kTma, V, TLoc, 4>(l);
-      default: return cudaErrorInvalidValue;
-    }
+    return dispatch_rows<kTma, V, TLoc, kTunedWarps>(l);
   } else {
     return launch_kernel<kTma, V, kFixedShape.warps, kFixedShape.rows, false, TLoc>(l);
   }
@@ -222,13 +217,10 @@ extern "C" const char* jitkv_set_mla_kv_buffer_tma_blocker(const JitkvMlaLaunchP
   return nullptr;
 }
 
-extern "C" int jitkv_set_mla_kv_buffer_auto_path(const JitkvMlaLaunchParams*) {
-  return JITKV_MLA_PATH_VEC;  // never slower than TMA on H200 (see the top of this file)
-}
-
 extern "C" int jitkv_set_mla_kv_buffer_launch(const JitkvMlaLaunchParams* p, void* stream) {
   if (p->n <= 0) return cudaSuccess;
-  const int path = p->path == JITKV_MLA_PATH_AUTO ? jitkv_set_mla_kv_buffer_auto_path(p) : p->path;
+  // Auto takes the vector path: never slower than TMA on H200 (see the top of this file).
+  const int path = p->path == JITKV_MLA_PATH_AUTO ? JITKV_MLA_PATH_VEC : p->path;
   const int sms = device_info(p->device).sms;
   auto s = static_cast<cudaStream_t>(stream);
   CudaDeviceGuard guard(p->device);

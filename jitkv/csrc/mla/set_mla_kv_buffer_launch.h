@@ -20,14 +20,10 @@ struct JitkvMlaLaunchParams {
   int32_t pdl;              // 1: launch with programmatic dependent launch (SM90+; ignored below)
   int32_t speculative;      // 1: load source rows together with their slots (reads padding rows'
                             // sources, never writes them): one memory round trip less at small n
-  int32_t warps_per_block;  // tuning override, 0 = auto; else 2 or 4 (16-byte vectors only)
-  int32_t rows_per_warp;    // tuning override, 0 = auto; else 1 or 2 rows per warp step
 };
 
 // nullptr when the TMA path can run these arguments on p->device, else the reason it cannot.
 const char* jitkv_set_mla_kv_buffer_tma_blocker(const JitkvMlaLaunchParams* p);
-// The path JITKV_MLA_PATH_AUTO resolves to for these arguments (TMA or VEC).
-int jitkv_set_mla_kv_buffer_auto_path(const JitkvMlaLaunchParams* p);
 // Launches on `stream` (a cudaStream_t of p->device) with p->device current (restored after);
 // returns a cudaError_t. A forced TMA path must have passed jitkv_set_mla_kv_buffer_tma_blocker
 // (else cudaErrorInvalidValue).
