@@ -73,6 +73,9 @@ def _gpu(ops):
         part = gpu.store_cache_rows(bw, empty)
         print_table("store_cache (CUDA graph, 8 layers, caches >> L2)", part)
         rows += part
+    part = gpu.host_overhead_rows()
+    print_table("host cost per eager call (n = 1)", part)
+    rows += part
     if "dsv4" in ops:
         part = gpu.dsv4_rows(bw, empty)
         print_table("DeepSeek-V4 FP8 K cache (CUDA graph, 8 layers, caches >> L2)", part)

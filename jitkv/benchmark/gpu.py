@@ -199,3 +199,30 @@ def dsv4_rows(bw: float, empty_us: float) -> list[Row]:
                             eager=("torch reference",))
         del ks, sms
     return rows
+
+
+def host_overhead_rows() -> list[Row]:
+    """Eager host cost per call at n = 1 (launch rate, synchronized once at the end)."""
+    import time  # noqa: PLC0415
+
+    buf = torch.empty(4096, 576, dtype=torch.bfloat16, device="cuda")
+    nope, rope = torch.randn(1, 512, device="cuda").bfloat16(), torch.randn(1, 64, device="cuda").bfloat16()
+    kc = torch.empty(4096, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(1, 8, 128, device="cuda").bfloat16()
+    loc = torch.tensor([7], device="cuda")
+    calls = {
+        "set_mla_kv_buffer": lambda: jitkv.set_mla_kv_buffer(buf, loc, nope, rope),
+        "store_cache": lambda: jitkv.store_cache(k, k, kc, kc, loc),
+        "torch index (MLA)": lambda: buf.__setitem__((loc, slice(0, 512)), nope),
+    }
+    rows = []
+    for name, fn in calls.items():
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5000):
+            fn()
+        torch.cuda.synchronize()
+        us = (time.perf_counter() - t0) / 5000 * 1e6
+        rows.append(Row(name, "eager host cost per call", 1, "jitkv" if "torch" not in name else "torch", us, 0))
+    return rows
