@@ -26,7 +26,7 @@
 #pragma once
 
 #include <cmath>
-#include <string>
+#include <string_view>
 
 #include <tvm/ffi/string.h>
 
@@ -85,7 +85,7 @@ inline bool is_fp8_source_dtype(DLDataType d) {
 }
 
 inline KVDtype parse_kv_dtype(const char* op, const tvm::ffi::String& s) {
-  std::string v(s.data(), s.size());
+  std::string_view v(s.data(), s.size());
   if (v == "auto") return KVDtype::kAuto;
   if (v == "fp8" || v == "fp8_e4m3") return KVDtype::kFp8E4M3;
   if (v == "fp8_e5m2") return KVDtype::kFp8E5M2;
@@ -225,11 +225,12 @@ inline void parse_scale(const char* op, const char* name, const Optional<TensorV
 
 }  // namespace store_cache_detail
 
-inline StoreCacheArgs parse_store_cache_args(const char* op, TensorView k, TensorView v, TensorView k_cache,
-                                             TensorView v_cache, TensorView slot_mapping,
-                                             Optional<TensorView> loc_map, int64_t skip_slot,
-                                             tvm::ffi::String kv_cache_dtype, Optional<TensorView> k_scale,
-                                             Optional<TensorView> v_scale, double k_scale_value,
+inline StoreCacheArgs parse_store_cache_args(const char* op, const TensorView& k, const TensorView& v,
+                                             const TensorView& k_cache, const TensorView& v_cache,
+                                             const TensorView& slot_mapping, const Optional<TensorView>& loc_map,
+                                             int64_t skip_slot, const tvm::ffi::String& kv_cache_dtype,
+                                             const Optional<TensorView>& k_scale,
+                                             const Optional<TensorView>& v_scale, double k_scale_value,
                                              double v_scale_value) {
   namespace d = store_cache_detail;
   KVDtype kv = d::parse_kv_dtype(op, kv_cache_dtype);

@@ -102,9 +102,10 @@ struct Fp8Vec {
         bias(_mm512_set1_epi32(int(F.bias))), shift(_mm_cvtsi32_si128(F.shift)) {}
 };
 
-// 16 lanes of quantize_one. After the clamp the only input at or above ovf_at is NaN, so the
-// overflow case is a NaN test.
-inline __m128i quantize16(SrcKind k, const void* p, int64_t i, __mmask16 m, const Fp8Vec& F) {
+// 16 lanes of quantize_one, one fp8 code per int32 lane. After the clamp the only inputs at or above
+// ovf_at are NaNs, whose normal-path codes all exceed 0x7f (checked over every NaN pattern) while
+// finite codes stay below (0x7e for 448, 0x7b for 57344): one unsigned min maps NaN to 0x7f.
+inline __m512i quantize16(SrcKind k, const void* p, int64_t i, __mmask16 m, const Fp8Vec& F) {
   __m512 y = _mm512_div_ps(load16(k, p, i, m), F.scale);
   // max/min return their SECOND operand when either is NaN: keep y there so NaN propagates.
   y = _mm512_min_ps(F.max, _mm512_max_ps(F.min, y));
@@ -115,10 +116,19 @@ inline __m128i quantize16(SrcKind k, const void* p, int64_t i, __mmask16 m, cons
   __m512i dn = _mm512_sub_epi32(
       _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(F.magic))), F.magic);
   r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epu32_mask(a, F.den_below), dn);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7f));
+  r = _mm512_min_epu32(r, _mm512_set1_epi32(0x7f));
   // r | (sign bit moved to bit 7): ternary logic A | (B & C).
-  r = _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xF8);
-  return _mm512_cvtepi32_epi8(r);
+  return _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xF8);
+}
+
+// 64 lanes -> 64 bytes in order. The two packs interleave 4-byte groups across the four inputs
+// within each 128-bit lane (a 4x4 dword transpose); one permute undoes it.
+inline __m512i quantize64(SrcKind k, const void* p, int64_t i, const Fp8Vec& F) {
+  const __mmask16 all = 0xffff;
+  __m512i lo = _mm512_packus_epi32(quantize16(k, p, i, all, F), quantize16(k, p, i + 16, all, F));
+  __m512i hi = _mm512_packus_epi32(quantize16(k, p, i + 32, all, F), quantize16(k, p, i + 48, all, F));
+  __m512i bytes = _mm512_packus_epi16(lo, hi);
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), bytes);
 }
 #endif
 
@@ -127,19 +137,13 @@ inline void quantize_seg(uint8_t* dst, SrcKind k, const void* src, int64_t n, fl
                          bool nt) {
 #ifdef JITKV_CPU_AVX512
   const Fp8Vec F(fmt, scale);
-  const __mmask16 all = 0xffff;
   int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    __m512i line = _mm512_castsi128_si512(quantize16(k, src, i, all, F));
-    line = _mm512_inserti32x4(line, quantize16(k, src, i + 16, all, F), 1);
-    line = _mm512_inserti32x4(line, quantize16(k, src, i + 32, all, F), 2);
-    line = _mm512_inserti32x4(line, quantize16(k, src, i + 48, all, F), 3);
-    store_line(reinterpret_cast<char*>(dst + i), line, nt);
-  }
+  for (; i + 64 <= n; i += 64) store_line(reinterpret_cast<char*>(dst + i), quantize64(k, src, i, F), nt);
   for (; i < n; i += 16) {
     int64_t r = n - i < 16 ? n - i : 16;
     __mmask16 m = static_cast<__mmask16>((1u << r) - 1);
-    _mm512_mask_storeu_epi8(dst + i, __mmask64(m), _mm512_castsi128_si512(quantize16(k, src, i, m, F)));
+    __m128i q = _mm512_cvtepi32_epi8(quantize16(k, src, i, m, F));
+    _mm512_mask_storeu_epi8(dst + i, __mmask64(m), _mm512_castsi128_si512(q));
   }
 #else
   (void)nt;
