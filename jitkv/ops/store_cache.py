@@ -164,7 +164,10 @@ def _binding_caller(fn, generic_fn, debug=False):
     def run(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, skip):
         ks_t, ks_v = _scale_args(k_scale, "k_scale", kv_dtype)
         vs_t, vs_v = _scale_args(v_scale, "v_scale", kv_dtype)
-        args = (k, v, k_cache, v_cache, slot_mapping, loc_map, -1 if skip is None else skip, kv_dtype, ks_t, vs_t, ks_v, vs_v)
+        code = _KV_CODE.get(kv_dtype) if isinstance(kv_dtype, str) else None
+        if code is None:
+            raise ValueError(f"{OP}: kv_cache_dtype: expected one of {', '.join(_validate.KV_CACHE_DTYPES)}, got {kv_dtype!r}")
+        args = (k, v, k_cache, v_cache, slot_mapping, loc_map, -1 if skip is None else skip, code, ks_t, vs_t, ks_v, vs_v)
         if debug and debug_checks():
             _validate.store_cache(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map)
             _host_range_check(k_cache, slot_mapping, loc_map, skip)

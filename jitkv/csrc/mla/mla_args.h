@@ -23,17 +23,6 @@ struct MlaArgs {
 
 namespace mla_detail {
 
-inline bool is_supported_dtype(DLDataType d) {
-  if (d.lanes != 1) return false;
-  switch (d.code) {
-    case kDLFloat: return d.bits == 16 || d.bits == 32;
-    case kDLBfloat: return d.bits == 16;
-    case kDLUInt: return d.bits == 8;
-    case kDLFloat8_e4m3fn:
-    case kDLFloat8_e5m2: return d.bits == 8;
-    default: return false;
-  }
-}
 
 // A 2-D [rows, width] or 3-D [rows, 1, width] tensor: returns width.
 inline int64_t row_width(const char* op, const char* name, const TensorView& t, const char* want) {
@@ -48,7 +37,7 @@ inline int64_t row_width(const char* op, const char* name, const TensorView& t, 
 inline MlaArgs parse_mla_args(const char* op, const TensorView& kv_buffer, const TensorView& loc,
                               const TensorView& k_nope, const TensorView& k_rope, int64_t skip_slot) {
   DLDataType dt = kv_buffer.dtype();
-  if (!mla_detail::is_supported_dtype(dt)) {
+  if (!is_copy_dtype(dt)) {
     TVM_FFI_THROW(TypeError) << op << ": kv_buffer: expected dtype bfloat16, float16, float32, uint8, "
                              << "float8_e4m3fn or float8_e5m2, got " << dt;
   }

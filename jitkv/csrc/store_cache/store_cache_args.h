@@ -26,9 +26,7 @@
 #pragma once
 
 #include <cmath>
-#include <string_view>
 
-#include <tvm/ffi/string.h>
 
 #include "jitkv/check.h"
 
@@ -67,30 +65,18 @@ struct StoreCacheArgs {
 
 namespace store_cache_detail {
 
-inline bool is_copy_dtype(DLDataType d) {
-  if (d.lanes != 1) return false;
-  switch (d.code) {
-    case kDLFloat: return d.bits == 16 || d.bits == 32;
-    case kDLBfloat: return d.bits == 16;
-    case kDLUInt: return d.bits == 8;
-    case kDLFloat8_e4m3fn:
-    case kDLFloat8_e5m2: return d.bits == 8;
-    default: return false;
-  }
-}
 
 inline bool is_fp8_source_dtype(DLDataType d) {
   return d.lanes == 1 && ((d.code == kDLFloat && (d.bits == 16 || d.bits == 32)) ||
                           (d.code == kDLBfloat && d.bits == 16));
 }
 
-inline KVDtype parse_kv_dtype(const char* op, const tvm::ffi::String& s) {
-  std::string_view v(s.data(), s.size());
-  if (v == "auto") return KVDtype::kAuto;
-  if (v == "fp8" || v == "fp8_e4m3") return KVDtype::kFp8E4M3;
-  if (v == "fp8_e5m2") return KVDtype::kFp8E5M2;
-  TVM_FFI_THROW(ValueError) << op << ": kv_cache_dtype: expected \"auto\", \"fp8\", \"fp8_e4m3\" or "
-                            << "\"fp8_e5m2\", got \"" << v << "\"";
+// The Python wrapper maps kv_cache_dtype strings to these codes (a String argument would cost
+// ~0.6 s of build time in tvm-ffi's argument unpacking).
+inline KVDtype parse_kv_dtype(const char* op, int64_t code) {
+  if (code >= 0 && code <= 2) return static_cast<KVDtype>(code);
+  TVM_FFI_THROW(ValueError) << op << ": kv_cache_dtype: expected code 0 (\"auto\"), 1 (\"fp8_e4m3\") or "
+                            << "2 (\"fp8_e5m2\"), got " << code;
   return KVDtype::kAuto;
 }
 
@@ -228,7 +214,7 @@ inline void parse_scale(const char* op, const char* name, const Optional<TensorV
 inline StoreCacheArgs parse_store_cache_args(const char* op, const TensorView& k, const TensorView& v,
                                              const TensorView& k_cache, const TensorView& v_cache,
                                              const TensorView& slot_mapping, const Optional<TensorView>& loc_map,
-                                             int64_t skip_slot, const tvm::ffi::String& kv_cache_dtype,
+                                             int64_t skip_slot, int64_t kv_cache_dtype,
                                              const Optional<TensorView>& k_scale,
                                              const Optional<TensorView>& v_scale, double k_scale_value,
                                              double v_scale_value) {
@@ -242,7 +228,7 @@ inline StoreCacheArgs parse_store_cache_args(const char* op, const TensorView& k
 
   // dtypes
   DLDataType src = k.dtype();
-  if (kv == KVDtype::kAuto ? !d::is_copy_dtype(src) : !d::is_fp8_source_dtype(src)) {
+  if (kv == KVDtype::kAuto ? !is_copy_dtype(src) : !d::is_fp8_source_dtype(src)) {
     TVM_FFI_THROW(TypeError) << op << ": k: expected dtype "
                              << (kv == KVDtype::kAuto
                                      ? "bfloat16, float16, float32, uint8, float8_e4m3fn or float8_e5m2"

@@ -121,7 +121,7 @@ int64_t resolve(const StoreCacheArgs& a, const IdxT* idx, cpu::RowSlot* out) {
 }
 
 void store_cache_cpu(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache, TensorView slot_mapping,
-                     Optional<TensorView> loc_map, int64_t skip_slot, tvm::ffi::String kv_cache_dtype,
+                     Optional<TensorView> loc_map, int64_t skip_slot, int64_t kv_cache_dtype,
                      Optional<TensorView> k_scale, Optional<TensorView> v_scale, double k_scale_value,
                      double v_scale_value) {
   if (k_cache.device().device_type != kDLCPU) {

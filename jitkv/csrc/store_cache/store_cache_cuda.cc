@@ -112,7 +112,7 @@ sc::Side make_side(const jitkv::SrcGeom& s, const jitkv::CacheGeom& c, int64_t h
 }
 
 void store_cache(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache, TensorView slot_mapping,
-                 Optional<TensorView> loc_map, int64_t skip_slot, tvm::ffi::String kv_cache_dtype,
+                 Optional<TensorView> loc_map, int64_t skip_slot, int64_t kv_cache_dtype,
                  Optional<TensorView> k_scale, Optional<TensorView> v_scale, double k_scale_value,
                  double v_scale_value) {
   StoreCacheArgs a = jitkv::parse_store_cache_args(kOp, k, v, k_cache, v_cache, slot_mapping, loc_map, skip_slot,

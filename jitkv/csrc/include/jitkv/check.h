@@ -84,6 +84,19 @@ inline bool check_index(const char* op, const char* name, const TensorView& t) {
   return d.bits == 64;
 }
 
+// Dtypes a plain (bitwise) row copy accepts: bf16, fp16, fp32, uint8, float8_e4m3fn, float8_e5m2.
+inline bool is_copy_dtype(DLDataType d) {
+  if (d.lanes != 1) return false;
+  switch (d.code) {
+    case kDLFloat: return d.bits == 16 || d.bits == 32;
+    case kDLBfloat: return d.bits == 16;
+    case kDLUInt: return d.bits == 8;
+    case kDLFloat8_e4m3fn:
+    case kDLFloat8_e5m2: return d.bits == 8;
+    default: return false;
+  }
+}
+
 inline bool is_float8(DLDataType d) {
   return d.code == kDLFloat8_e4m3fn || d.code == kDLFloat8_e5m2;
 }
