@@ -80,9 +80,9 @@ class JitSpec:
 
     def _resolve_include(self, inc: str, here: Path) -> Path | None:
         for d in (here, *self.include_dirs()):
-            p = (d / inc).resolve()
-            if p.is_file():
-                return p
+            p = os.path.join(d, inc)
+            if os.path.isfile(p):  # stat first: resolve() walks every path component
+                return Path(p).resolve()
         return None  # a system or tvm-ffi header: covered by the toolchain and tvm-ffi versions
 
     def _key_path(self, path: Path) -> str:

@@ -43,6 +43,14 @@ def device_of(op: str, name: str, t) -> torch.device:
         raise TypeError(f"{op}: {name}: expected a torch.Tensor, got {type(t).__name__}") from None
 
 
+def device_index(op: str, name: str, t) -> int:
+    """-1 for a CPU tensor, else the CUDA device index (cheaper than ``t.device``)."""
+    try:
+        return t.get_device()
+    except AttributeError:
+        raise TypeError(f"{op}: {name}: expected a torch.Tensor, got {type(t).__name__}") from None
+
+
 _FFI_ARG = re.compile(r"Mismatched type on argument #(\d+)")
 
 

@@ -21,6 +21,7 @@ logger = logging.getLogger("jitkv")
 BACKENDS = ("jit", "triton", "torch")
 ORDER = {"cpu": ("jit", "torch"), "cuda": ("jit", "triton", "torch")}
 
+_CPU = torch.device("cpu")
 _WARNED: set[tuple[str, str]] = set()
 _INFO: dict[str, dict[str, dict]] = {}
 _LOCK = threading.RLock()
@@ -59,6 +60,7 @@ class Dispatcher:
         self.order = {**ORDER, **(order or {})}
         self.factories: dict[str, Factory] = {}
         self._memo: dict[tuple, Callable] = {}
+        self._cpu: dict[str | None, Callable] = {}  # hot path: keyed by backend alone
 
     def register(self, name: str):
         def deco(factory: Factory) -> Factory:
@@ -76,8 +78,16 @@ class Dispatcher:
                 self._memo[key] = fn
         return fn
 
+    def get_cpu(self, backend: str | None = None) -> Callable:
+        """``get`` for the CPU device with no variant, without building a torch.device per call."""
+        fn = self._cpu.get(backend)
+        if fn is None:
+            fn = self._cpu[backend] = self.get(_CPU, backend)
+        return fn
+
     def reset(self) -> None:
         self._memo.clear()
+        self._cpu.clear()
 
     def _resolve(self, device: torch.device, forced: str | None, variant: tuple) -> Callable:
         order = self.order.get(device.type)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import torch
+from torch.compiler import is_compiling
 
 from .. import reference
 from ..jit import JitSpec
 from . import _validate
-from ._common import cuda_target, debug_checks, device_of, jit_function, name_ffi_type_error, require_triton
+from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_type_error, require_triton
 from ._dispatch import Dispatcher
 
 OP = "set_mla_kv_buffer"
@@ -40,11 +41,13 @@ def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, skip_slot=N
     row in shared memory and one lane issues a TMA bulk store (cp.async.bulk) of the whole row;
     a vectorized warp-per-row copy elsewhere; Triton (one program per row) as the fallback.
     """
-    if torch.compiler.is_compiling():
+    if is_compiling():
         return torch.ops.jitkv.set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot, backend)
-    device = device_of(OP, "kv_buffer", kv_buffer)
-    variant = _cuda_variant(cache_k_nope, cache_k_rope) if device.type == "cuda" else ()
-    _DISPATCH.get(device, backend, variant)(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot)
+    if device_index(OP, "kv_buffer", kv_buffer) < 0:  # CPU: the hot path skips building a torch.device
+        impl = _DISPATCH.get_cpu(backend)
+    else:
+        impl = _DISPATCH.get(kv_buffer.device, backend, _cuda_variant(cache_k_nope, cache_k_rope))
+    impl(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot)
 
 
 def _cuda_variant(k_nope, k_rope) -> tuple:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.compiler import is_compiling
 
 from .. import reference
 from ..jit import JitSpec
 from . import _validate
-from ._common import cuda_target, debug_checks, device_of, jit_function, name_ffi_type_error, require_triton
+from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_type_error, require_triton
 from ._dispatch import Dispatcher
 
 OP = "store_cache"
@@ -62,17 +63,17 @@ def store_cache(
     CUDA — K and V in one launch, one warp per row with 16-byte vectors (rows >= 2 KB split across
     warps), hardware saturating fp8 conversion. Triton (one program per row) as the fallback.
     """
-    if torch.compiler.is_compiling():
+    if is_compiling():
         ks_t, ks_v = _scale_args(k_scale, "k_scale", kv_cache_dtype)
         vs_t, vs_v = _scale_args(v_scale, "v_scale", kv_cache_dtype)
         return torch.ops.jitkv.store_cache(
             k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, ks_t, ks_v, vs_t, vs_v, loc_map, skip_slot, backend
         )
-    device = device_of(OP, "k_cache", k_cache)
-    variant = _cuda_variant(k, k_cache, v, v_cache, kv_cache_dtype) if device.type == "cuda" else ()
-    _DISPATCH.get(device, backend, variant)(
-        k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot
-    )
+    if device_index(OP, "k_cache", k_cache) < 0:  # CPU: the hot path skips building a torch.device
+        impl = _DISPATCH.get_cpu(backend)
+    else:
+        impl = _DISPATCH.get(k_cache.device, backend, _cuda_variant(k, k_cache, v, v_cache, kv_cache_dtype))
+    impl(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot)
 
 
 def _scale_args(scale, name, kv_cache_dtype):
@@ -162,12 +163,11 @@ def _binding_caller(fn, generic_fn, debug=False):
     refuses less aligned views ("generic build" in its ValueError) and the generic build takes them."""
 
     def run(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, skip):
-        ks_t, ks_v = _scale_args(k_scale, "k_scale", kv_dtype)
-        vs_t, vs_v = _scale_args(v_scale, "v_scale", kv_dtype)
-        code = _KV_CODE.get(kv_dtype) if isinstance(kv_dtype, str) else None
-        if code is None:
-            raise ValueError(f"{OP}: kv_cache_dtype: expected one of {', '.join(_validate.KV_CACHE_DTYPES)}, got {kv_dtype!r}")
-        args = (k, v, k_cache, v_cache, slot_mapping, loc_map, -1 if skip is None else skip, code, ks_t, vs_t, ks_v, vs_v)
+        if kv_dtype == "auto":  # the common case: no scales to look at
+            args = (k, v, k_cache, v_cache, slot_mapping, loc_map, -1 if skip is None else skip, 0, None, None,
+                    _MISSING_SCALE, _MISSING_SCALE)
+        else:
+            args = _fp8_args(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, skip)
         if debug and debug_checks():
             _validate.store_cache(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map)
             _host_range_check(k_cache, slot_mapping, loc_map, skip)
@@ -181,6 +181,15 @@ def _binding_caller(fn, generic_fn, debug=False):
             raise name_ffi_type_error(OP, e, _BINDING_ARGS) from None
 
     return run
+
+
+def _fp8_args(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, skip):
+    code = _KV_CODE.get(kv_dtype) if isinstance(kv_dtype, str) else None
+    if code is None:
+        raise ValueError(f"{OP}: kv_cache_dtype: expected one of {', '.join(_validate.KV_CACHE_DTYPES)}, got {kv_dtype!r}")
+    ks_t, ks_v = _scale_args(k_scale, "k_scale", kv_dtype)
+    vs_t, vs_v = _scale_args(v_scale, "v_scale", kv_dtype)
+    return (k, v, k_cache, v_cache, slot_mapping, loc_map, -1 if skip is None else skip, code, ks_t, vs_t, ks_v, vs_v)
 
 
 def _host_range_check(k_cache, slot_mapping, loc_map, skip):
