@@ -32,7 +32,9 @@ def require_triton(device: torch.device):
 
 
 def debug_checks() -> bool:
-    """JITKV_DEBUG=1: GPU wrappers check slot ranges on the host first (syncs; not graph-safe)."""
+    """JITKV_DEBUG=1: GPU wrappers check slot ranges on the host first (syncs; not graph-safe).
+
+    Read when an op's backend is resolved (first call per device/shape), not per call."""
     return env_flag("JITKV_DEBUG")
 
 

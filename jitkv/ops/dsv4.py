@@ -219,9 +219,10 @@ def _jit_factory(op, arg_names, fallback):
     def factory(device, variant):
         fn, info = jit_function(cuda_spec(cuda_target(device)), op)
         unaligned = []  # the Triton path, built on first use, for views the kernel cannot vectorize
+        debug = op == WRITE_OP and debug_checks()
 
         def run(*args):
-            if op == WRITE_OP and debug_checks():
+            if debug:
                 _host_range_check(*args)
             if not _vector_aligned(args[0]):
                 if not unaligned:
@@ -242,9 +243,11 @@ def _write_triton(device, variant):
     require_triton(device)
     from ..triton.dsv4 import quantize_and_insert_k_cache_triton  # noqa: PLC0415
 
+    debug = debug_checks()
+
     def run(k, k_cache, slot_mapping, block_size):
         _check_write(k, k_cache, slot_mapping, block_size)
-        if debug_checks():
+        if debug:
             _host_range_check(k, k_cache, slot_mapping, block_size)
         with torch.cuda.device(device):
             quantize_and_insert_k_cache_triton(k, _flat(k_cache), slot_mapping, block_size)

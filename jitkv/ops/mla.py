@@ -98,9 +98,10 @@ def _jit(device, variant):
         return run_cpu, info
     fn, info = jit_function(cuda_spec(cuda_target(device), *variant), OP)
     auto = 0  # the kernel picks TMA or the vectorized path per call (see set_mla_kv_buffer_cuda.cu)
+    debug = debug_checks()
 
     def run(buf, loc, nope, rope, skip):
-        if debug_checks():
+        if debug:
             _host_range_check(buf, loc, skip)
         try:
             fn(buf, loc, nope, rope, _skip(skip), auto)
@@ -119,9 +120,11 @@ def _triton(device, variant):
     require_triton(device)
     from ..triton.mla import set_mla_kv_buffer_triton  # noqa: PLC0415
 
+    debug = debug_checks()
+
     def run(buf, loc, nope, rope, skip):
         b, n, r = _validate.mla(buf, loc, nope, rope)
-        if debug_checks():
+        if debug:
             _host_range_check(b, loc, skip)
         if loc.numel():
             with torch.cuda.device(device):

@@ -155,7 +155,7 @@ def _jit(device, variant):
             generic.append(jit_function(cuda_spec(arch, *GENERIC, *variant[2:]), OP)[0])
         return generic[0]
 
-    return _binding_caller(fn, generic_fn, debug=True), info
+    return _binding_caller(fn, generic_fn, debug=debug_checks()), info
 
 
 def _binding_caller(fn, generic_fn, debug=False):
@@ -168,7 +168,7 @@ def _binding_caller(fn, generic_fn, debug=False):
                     _MISSING_SCALE, _MISSING_SCALE)
         else:
             args = _fp8_args(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, skip)
-        if debug and debug_checks():
+        if debug:
             _validate.store_cache(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map)
             _host_range_check(k_cache, slot_mapping, loc_map, skip)
         try:
@@ -202,9 +202,11 @@ def _triton(device, variant):
     require_triton(device)
     from ..triton.store_cache import store_cache_triton  # noqa: PLC0415
 
+    debug = debug_checks()
+
     def run(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, skip):
         kv, vv, kc, vc, (ks, vs) = _validate.store_cache(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map)
-        if debug_checks():
+        if debug:
             _host_range_check(kc, slot_mapping, loc_map, skip)
         if slot_mapping.numel():
             with torch.cuda.device(device):

@@ -47,7 +47,7 @@ def _spec(root: Path, scale: int = 2, **kw) -> JitSpec:
 
 
 def _run_py(code: str, cache: Path, **env) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "JITKV_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO), **env}
+    full_env = {**os.environ, "JITKV_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **env}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env, timeout=300)
 
 
@@ -98,7 +98,7 @@ def test_four_processes_racing_a_cold_cache_build_once(tmp_path):
         spec = JitSpec("tiny", ("tiny/add.cpp",), args=(("scale", 2),), exports=("add",), root=Path({str(root)!r}))
         x = torch.arange(4, dtype=torch.float32); get_module(spec).add(x); print("RESULT", x.tolist())
     """
-    env = {**os.environ, "JITKV_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "JITKV_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for _ in range(4)]
     outs = [p.communicate(timeout=300) for p in procs]
@@ -237,12 +237,12 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
 
 def test_prebuild_cli_cpu(tmp_path):
     res = subprocess.run([sys.executable, "-m", "jitkv", "prebuild"], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "JITKV_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)})
+                         env={**os.environ, "JITKV_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
     assert res.returncode == 0, res.stderr
     info = subprocess.run([sys.executable, "-m", "jitkv", "info"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "JITKV_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "JITKV_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
     assert info.returncode == 0, info.stderr
     assert "2 built module(s)" in info.stdout and "not built yet" not in info.stdout.split("backend per op")[1].split("cuda")[0]
     clear = subprocess.run([sys.executable, "-m", "jitkv", "cache", "clear"], capture_output=True, text=True,
-                           env={**os.environ, "JITKV_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)})
+                           env={**os.environ, "JITKV_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
     assert clear.returncode == 0 and not any((tmp_path / d / "manifest.json").exists() for d in os.listdir(tmp_path))

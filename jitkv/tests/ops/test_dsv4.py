@@ -343,13 +343,20 @@ def test_out_of_range_slots_skipped_gpu(backend, monkeypatch):
 @gpu
 @pytest.mark.parametrize("backend", ["jit", "triton"])
 def test_out_of_range_debug_raises_gpu(backend, monkeypatch):
+    from jitkv.ops import dsv4  # noqa: PLC0415
+
     monkeypatch.setenv("JITKV_DEBUG", "1")
+    dsv4.reset()  # JITKV_DEBUG is read when a backend is resolved
     c, k = _cache(64, "2d", "cuda"), _k(40, "cuda")
     sm = slots(512, 40, torch.int64, "cuda")
     sm[7] = 512
     before = c.clone()
-    with pytest.raises(IndexError, match=r"slot_mapping: position 7 has slot 512"):
-        WRITE(k, c, sm, block_size=64, backend=backend)
+    try:
+        with pytest.raises(IndexError, match=r"slot_mapping: position 7 has slot 512"):
+            WRITE(k, c, sm, block_size=64, backend=backend)
+    finally:
+        monkeypatch.undo()
+        dsv4.reset()
     assert_bitwise(c, before)
 
 

@@ -135,12 +135,17 @@ def test_out_of_range_never_written_gpu(backend):
 @gpu
 def test_out_of_range_debug_raises(monkeypatch):
     monkeypatch.setenv("JITKV_DEBUG", "1")
+    jitkv.ops.mla.reset()  # JITKV_DEBUG is read when a backend is resolved
     buf, k_nope, k_rope = _case(torch.bfloat16, 512, 64, 8, "cuda", num_slots=16)
     loc = slots(16, 8, torch.int64, "cuda")
     loc[3] = 16
     before = buf.clone()
-    with pytest.raises(IndexError, match=r"loc: position 3 has slot 16"):
-        jitkv.set_mla_kv_buffer(buf, loc, k_nope, k_rope, backend="jit")
+    try:
+        with pytest.raises(IndexError, match=r"loc: position 3 has slot 16"):
+            jitkv.set_mla_kv_buffer(buf, loc, k_nope, k_rope, backend="jit")
+    finally:
+        monkeypatch.undo()
+        jitkv.ops.mla.reset()
     assert_bitwise(buf, before)
 
 

@@ -244,3 +244,29 @@ def test_bad_fp8_input(device, backend, case):
         mutate(kw)
     with pytest.raises(exc, match=rf"store_cache: {name}\b"):
         jitkv.store_cache(*args.values(), backend=backend, **kw)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["jit", "triton"])
+def test_out_of_range_gpu_skipped_or_raises_under_debug(backend, monkeypatch):
+    from jitkv.ops import store_cache as op  # noqa: PLC0415
+
+    k = rand((16, 2, 64), torch.bfloat16, "cuda")
+    kc, vc = rand((32, 2, 64), torch.bfloat16, "cuda"), rand((32, 2, 64), torch.bfloat16, "cuda")
+    sm = slots(32, 16, torch.int64, "cuda")
+    sm[5] = 32
+    got_k, got_v = kc.clone(), vc.clone()
+    jitkv.store_cache(k, k, got_k, got_v, sm, backend=backend)  # skipped on the GPU
+    keep = torch.ones(16, dtype=torch.bool, device="cuda")
+    keep[5] = False
+    ref_k, ref_v = kc.clone(), vc.clone()
+    reference.store_cache(k[keep], k[keep], ref_k, ref_v, sm[keep])
+    assert_bitwise(got_k, ref_k)
+    monkeypatch.setenv("JITKV_DEBUG", "1")
+    op.reset()  # JITKV_DEBUG is read when a backend is resolved
+    try:
+        with pytest.raises(IndexError, match=r"slot_mapping: position 5 has slot 32"):
+            jitkv.store_cache(k, k, kc, vc, sm, backend=backend)
+    finally:
+        monkeypatch.undo()
+        op.reset()

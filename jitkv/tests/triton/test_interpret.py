@@ -90,7 +90,7 @@ CASES = {"mla": MLA, "dsv4": DSV4, "store_cache": STORE_CACHE}
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_kernel_under_interpreter(name):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(CASES[name])], capture_output=True, text=True,
                          env=env, timeout=900)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
