@@ -140,18 +140,23 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
 # ------------------------------------------------------------------------------------ validation
 
 
+def _check_bf16_rows(op, name, t, dev, ndim, shape_desc):
+    """A bf16 tensor of ``ndim`` dims whose last dim is 512 and contiguous, on ``dev``."""
+    _validate.tensor(op, name, t)
+    _validate.same_device(op, name, t, dev)
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"{op}: {name}: expected dtype bfloat16, got {t.dtype}")
+    if t.dim() != ndim or t.shape[-1] != 512:
+        raise ValueError(f"{op}: {name}: expected shape {shape_desc}, got {list(t.shape)}")
+    _validate.last_dim_contiguous(op, name, t)
+
+
 def _check_write(k, k_cache, slot_mapping, block_size):
     op = WRITE_OP
     DSV4_K_CACHE.validate(k_cache, block_size, op)
     dev = k_cache.device
     _validate.index(op, "slot_mapping", slot_mapping, dev)
-    _validate.tensor(op, "k", k)
-    _validate.same_device(op, "k", k, dev)
-    if k.dtype != torch.bfloat16:
-        raise TypeError(f"{op}: k: expected dtype bfloat16, got {k.dtype}")
-    if k.dim() != 2 or k.shape[1] != 512:
-        raise ValueError(f"{op}: k: expected shape [n', 512], got {list(k.shape)}")
-    _validate.last_dim_contiguous(op, "k", k)
+    _check_bf16_rows(op, "k", k, dev, 2, "[n', 512]")
     _validate.rows_at_least(op, "k", k, slot_mapping.numel(), "slot_mapping")
 
 
@@ -159,13 +164,7 @@ def _check_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, 
     op = GATHER_OP
     DSV4_K_CACHE.validate(k_cache, block_size, op)
     dev = k_cache.device
-    _validate.tensor(op, "out", out)
-    _validate.same_device(op, "out", out, dev)
-    if out.dtype != torch.bfloat16:
-        raise TypeError(f"{op}: out: expected dtype bfloat16, got {out.dtype}")
-    if out.dim() != 3 or out.shape[2] != 512:
-        raise ValueError(f"{op}: out: expected shape [num_reqs, max_tokens, 512], got {list(out.shape)}")
-    _validate.last_dim_contiguous(op, "out", out)
+    _check_bf16_rows(op, "out", out, dev, 3, "[num_reqs, max_tokens, 512]")
     num_reqs = out.shape[0]
     for name, t in (("seq_lens", seq_lens), ("gather_lens", gather_lens)):
         if t is None and name == "gather_lens":
