@@ -37,9 +37,10 @@ def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, skip_slot=N
         written then.
 
     Algorithm: CPU — one pass over rows with AVX-512 copies, OpenMP above a payload threshold,
-    non-temporal stores when the buffer dwarfs the LLC. CUDA (SM90+) — one warp per row stages the
-    row in shared memory and one lane issues a TMA bulk store (cp.async.bulk) of the whole row;
-    a vectorized warp-per-row copy elsewhere; Triton (one program per row) as the fallback.
+    non-temporal stores when the buffer dwarfs the LLC. CUDA — one warp per row, all 16-byte loads
+    of the row before its stores, programmatic dependent launch on SM90+; a TMA bulk-store variant
+    (row staged in shared memory, one cp.async.bulk per row) is built for sm_90a but auto does not
+    pick it, as it measured no faster on an H200. Triton (one program per row) as the fallback.
     """
     if is_compiling():
         return torch.ops.jitkv.set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot, backend)
@@ -98,7 +99,7 @@ def _jit(device, variant):
         return run_cpu, info
     fn, info = jit_function(cuda_spec(cuda_target(device), *variant), OP)
     info["path"] = "vector warp-per-row (auto; the TMA bulk store measured no faster on H200)"
-    auto = 0  # the kernel picks TMA or the vectorized path per call (see set_mla_kv_buffer_cuda.cu)
+    auto = 0  # path chosen by the launcher: the vector path (see set_mla_kv_buffer_cuda.cu)
     debug = debug_checks()
 
     def run(buf, loc, nope, rope, skip):

@@ -164,10 +164,10 @@ def _binding_caller(fn, generic_fn, debug=False):
 
     def run(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, skip):
         if kv_dtype == "auto":  # the common case: no scales to look at
-            args = (k, v, k_cache, v_cache, slot_mapping, loc_map, -1 if skip is None else skip, 0, None, None,
-                    _MISSING_SCALE, _MISSING_SCALE)
+            scales = (0, None, None, _MISSING_SCALE, _MISSING_SCALE)
         else:
-            args = _fp8_args(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, skip)
+            scales = _fp8_scale_args(kv_dtype, k_scale, v_scale)
+        args = (k, v, k_cache, v_cache, slot_mapping, loc_map, -1 if skip is None else skip, *scales)
         if debug:
             _validate.store_cache(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map)
             _host_range_check(k_cache, slot_mapping, loc_map, skip)
@@ -183,13 +183,14 @@ def _binding_caller(fn, generic_fn, debug=False):
     return run
 
 
-def _fp8_args(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, skip):
+def _fp8_scale_args(kv_dtype, k_scale, v_scale):
+    """(dtype code, k_scale tensor, v_scale tensor, k_scale value, v_scale value) for the binding."""
     code = _KV_CODE.get(kv_dtype) if isinstance(kv_dtype, str) else None
     if code is None:
         raise ValueError(f"{OP}: kv_cache_dtype: expected one of {', '.join(_validate.KV_CACHE_DTYPES)}, got {kv_dtype!r}")
     ks_t, ks_v = _scale_args(k_scale, "k_scale", kv_dtype)
     vs_t, vs_v = _scale_args(v_scale, "v_scale", kv_dtype)
-    return (k, v, k_cache, v_cache, slot_mapping, loc_map, -1 if skip is None else skip, code, ks_t, vs_t, ks_v, vs_v)
+    return code, ks_t, vs_t, ks_v, vs_v
 
 
 def _host_range_check(k_cache, slot_mapping, loc_map, skip):
