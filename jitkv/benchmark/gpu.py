@@ -98,6 +98,20 @@ def eager_us(step_for_layer, reps=5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+CEILING = "contiguous copy_ of the same bytes"
+CEILING_MIN_BYTES = 32 << 20  # smaller copies would time the eager launches, not the copy
+
+
+def with_ceiling(cases, moved: int):
+    """cases plus, for large ops, an eager device-to-device ``copy_`` of moved / 2 bytes per layer
+    (fresh buffers per layer): the practical ceiling for an op that moves ``moved`` bytes (r + w)."""
+    if moved < CEILING_MIN_BYTES:
+        return cases
+    src = [torch.empty(moved // 2, dtype=torch.uint8, device="cuda").random_() for _ in range(LAYERS)]
+    dst = [torch.empty_like(t) for t in src]
+    return cases + [(CEILING, lambda i: dst[i].copy_(src[i]))]
+
+
 def mla_rows(bw: float, empty_us: float, ns=MLA_NS) -> list[Row]:
     from jitkv.ops import mla  # noqa: PLC0415
     from jitkv.ops._common import jit_function  # noqa: PLC0415
@@ -129,7 +143,8 @@ def mla_rows(bw: float, empty_us: float, ns=MLA_NS) -> list[Row]:
             ("jitkv auto, L2-warm source", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[0], rope[0])),
             ("triton, L2-warm source", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[0], rope[0], backend="triton")),
         ]
-        rows += _timed_rows("set_mla_kv_buffer", "512+64 bf16", n, 2 * n * 1152, cases, bw, empty_us)
+        rows += _timed_rows("set_mla_kv_buffer", "512+64 bf16", n, 2 * n * 1152, with_ceiling(cases, 2 * n * 1152),
+                            bw, empty_us, eager=(CEILING,))
         del nope, rope, locs
     return rows
 
@@ -163,10 +178,17 @@ def store_cache_rows(bw: float, empty_us: float, ns=STORE_NS) -> list[Row]:
                 (name, lambda i, b=b: jitkv.store_cache(ks[i], vs[i], kcs[i], vcs[i], sms[i], backend=b, **kw))
                 for name, b in (("jitkv auto", None), ("triton", "triton"))
             ]
-            rows += _timed_rows("store_cache", f"H8 D128 K+V {label}", n, moved, cases, bw, empty_us)
+            rows += _timed_rows("store_cache", f"H8 D128 K+V {label}", n, moved, with_ceiling(cases, moved), bw,
+                                empty_us, eager=(CEILING,))
             del ks, vs, sms
         del kcs, vcs
     return rows
+
+
+def _paged_slots(n: int, block_size: int, num_blocks: int) -> torch.Tensor:
+    """n slots filling whole blocks (in random block order) position by position."""
+    blocks = torch.randperm(num_blocks, device="cuda")[: (n + block_size - 1) // block_size]
+    return (blocks[:, None] * block_size + torch.arange(block_size, device="cuda")).flatten()[:n]
 
 
 def dsv4_rows(bw: float, empty_us: float) -> list[Row]:
@@ -185,19 +207,23 @@ def dsv4_rows(bw: float, empty_us: float) -> list[Row]:
             (name, lambda i, b=b: jitkv.dequantize_and_gather_k_cache(outs[i], caches[i], seq, None, tables[i], bs, backend=b))
             for name, b in (("jitkv auto", None), ("triton", "triton"))
         ]
-        rows += _timed_rows("dequantize_and_gather_k_cache", f"{reqs} req x {k_len}", reqs * k_len, moved, cases, bw,
-                            empty_us, eager=("torch reference",))
+        rows += _timed_rows("dequantize_and_gather_k_cache", f"{reqs} req x {k_len}", reqs * k_len, moved,
+                            with_ceiling(cases, moved), bw, empty_us, eager=("torch reference", CEILING))
         del outs, tables
     for n in (1, 128, 4096, 65536):
         ks = [torch.randn(n, 512, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
-        sms = [torch.randperm(blocks_per_layer * bs, device="cuda")[:n] for _ in range(LAYERS)]
-        cases = [("torch reference", lambda i: reference.quantize_and_insert_k_cache(ks[i], caches[i], sms[i], block_size=bs))] + [
-            (name, lambda i, b=b: jitkv.quantize_and_insert_k_cache(ks[i], caches[i], sms[i], block_size=bs, backend=b))
-            for name, b in (("jitkv auto", None), ("triton", "triton"))
-        ]
-        rows += _timed_rows("quantize_and_insert_k_cache", "block_size 64", n, n * (1024 + 584), cases, bw, empty_us,
-                            eager=("torch reference",))
-        del ks, sms
+        # Random unique token slots (the worst case: most 8-byte scale writes share their 32-byte
+        # sector with no other write), and whole pages in random order (a prefill's paged slots).
+        token_slots = [torch.randperm(blocks_per_layer * bs, device="cuda")[:n] for _ in range(LAYERS)]
+        page_slots = [_paged_slots(n, bs, blocks_per_layer) for _ in range(LAYERS)]
+        cases = [("torch reference", lambda i: reference.quantize_and_insert_k_cache(ks[i], caches[i], token_slots[i], block_size=bs))]
+        for kind, sms in (("", token_slots), (", paged slots", page_slots)):
+            cases += [(name + kind, lambda i, b=b, sms=sms: jitkv.quantize_and_insert_k_cache(ks[i], caches[i], sms[i], block_size=bs, backend=b))
+                      for name, b in (("jitkv auto", None), ("triton", "triton"))]
+        moved = n * (1024 + 584)
+        rows += _timed_rows("quantize_and_insert_k_cache", "block_size 64", n, moved, with_ceiling(cases, moved), bw,
+                            empty_us, eager=("torch reference", CEILING))
+        del ks, token_slots, page_slots
     return rows
 
 

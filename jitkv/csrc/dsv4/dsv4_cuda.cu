@@ -18,6 +18,7 @@
 // CTAs loop over tiles and jump past a request's tiles once they lie beyond its gather length, so an out
 // buffer much longer than the gathers costs O(R) per CTA.
 //
+// Both kernels launch with programmatic dependent launch on SM90+ (jitkv/cuda/launch.cuh).
 // JITKV_DSV4_{WRITE_TOK,GATHER_WARPS,GATHER_TOK} are tuning knobs; the defaults measured best on an H200
 // (1/2/4/8 tokens per warp and 4/8 warps per CTA were within 3 % of each other at the sizes of issue 5).
 #include <cuda_runtime.h>
@@ -26,7 +27,11 @@
 #include <cstdint>
 
 #include "dsv4/dsv4_layout.h"
+#include "jitkv/cuda/launch.cuh"
 
+#ifndef JITKV_PDL  // 0: launch without programmatic dependent launch (for measurements)
+#define JITKV_PDL 1
+#endif
 #ifndef JITKV_DSV4_WRITE_TOK
 #define JITKV_DSV4_WRITE_TOK 1
 #endif
@@ -244,6 +249,8 @@ __device__ __forceinline__ void quantize_token(uint4 xa, uint4 xb, uint8_t* dst,
 
 template <typename IdxT>
 __global__ void __launch_bounds__(kWriteWarps * 32) dsv4_quant_insert_kernel(const WriteParams p) {
+  jitkv::cuda::pdl_wait();  // k and the slots may come from the previous kernel
+  jitkv::cuda::pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * kWriteWarps + (threadIdx.x >> 5)) * kWriteTok;
 
@@ -372,6 +379,8 @@ __device__ __forceinline__ void gather_tokens(const GatherParams& p, int64_t r, 
 }
 
 __global__ void __launch_bounds__(kGatherWarps * 32) dsv4_gather_kernel(const GatherParams p) {
+  jitkv::cuda::pdl_wait();  // the cache, seq_lens and block table may come from the previous kernel
+  jitkv::cuda::pdl_launch_dependents();
   constexpr int kTile = kGatherWarps * kGatherTok;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const bool whole = p.gather_lens == nullptr;
@@ -402,36 +411,27 @@ __global__ void __launch_bounds__(kGatherWarps * 32) dsv4_gather_kernel(const Ga
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-// Sets the device for the launch and restores the caller's afterwards.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cudaGetDevice(&prev_);
-    if (prev_ != device) cudaSetDevice(device);
-    device_ = device;
-  }
-  ~DeviceGuard() {
-    if (prev_ != device_) cudaSetDevice(prev_);
-  }
-
- private:
-  int prev_ = 0, device_ = 0;
+struct DeviceInfo {
+  int gather_ctas;  // CTAs of the gather kernel that fit on the device at once
+  bool pdl;         // sm_90+: launch with programmatic dependent launch
 };
 
-// CTAs of the gather kernel that fit on the device at once (cached per device).
-int gather_resident_ctas(int device) {
+// Queried once per device (attribute queries cost about a microsecond); racing first calls store
+// the same values.
+DeviceInfo device_info(int device) {
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> cached[kMaxDevices];
-  if (device >= 0 && device < kMaxDevices) {
-    const int v = cached[device].load(std::memory_order_relaxed);
-    if (v > 0) return v;
+  static std::atomic<int> cached[kMaxDevices];  // gather_ctas * 2 + pdl, 0 = not yet known
+  const bool cache = device >= 0 && device < kMaxDevices;
+  int v = cache ? cached[device].load(std::memory_order_relaxed) : 0;
+  if (v == 0) {
+    int sms = 0, per_sm = 0, major = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dsv4_gather_kernel, kGatherWarps * 32, 0);
+    v = (sms * per_sm > 0 ? sms * per_sm : 1) * 2 + (JITKV_PDL && major >= 9 ? 1 : 0);
+    if (cache) cached[device].store(v, std::memory_order_relaxed);
   }
-  int sms = 0, per_sm = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dsv4_gather_kernel, kGatherWarps * 32, 0);
-  const int v = sms * per_sm > 0 ? sms * per_sm : 1;
-  if (device >= 0 && device < kMaxDevices) cached[device].store(v, std::memory_order_relaxed);
-  return v;
+  return DeviceInfo{v >> 1, (v & 1) != 0};
 }
 
 }  // namespace
@@ -446,19 +446,15 @@ extern "C" int jitkv_dsv4_quantize_insert(int device, void* stream, const void* 
                                           void* cache, int64_t block_stride, int64_t num_blocks,
                                           const void* slots, int slots_int64, int64_t n,
                                           int64_t block_size) {
-  DeviceGuard guard(device);
+  jitkv::cuda::DeviceGuard guard(device);
   WriteParams p{static_cast<const uint16_t*>(k), k_stride, static_cast<uint8_t*>(cache), block_stride,
                 num_blocks * block_size, slots, n, block_size};
   constexpr int64_t kPerCta = int64_t(kWriteWarps) * kWriteTok;
   const int64_t grid = (n + kPerCta - 1) / kPerCta;
   if (grid > 0x7FFFFFFF) return static_cast<int>(cudaErrorInvalidConfiguration);
-  auto s = static_cast<cudaStream_t>(stream);
-  if (slots_int64) {
-    dsv4_quant_insert_kernel<int64_t><<<static_cast<unsigned>(grid), kWriteWarps * 32, 0, s>>>(p);
-  } else {
-    dsv4_quant_insert_kernel<int32_t><<<static_cast<unsigned>(grid), kWriteWarps * 32, 0, s>>>(p);
-  }
-  return static_cast<int>(cudaGetLastError());
+  auto kernel = slots_int64 ? dsv4_quant_insert_kernel<int64_t> : dsv4_quant_insert_kernel<int32_t>;
+  return static_cast<int>(jitkv::cuda::launch(kernel, dim3(static_cast<unsigned>(grid)), dim3(kWriteWarps * 32),
+                                              static_cast<cudaStream_t>(stream), device_info(device).pdl, p));
 }
 
 // Returns a cudaError_t. num_reqs > 0 and rows = out.shape[1] - offset > 0; out 16-byte aligned with
@@ -469,16 +465,16 @@ extern "C" int jitkv_dsv4_dequant_gather(int device, void* stream, void* out, in
                                          int64_t num_blocks, const int32_t* seq_lens,
                                          const int32_t* gather_lens, const int32_t* block_table,
                                          int64_t bt_stride, int64_t max_blocks, int64_t block_size) {
-  DeviceGuard guard(device);
+  jitkv::cuda::DeviceGuard guard(device);
   constexpr int64_t kTile = int64_t(kGatherWarps) * kGatherTok;
   GatherParams p{static_cast<uint16_t*>(out), out_s0, out_s1, rows, offset,
                  static_cast<const uint8_t*>(cache), block_stride, num_blocks, seq_lens, gather_lens,
                  block_table, bt_stride, max_blocks, static_cast<int32_t>(block_size),
                  (rows + kTile - 1) / kTile, 0};
   p.num_tiles = num_reqs * p.tiles_per_req;
-  const int64_t grid = p.num_tiles < gather_resident_ctas(device) ? p.num_tiles
-                                                                  : gather_resident_ctas(device);
-  dsv4_gather_kernel<<<static_cast<unsigned>(grid), kGatherWarps * 32, 0,
-                       static_cast<cudaStream_t>(stream)>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  const DeviceInfo info = device_info(device);
+  const int64_t grid = p.num_tiles < info.gather_ctas ? p.num_tiles : info.gather_ctas;
+  return static_cast<int>(jitkv::cuda::launch(dsv4_gather_kernel, dim3(static_cast<unsigned>(grid)),
+                                              dim3(kGatherWarps * 32), static_cast<cudaStream_t>(stream),
+                                              info.pdl, p));
 }

@@ -11,13 +11,14 @@
 //    (nope + rope bytes). A slot is rewritten only after the previous step's bulk stores have read it
 //    (wait_group.read, checked after the next loads are issued, so it costs nothing).
 //  - vector path (any arch, any alignment): the registers are stored straight to global memory.
-// Programmatic dependent launch: every kernel waits on griddepcontrol before touching memory (a no-op
-// when launched without the attribute), so launching it with PDL is always safe.
+// Programmatic dependent launch: see jitkv/cuda/launch.cuh.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "jitkv/cuda/launch.cuh"
 
 namespace jitkv::mla {
 
@@ -110,15 +111,6 @@ __device__ __forceinline__ void copy_row_chunked(const char* nope_row, const cha
   }
 }
 
-__device__ __forceinline__ void pdl_wait_and_release() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Wait for the previous kernel's writes (loc and the sources may come from it), then let the next
-  // PDL kernel start its launch; it waits for our completion itself.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // ---- TMA bulk store (SM90+) ----
 template <int kBytes>
 struct TmaSlot {
@@ -196,7 +188,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   static_assert(!kSpec || S::kInRegisters, "speculative loads only when a row fits in registers");
   __shared__ alignas(128) char smem[Smem::kTotal];
 
-  pdl_wait_and_release();
+  // loc and the sources may come from the previous kernel; then let the next PDL kernel launch.
+  cuda::pdl_wait();
+  cuda::pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   char* const warp_smem = smem + warp * kRows * Smem::kSlot;

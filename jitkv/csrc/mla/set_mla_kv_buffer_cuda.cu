@@ -56,25 +56,6 @@ DeviceInfo device_info(int dev) {
   return info;
 }
 
-// Makes `device` current for the launch and restores the caller's device afterwards.
-class CudaDeviceGuard {
- public:
-  explicit CudaDeviceGuard(int device) {
-    cudaGetDevice(&prev_);
-    if (prev_ != device) cudaSetDevice(device);
-  }
-  ~CudaDeviceGuard() {
-    int cur = prev_;
-    cudaGetDevice(&cur);
-    if (cur != prev_) cudaSetDevice(prev_);
-  }
-  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
-  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
-
- private:
-  int prev_ = 0;
-};
-
 // Largest power of two <= 16 dividing every value: the lowest set bit of their OR.
 int common_pow2(uint64_t bits) {
   bits |= 16;
@@ -139,16 +120,8 @@ struct Launch {
 
 template <bool kTma, int V, int W, int R, bool kSpec, typename TLoc>
 cudaError_t launch_kernel(const Launch& l) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(l.blocks);
-  cfg.blockDim = dim3(W * 32);
-  cfg.stream = l.stream;
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = l.pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, set_mla_kv_buffer_kernel<kNope, kRope, V, W, R, kTma, kSpec, TLoc>, l.k);
+  return jitkv::cuda::launch(set_mla_kv_buffer_kernel<kNope, kRope, V, W, R, kTma, kSpec, TLoc>, dim3(l.blocks),
+                              dim3(W * 32), l.stream, l.pdl, l.k);
 }
 
 template <bool kTma, int V, typename TLoc, int W>
@@ -223,7 +196,7 @@ extern "C" int jitkv_set_mla_kv_buffer_launch(const JitkvMlaLaunchParams* p, voi
   const int path = p->path == JITKV_MLA_PATH_AUTO ? JITKV_MLA_PATH_VEC : p->path;
   const int sms = device_info(p->device).sms;
   auto s = static_cast<cudaStream_t>(stream);
-  CudaDeviceGuard guard(p->device);
+  jitkv::cuda::DeviceGuard guard(p->device);
   if (path == JITKV_MLA_PATH_TMA) {
     if (jitkv_set_mla_kv_buffer_tma_blocker(p) != nullptr) return cudaErrorInvalidValue;
     return dispatch_tma<kTmaBuilt>(*p, sms, s);

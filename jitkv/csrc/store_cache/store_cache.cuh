@@ -69,21 +69,10 @@ extern "C" const char* jitkv_store_cache_launch(const jitkv::store_cache::Params
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include "jitkv/cuda/launch.cuh"
+
 namespace jitkv {
 namespace store_cache {
-
-// ---- programmatic dependent launch (SM90+; no-ops otherwise or when launched without it) ----
-__device__ __forceinline__ void pdl_wait() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 
 // ---- N-byte register packs (words, so they stay in whole registers), loaded read-only (sources)
 // and stored plainly (caches) ----
@@ -338,8 +327,8 @@ template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8, bo
 __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
     store_cache_kernel(const __grid_constant__ Params p) {
   using Cv = Convert<kSrc, kFp8, kBulk>;
-  pdl_wait();  // sources and indices may come from the previous kernel
-  pdl_launch_dependents();
+  cuda::pdl_wait();  // sources and indices may come from the previous kernel
+  cuda::pdl_launch_dependents();
   const int64_t token = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (token >= p.n) return;
   const int64_t slot = resolve_slot(p, load_index(p.slots, p.slot_i64, token));

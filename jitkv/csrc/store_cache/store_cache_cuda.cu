@@ -87,16 +87,9 @@ template <int kVec, bool kBulk>
 cudaError_t launch(const Params& p, const DeviceInfo& info, cudaStream_t stream) {
   const int64_t chunks = chunks_per_token(p, kBulk);
   const int wpb = warps_per_block(p.n * chunks, info.sms);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks));
-  cfg.blockDim = dim3(32 * wpb);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = (JITKV_PDL && info.major >= 9) ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, kBulk>, p);
+  return jitkv::cuda::launch(store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, kBulk>,
+                             dim3(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks)),
+                             dim3(32 * wpb), stream, JITKV_PDL && info.major >= 9, p);
 }
 
 template <int kVec>
