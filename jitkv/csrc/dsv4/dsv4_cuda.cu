@@ -19,7 +19,7 @@
 // buffer much longer than the gathers costs O(R) per CTA.
 //
 // Both kernels launch with programmatic dependent launch on SM90+ (jitkv/cuda/launch.cuh).
-// JITKV_DSV4_{WRITE_TOK,GATHER_WARPS,GATHER_TOK} are tuning knobs; the defaults measured best on an H200
+// JITKV_DSV4_{WRITE_TOK,GATHER_WARPS,GATHER_TOK,GATHER_WAVES} are tuning knobs; the defaults measured best on an H200
 // (1/2/4/8 tokens per warp and 4/8 warps per CTA were within 3 % of each other at the sizes of issue 5).
 #include <cuda_runtime.h>
 
@@ -41,6 +41,9 @@
 #ifndef JITKV_DSV4_GATHER_TOK
 #define JITKV_DSV4_GATHER_TOK 2
 #endif
+#ifndef JITKV_DSV4_GATHER_WAVES  // grid cap, in resident-CTA waves
+#define JITKV_DSV4_GATHER_WAVES 1
+#endif
 
 namespace {
 
@@ -51,6 +54,7 @@ constexpr int kWriteWarps = 8;
 constexpr int kWriteTok = JITKV_DSV4_WRITE_TOK;
 constexpr int kGatherWarps = JITKV_DSV4_GATHER_WARPS;
 constexpr int kGatherTok = JITKV_DSV4_GATHER_TOK;
+constexpr int64_t kGatherWaves = JITKV_DSV4_GATHER_WAVES;
 constexpr uint32_t kMinAmaxBits = 0x38D1B717u;  // bits of 1e-4f
 constexpr uint32_t kNoScaleExp = 128;           // exponent of a group whose amax is inf or NaN
 static_assert(kWriteTok <= 32 && kGatherTok <= 32, "one lane resolves each token of a warp");
@@ -473,7 +477,8 @@ extern "C" int jitkv_dsv4_dequant_gather(int device, void* stream, void* out, in
                  (rows + kTile - 1) / kTile, 0};
   p.num_tiles = num_reqs * p.tiles_per_req;
   const DeviceInfo info = device_info(device);
-  const int64_t grid = p.num_tiles < info.gather_ctas ? p.num_tiles : info.gather_ctas;
+  const int64_t cap = kGatherWaves * info.gather_ctas;
+  const int64_t grid = p.num_tiles < cap ? p.num_tiles : cap;
   return static_cast<int>(jitkv::cuda::launch(dsv4_gather_kernel, dim3(static_cast<unsigned>(grid)),
                                               dim3(kGatherWarps * 32), static_cast<cudaStream_t>(stream),
                                               info.pdl, p));
