@@ -189,6 +189,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   __shared__ alignas(128) char smem[Smem::kTotal];
 
   // loc and the sources may come from the previous kernel; then let the next PDL kernel launch.
+  cuda::warm_params(p);
   cuda::pdl_wait();
   cuda::pdl_launch_dependents();
   const int lane = threadIdx.x & 31;

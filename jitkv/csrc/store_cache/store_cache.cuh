@@ -327,6 +327,7 @@ template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8, bo
 __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
     store_cache_kernel(const __grid_constant__ Params p) {
   using Cv = Convert<kSrc, kFp8, kBulk>;
+  cuda::warm_params(p);
   cuda::pdl_wait();  // sources and indices may come from the previous kernel
   cuda::pdl_launch_dependents();
   const int64_t token = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);

@@ -25,6 +25,25 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// Reads one word of every 64-byte constant-cache line of a kernel's parameter block and waits for
+// them (their XOR goes to a shared-memory word, so the loads cannot be dropped). Called before
+// pdl_wait(), so under PDL it overlaps the previous kernel; otherwise the first use of each line
+// after the slot load would be a constant-cache miss on the critical path (slot -> source -> store).
+// Params must be a __grid_constant__ kernel parameter (taking the address of any other parameter
+// makes a local copy).
+template <typename Params>
+__device__ __forceinline__ void warm_params(const Params& params) {
+  static_assert(sizeof(Params) >= 4 && alignof(Params) >= 4, "parameter block of whole words");
+  __shared__ unsigned sink;
+  const unsigned* words = reinterpret_cast<const unsigned*>(&params);
+  constexpr unsigned kWords = sizeof(Params) / 4;
+  unsigned x = words[kWords - 1];
+#pragma unroll
+  for (unsigned w = 0; w < kWords; w += 16) x ^= words[w];  // 16 words = 64 bytes
+  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(&sink));
+  asm volatile("st.volatile.shared.u32 [%0], %1;" ::"r"(at), "r"(x) : "memory");
+}
+
 // Launches kernel<<<grid, block, 0, stream>>>(args...), with PDL when `pdl` (callers pass false below
 // sm_90, where the attribute does not exist).
 template <typename... KArgs, typename... Args>
