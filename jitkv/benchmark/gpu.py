@@ -236,14 +236,17 @@ def host_overhead_rows() -> list[Row]:
     kc = torch.empty(4096, 8, 128, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(1, 8, 128, device="cuda").bfloat16()
     loc = torch.tensor([7], device="cuda")
-    from jitkv.ops import mla  # noqa: PLC0415
+    from jitkv.ops import mla, store_cache  # noqa: PLC0415
     from jitkv.ops._common import jit_function  # noqa: PLC0415
 
-    raw, _ = jit_function(mla.cuda_spec(jitkv.jit.toolchain.cuda_arch(torch.device("cuda")), 1024, 128), "set_mla_kv_buffer")
+    arch = jitkv.jit.toolchain.cuda_arch(torch.device("cuda"))
+    raw, _ = jit_function(mla.cuda_spec(arch, 1024, 128), "set_mla_kv_buffer")
+    raw_sc, _ = jit_function(store_cache.cuda_spec(arch, 256, 256, 0, 0), "store_cache")
     calls = {
         "set_mla_kv_buffer": lambda: jitkv.set_mla_kv_buffer(buf, loc, nope, rope),
         "set_mla_kv_buffer (bare tvm-ffi binding)": lambda: raw(buf, loc, nope, rope, -1, 0),
         "store_cache": lambda: jitkv.store_cache(k, k, kc, kc, loc),
+        "store_cache (bare tvm-ffi binding)": lambda: raw_sc(k, k, kc, kc, loc, None, -1, 0, None, None, -1.0, -1.0),
         "torch index (MLA)": lambda: buf.__setitem__((loc, slice(0, 512)), nope),
     }
     rows = []

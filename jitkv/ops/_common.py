@@ -38,13 +38,6 @@ def debug_checks() -> bool:
     return env_flag("JITKV_DEBUG")
 
 
-def device_of(op: str, name: str, t) -> torch.device:
-    try:
-        return t.device
-    except AttributeError:
-        raise TypeError(f"{op}: {name}: expected a torch.Tensor, got {type(t).__name__}") from None
-
-
 def device_index(op: str, name: str, t) -> int:
     """-1 for a CPU tensor, else the CUDA device index (cheaper than ``t.device``)."""
     try:

@@ -61,6 +61,7 @@ class Dispatcher:
         self.factories: dict[str, Factory] = {}
         self._memo: dict[tuple, Callable] = {}
         self._cpu: dict[str | None, Callable] = {}  # hot path: keyed by backend alone
+        self._cuda: dict[tuple, Callable] = {}  # hot path: keyed by (device index, backend, variant)
 
     def register(self, name: str):
         def deco(factory: Factory) -> Factory:
@@ -85,9 +86,23 @@ class Dispatcher:
             fn = self._cpu[backend] = self.get(_CPU, backend)
         return fn
 
+    def get_cuda(self, index: int, backend: str | None = None, variant: tuple = ()) -> Callable:
+        """``get`` for CUDA device ``index`` (``tensor.get_device()``), without building a torch.device
+        per call (0.2 us of the eager host cost)."""
+        key = (index, backend, variant)
+        fn = self._cuda.get(key)
+        if fn is None:
+            fn = self._cuda[key] = self.get(torch.device("cuda", index), backend, variant)
+        return fn
+
+    def get_for_index(self, index: int, backend: str | None = None) -> Callable:
+        """``get_cpu`` for index -1, else ``get_cuda`` (ops without CUDA variants)."""
+        return self.get_cpu(backend) if index < 0 else self.get_cuda(index, backend)
+
     def reset(self) -> None:
         self._memo.clear()
         self._cpu.clear()
+        self._cuda.clear()
 
     def _resolve(self, device: torch.device, forced: str | None, variant: tuple) -> Callable:
         order = self.order.get(device.type)

@@ -8,7 +8,7 @@ import torch
 from .. import reference
 from ..jit import JitSpec
 from . import _validate
-from ._common import cuda_target, debug_checks, device_of, jit_function, name_ffi_type_error, require_triton
+from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_type_error, require_triton
 from ._dispatch import Dispatcher
 
 WRITE_OP = "quantize_and_insert_k_cache"
@@ -103,8 +103,7 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, *, block_size=64, back
     """
     if torch.compiler.is_compiling():
         return torch.ops.jitkv.quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size, backend)
-    device = device_of(WRITE_OP, "k_cache", k_cache)
-    _WRITE.get(device, backend)(k, k_cache, slot_mapping, block_size)
+    _WRITE.get_for_index(device_index(WRITE_OP, "k_cache", k_cache), backend)(k, k_cache, slot_mapping, block_size)
 
 
 def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset=0, *, backend=None):
@@ -133,8 +132,8 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
     if torch.compiler.is_compiling():
         return torch.ops.jitkv.dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table,
                                                             block_size, offset, backend)
-    device = device_of(GATHER_OP, "out", out)
-    _GATHER.get(device, backend)(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset)
+    _GATHER.get_for_index(device_index(GATHER_OP, "out", out), backend)(out, k_cache, seq_lens, gather_lens,
+                                                                       block_table, block_size, offset)
 
 
 # ------------------------------------------------------------------------------------ validation

@@ -44,10 +44,11 @@ def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, skip_slot=N
     """
     if is_compiling():
         return torch.ops.jitkv.set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot, backend)
-    if device_index(OP, "kv_buffer", kv_buffer) < 0:  # CPU: the hot path skips building a torch.device
+    index = device_index(OP, "kv_buffer", kv_buffer)
+    if index < 0:
         impl = _DISPATCH.get_cpu(backend)
     else:
-        impl = _DISPATCH.get(kv_buffer.device, backend, _cuda_variant(cache_k_nope, cache_k_rope))
+        impl = _DISPATCH.get_cuda(index, backend, _cuda_variant(cache_k_nope, cache_k_rope))
     impl(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot)
 
 

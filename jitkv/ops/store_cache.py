@@ -69,10 +69,11 @@ def store_cache(
         return torch.ops.jitkv.store_cache(
             k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, ks_t, ks_v, vs_t, vs_v, loc_map, skip_slot, backend
         )
-    if device_index(OP, "k_cache", k_cache) < 0:  # CPU: the hot path skips building a torch.device
+    index = device_index(OP, "k_cache", k_cache)
+    if index < 0:
         impl = _DISPATCH.get_cpu(backend)
     else:
-        impl = _DISPATCH.get(k_cache.device, backend, _cuda_variant(k, k_cache, v, v_cache, kv_cache_dtype))
+        impl = _DISPATCH.get_cuda(index, backend, _cuda_variant(k, k_cache, v, v_cache, kv_cache_dtype))
     impl(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot)
 
 
@@ -98,15 +99,26 @@ def _cuda_variant(k, k_cache, v, v_cache, kv_cache_dtype) -> tuple:
     then raises the precise error."""
     try:
         kv = _KV_CODE[kv_cache_dtype]
+        kb, vb = _head_bytes(k, k_cache, v, v_cache)
         src = _SRC_CODE.get(k.dtype, 0) if kv else 0
-        h = _num_heads(k, k_cache, v, v_cache)
-        kb = math.prod(k.shape[1:]) // h * k_cache.element_size()
-        vb = math.prod(v.shape[1:]) // h * v_cache.element_size()
     except (AttributeError, KeyError, TypeError, ZeroDivisionError):
         return (*GENERIC, 0, 0)
     if kb % 16 or vb % 16 or kb <= 0 or vb <= 0:
         kb, vb = GENERIC
     return (kb, vb, src, kv)
+
+
+def _head_bytes(k, k_cache, v, v_cache) -> tuple[int, int]:
+    """Cache bytes per K and V head. Runs on every eager call: caches with a head dim (3-D flat,
+    4-D paged) give head_dim as their last dim (0.5 us of Python instead of 2 us)."""
+    if k_cache.dim() > 2 and v_cache.dim() > 2:
+        return k_cache.shape[-1] * k_cache.element_size(), v_cache.shape[-1] * v_cache.element_size()
+    return _head_bytes_any_layout(k, k_cache, v, v_cache)
+
+
+def _head_bytes_any_layout(k, k_cache, v, v_cache) -> tuple[int, int]:
+    h = _num_heads(k, k_cache, v, v_cache)
+    return math.prod(k.shape[1:]) // h * k_cache.element_size(), math.prod(v.shape[1:]) // h * v_cache.element_size()
 
 
 def _num_heads(k, k_cache, v, v_cache) -> int:

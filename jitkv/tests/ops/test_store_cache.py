@@ -87,6 +87,24 @@ def test_layouts(device, backend, layout, block_size):
     _run(k, v, kc, vc, slots(nb * block_size, n, torch.int32, device), backend)
 
 
+@pytest.mark.parametrize("layout", ["flat3d", "nhd", "hnd"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("src_2d", [False, True])
+def test_cuda_variant_short_path_matches_any_layout(layout, cache_dtype, src_2d):
+    """The per-call head-bytes shortcut picks the same CUDA build as the general rule."""
+    from jitkv.ops.store_cache import _head_bytes, _head_bytes_any_layout
+
+    h, dk, dv, n = 8, 128, 64, 3
+    k, v = torch.empty(n, h, dk), torch.empty(n, h, dv)
+    if src_2d:
+        k, v = k.view(n, h * dk), v.view(n, h * dv)
+    kc = _cache(layout, 4, 16, h, dk, torch.bfloat16, "cpu").to(cache_dtype)
+    vc = _cache(layout, 4, 16, h, dv, torch.bfloat16, "cpu").to(cache_dtype)
+    got = _head_bytes(k, kc, v, vc)
+    assert got == _head_bytes_any_layout(k, kc, v, vc)
+    assert got == (dk * kc.element_size(), dv * vc.element_size())
+
+
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
 def test_sources_are_views_of_fused_qkv(device, backend):
     n, hq, h, d = 50, 32, 8, 128
