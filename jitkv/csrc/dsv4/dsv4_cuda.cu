@@ -18,13 +18,14 @@
 // R x out.shape[1] (graph-safe: no read of seq_lens on the host) but capped at 4 waves of resident
 // CTAs; CTAs loop over tiles and jump past a request's tiles once they lie beyond its gather length, so
 // an out buffer much longer than the gathers costs O(R) per CTA. Below the cap each CTA takes one tile
-// and the hardware balances them: with a 1-wave cap, 1 x 32768 tokens (2048 tiles over 792 resident
-// CTAs) ran 3 rounds where 2.6 were needed, 17.3 us against 16.5 us with the 4-wave cap (H200).
+// and the hardware balances them: with a 1-wave cap, 1 x 32768 tokens (then 2048 tiles over 792
+// resident CTAs) ran 3 rounds where 2.6 were needed, 17.3 us against 16.7 us with the 4-wave cap (H200).
 //
 // Both kernels launch with programmatic dependent launch on SM90+ (jitkv/cuda/launch.cuh).
 // JITKV_DSV4_{WRITE_TOK,GATHER_WARPS,GATHER_TOK,GATHER_WAVES} are tuning knobs; the defaults measured best on an H200
-// (1/2/4 tokens per warp and 4/8 warps per CTA were within 3 % of each other at the sizes of issue 5;
-// 4 and 64 waves gave the same times).
+// (1/2/4 tokens per warp were within 3 % of each other at the sizes of issue 5; 4 and 64 waves gave the
+// same times; 4 warps per CTA at 32 registers (16 CTAs per SM) beat 8 warps at 40 registers (6 CTAs
+// per SM) by 1-3 %: 1 x 32768 in 16.5 us instead of 16.7 us).
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -40,7 +41,7 @@
 #define JITKV_DSV4_WRITE_TOK 1
 #endif
 #ifndef JITKV_DSV4_GATHER_WARPS
-#define JITKV_DSV4_GATHER_WARPS 8
+#define JITKV_DSV4_GATHER_WARPS 4
 #endif
 #ifndef JITKV_DSV4_GATHER_TOK
 #define JITKV_DSV4_GATHER_TOK 2
@@ -59,6 +60,8 @@ constexpr int kWriteTok = JITKV_DSV4_WRITE_TOK;
 constexpr int kGatherWarps = JITKV_DSV4_GATHER_WARPS;
 constexpr int kGatherTok = JITKV_DSV4_GATHER_TOK;
 constexpr int64_t kGatherWaves = JITKV_DSV4_GATHER_WAVES;
+// Registers capped for a full SM (2048 threads, so 32 per thread): more warps, more loads in flight.
+constexpr int kGatherMinCtas = 2048 / (kGatherWarps * 32);
 constexpr uint32_t kMinAmaxBits = 0x38D1B717u;  // bits of 1e-4f
 constexpr uint32_t kNoScaleExp = 128;           // exponent of a group whose amax is inf or NaN
 static_assert(kWriteTok <= 32 && kGatherTok <= 32, "one lane resolves each token of a warp");
@@ -391,7 +394,7 @@ __device__ __forceinline__ void gather_tokens(const GatherParams& p, int64_t r, 
   }
 }
 
-__global__ void __launch_bounds__(kGatherWarps * 32) dsv4_gather_kernel(const __grid_constant__ GatherParams p) {
+__global__ void __launch_bounds__(kGatherWarps * 32, kGatherMinCtas) dsv4_gather_kernel(const __grid_constant__ GatherParams p) {
   jitkv::cuda::warm_params(p);
   jitkv::cuda::pdl_wait();  // the cache, seq_lens and block table may come from the previous kernel
   jitkv::cuda::pdl_launch_dependents();
