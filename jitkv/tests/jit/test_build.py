@@ -211,7 +211,8 @@ def _need_nvcc():
 
 
 def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
-    """The Hopper kernels compile with no GPU present (CI has nvcc, no GPU)."""
+    """The Hopper kernels (and the benchmark's latency-floor kernel) compile with no GPU present (CI has
+    nvcc, no GPU)."""
     _need_nvcc()
     from jitkv.prebuild import specs_for  # noqa: PLC0415
 
@@ -221,7 +222,9 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
         first_per_op.setdefault(spec.op, spec)
     generic_store = [s for s in specs_for("9.0a") if s.op == "store_cache_cuda" and s.args[0][1] == 0]
     assert set(first_per_op) == {"mla_cuda", "store_cache_cuda", "dsv4_cuda"} and generic_store
-    for spec in [*first_per_op.values(), *generic_store]:
+    from jitkv.benchmark.gpu import latency_floor_spec  # noqa: PLC0415
+
+    for spec in [*first_per_op.values(), *generic_store, latency_floor_spec("9.0a")]:
         artifact = ensure_built(spec)
         manifest = json.loads((artifact / "manifest.json").read_text())
         so = artifact / manifest["lib"]
