@@ -39,7 +39,8 @@ def graph_us(step_for_layer, *, replays=20) -> float:
 
 
 def copy_gbps(nbytes=2 << 30) -> float:
-    """Device-to-device copy bandwidth, bytes read + written."""
+    """Device-to-device copy bandwidth, bytes read + written: the best of 10 copies, so that every
+    fraction of it is conservative (the median moved by 2-3 % between runs on one H200)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -51,7 +52,7 @@ def copy_gbps(nbytes=2 << 30) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3)
-    return 2 * nbytes / sorted(times)[len(times) // 2] / 1e9
+    return 2 * nbytes / min(times) / 1e9
 
 
 @triton.jit
