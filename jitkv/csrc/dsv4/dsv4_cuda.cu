@@ -266,39 +266,40 @@ __global__ void __launch_bounds__(kWriteWarps * 32) dsv4_quant_insert_kernel(con
   const int lane = threadIdx.x & 31;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * kWriteWarps + (threadIdx.x >> 5)) * kWriteTok;
 
-  // Lane t < kWriteTok resolves the slot of token first + t: block base (-1: skip) and row.
-  int64_t base = -1;
-  int row = 0;
+  // Lane t < kWriteTok loads the slot of token first + t (-1: skip the token, nothing else is read).
+  int64_t slot = -1;
   if (lane < kWriteTok && first + lane < p.n) {
-    const int64_t slot = static_cast<int64_t>(__ldg(static_cast<const IdxT*>(p.slots) + first + lane));
-    if (slot >= 0 && slot < p.num_slots) {
-      const int64_t blk = slot / p.block_size;
-      base = blk * p.block_stride;
-      row = static_cast<int>(slot - blk * p.block_size);
-      // The 8-byte scale write is a partial 32-byte sector: with the sector already in L2 it is
-      // written back whole, instead of as a masked write the memory controller must merge
-      // (read-modify-write in DRAM). H200, 65,536 random token slots: 38.5 -> 34.6 us.
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(p.cache + base + scale_offset(p.block_size) + row * kScaleBytes));
-    }
+    const int64_t s = static_cast<int64_t>(__ldg(static_cast<const IdxT*>(p.slots) + first + lane));
+    if (s >= 0 && s < p.num_slots) slot = s;
   }
-
-  int64_t b[kWriteTok];
-  int rw[kWriteTok];
   uint4 xa[kWriteTok], xb[kWriteTok];
 #pragma unroll
   for (int t = 0; t < kWriteTok; ++t) {  // all rows in flight before the first conversion
-    b[t] = shfl64(base, t);
-    rw[t] = __shfl_sync(kFull, row, t);
+    const bool keep = shfl64(slot, t) >= 0;
     const uint16_t* src = p.k + (first + t) * p.k_stride;
-    xa[t] = ld_v4(src + 8 * lane, b[t] >= 0);
-    xb[t] = ld_v4(src + 256 + 8 * lane, b[t] >= 0);
+    xa[t] = ld_v4(src + 8 * lane, keep);
+    xb[t] = ld_v4(src + 256 + 8 * lane, keep);
+  }
+  // Block and row (a 64-bit division) while the rows are in flight, not before their loads.
+  int64_t base = -1;
+  int row = 0;
+  if (slot >= 0) {
+    const int64_t blk = slot / p.block_size;
+    base = blk * p.block_stride;
+    row = static_cast<int>(slot - blk * p.block_size);
+    // The 8-byte scale write is a partial 32-byte sector: with the sector already in L2 it is
+    // written back whole, instead of as a masked write the memory controller must merge
+    // (read-modify-write in DRAM). H200, 65,536 random token slots: 38.5 -> 34.6 us.
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p.cache + base + scale_offset(p.block_size) + row * kScaleBytes));
   }
 #pragma unroll
   for (int t = 0; t < kWriteTok; ++t) {
-    if (b[t] < 0) continue;
-    uint8_t* blk = p.cache + b[t];
-    quantize_token(xa[t], xb[t], blk + int64_t(rw[t]) * kDataBytes,
-                   blk + scale_offset(p.block_size) + rw[t] * kScaleBytes, lane);
+    const int64_t bt = shfl64(base, t);
+    const int rt = __shfl_sync(kFull, row, t);
+    if (bt < 0) continue;
+    uint8_t* blk = p.cache + bt;
+    quantize_token(xa[t], xb[t], blk + int64_t(rt) * kDataBytes, blk + scale_offset(p.block_size) + rt * kScaleBytes,
+                   lane);
   }
 }
 
