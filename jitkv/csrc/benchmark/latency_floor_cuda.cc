@@ -14,7 +14,6 @@ namespace {
 using jitkv::data_ptr;
 using tvm::ffi::TensorView;
 
-bool aligned16(const TensorView& t) { return reinterpret_cast<uintptr_t>(data_ptr(t)) % 16 == 0; }
 bool on_cuda(const TensorView& t) { return t.device().device_type == kDLCUDA; }
 int64_t nbytes(const TensorView& t) { return t.numel() * jitkv::elem_bytes(t.dtype()); }
 
@@ -22,9 +21,9 @@ int64_t nbytes(const TensorView& t) { return t.numel() * jitkv::elem_bytes(t.dty
 void latency_floor(TensorView dst, TensorView loc, TensorView src) {
   const int64_t row_bytes = dst.ndim() == 2 ? dst.stride(0) * jitkv::elem_bytes(dst.dtype()) : 0;
   const bool dst_ok = on_cuda(dst) && dst.ndim() == 2 && dst.size(1) * jitkv::elem_bytes(dst.dtype()) >= 16 &&
-                      row_bytes % 16 == 0 && aligned16(dst);
+                      row_bytes % 16 == 0 && jitkv::aligned16(data_ptr(dst));
   const bool loc_ok = on_cuda(loc) && loc.dtype().code == kDLInt && loc.dtype().bits == 64 && loc.numel() >= 1;
-  if (!dst_ok || !loc_ok || !on_cuda(src) || nbytes(src) < 16 || !aligned16(src)) {
+  if (!dst_ok || !loc_ok || !on_cuda(src) || nbytes(src) < 16 || !jitkv::aligned16(data_ptr(src))) {
     TVM_FFI_THROW(ValueError) << "latency_floor: expected CUDA tensors dst [rows, >= 16 bytes] (16-byte aligned "
                               << "rows), loc int64 [>= 1], src of >= 16 bytes (16-byte aligned)";
   }

@@ -26,6 +26,7 @@ extern "C" int jitkv_dsv4_dequant_gather(int device, void* stream, void* out, in
 
 namespace {
 
+using jitkv::aligned16;
 using jitkv::data_ptr;
 using jitkv::shape_str;
 using tvm::ffi::Optional;
@@ -35,8 +36,6 @@ namespace layout = jitkv::dsv4;
 constexpr DLDataType kBf16{kDLBfloat, 16, 1};
 constexpr DLDataType kUint8{kDLUInt, 8, 1};
 constexpr DLDataType kInt32{kDLInt, 32, 1};
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 void check_dtype(const char* op, const char* name, const TensorView& t, DLDataType want,
                  const char* want_name) {

@@ -61,14 +61,8 @@ inline MlaArgs parse_mla_args(const char* op, const TensorView& kv_buffer, const
 
   bool loc_i64 = check_index(op, "loc", loc);
   int64_t n = loc.numel();
-  if (k_nope.size(0) < n) {
-    TVM_FFI_THROW(ValueError) << op << ": k_nope: expected at least " << n << " rows (loc.numel()), got "
-                              << k_nope.size(0);
-  }
-  if (k_rope.size(0) < n) {
-    TVM_FFI_THROW(ValueError) << op << ": k_rope: expected at least " << n << " rows (loc.numel()), got "
-                              << k_rope.size(0);
-  }
+  check_rows_at_least(op, "k_nope", k_nope, n, "loc");
+  check_rows_at_least(op, "k_rope", k_rope, n, "loc");
 
   int64_t es = elem_bytes(dt);
   MlaArgs a;

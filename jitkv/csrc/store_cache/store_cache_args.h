@@ -266,14 +266,8 @@ inline StoreCacheArgs parse_store_cache_args(const char* op, const TensorView& k
 
   bool slot_i64 = check_index(op, "slot_mapping", slot_mapping);
   int64_t n = slot_mapping.numel();
-  if (k.size(0) < n) {
-    TVM_FFI_THROW(ValueError) << op << ": k: expected at least " << n << " rows (slot_mapping.numel()), got "
-                              << k.size(0);
-  }
-  if (v.size(0) < n) {
-    TVM_FFI_THROW(ValueError) << op << ": v: expected at least " << n << " rows (slot_mapping.numel()), got "
-                              << v.size(0);
-  }
+  check_rows_at_least(op, "k", k, n, "slot_mapping");
+  check_rows_at_least(op, "v", v, n, "slot_mapping");
 
   int64_t src_es = elem_bytes(src);
   StoreCacheArgs a;

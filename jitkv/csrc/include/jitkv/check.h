@@ -84,6 +84,17 @@ inline bool check_index(const char* op, const char* name, const TensorView& t) {
   return d.bits == 64;
 }
 
+// Sources carry at least one row per index entry (extra rows are never read).
+inline void check_rows_at_least(const char* op, const char* name, const TensorView& t, int64_t n,
+                                const char* index_name) {
+  if (t.size(0) < n) {
+    TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected at least " << n << " rows (" << index_name
+                              << ".numel()), got " << t.size(0);
+  }
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // Dtypes a plain (bitwise) row copy accepts: bf16, fp16, fp32, uint8, float8_e4m3fn, float8_e5m2.
 inline bool is_copy_dtype(DLDataType d) {
   if (d.lanes != 1) return false;
