@@ -281,6 +281,12 @@ struct SideChunk {
     return kHeadBytes ? uint32_t(kHeadBytes / kVec) : uint32_t(s.head_vecs);
   }
 
+  // Byte offset in its row of vector i (of vec_bytes bytes): head i / hv, heads head_stride apart.
+  __device__ __forceinline__ static int64_t vec_offset(uint32_t i, uint32_t hv, int64_t head_stride, int vec_bytes) {
+    const uint32_t h = i / hv;
+    return int64_t(h) * head_stride + int64_t(i - h * hv) * vec_bytes;
+  }
+
   __device__ __forceinline__ void load(const Side& s, int64_t token, uint32_t first, bool ok) {
     live = ok;
     if (!ok) return;
@@ -289,10 +295,7 @@ struct SideChunk {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint32_t i = first + 32 * u;
-      if (i < uint32_t(s.row_vecs)) {
-        const uint32_t h = i / hv;
-        data[u] = load_pack<kSrcVec>(row + int64_t(h) * s.src_stride_head + (i - h * hv) * int64_t(kSrcVec));
-      }
+      if (i < uint32_t(s.row_vecs)) data[u] = load_pack<kSrcVec>(row + vec_offset(i, hv, s.src_stride_head, kSrcVec));
     }
   }
 
@@ -305,9 +308,7 @@ struct SideChunk {
     for (int u = 0; u < kUnroll; ++u) {
       const uint32_t i = first + 32 * u;
       if (i < uint32_t(s.row_vecs)) {
-        const uint32_t h = i / hv;
-        char* dst = row + int64_t(h) * s.dst_stride_head + (i - h * hv) * int64_t(kVec);
-        store_pack<kVec>(dst, Cv::template run<kVec>(data[u], div));
+        store_pack<kVec>(row + vec_offset(i, hv, s.dst_stride_head, kVec), Cv::template run<kVec>(data[u], div));
       }
     }
   }
