@@ -64,22 +64,19 @@ def _gpu(ops):
     empty = gpu.empty_kernel_us()
     print(f"# jitkv GPU benchmark ({torch.cuda.get_device_name()}, torch {torch.__version__})")
     print(f"device-to-device copy: {bw:.0f} GB/s (read + write); empty kernel under graph replay: {empty:.2f} µs")
+    graph = "(CUDA graph, 8 layers, caches >> L2)"
+    sections = (  # (op selecting it or None for always, title, rows)
+        ("set_mla_kv_buffer", f"set_mla_kv_buffer {graph}", lambda: gpu.mla_rows(bw, empty)),
+        ("store_cache", f"store_cache {graph}", lambda: gpu.store_cache_rows(bw, empty)),
+        (None, "host cost per eager call (n = 1)", gpu.host_overhead_rows),
+        ("dsv4", f"DeepSeek-V4 FP8 K cache {graph}", lambda: gpu.dsv4_rows(bw, empty)),
+    )
     rows = []
-    if "set_mla_kv_buffer" in ops:
-        part = gpu.mla_rows(bw, empty)
-        print_table("set_mla_kv_buffer (CUDA graph, 8 layers, caches >> L2)", part)
-        rows += part
-    if "store_cache" in ops:
-        part = gpu.store_cache_rows(bw, empty)
-        print_table("store_cache (CUDA graph, 8 layers, caches >> L2)", part)
-        rows += part
-    part = gpu.host_overhead_rows()
-    print_table("host cost per eager call (n = 1)", part)
-    rows += part
-    if "dsv4" in ops:
-        part = gpu.dsv4_rows(bw, empty)
-        print_table("DeepSeek-V4 FP8 K cache (CUDA graph, 8 layers, caches >> L2)", part)
-        rows += part
+    for op, title, run in sections:
+        if op is None or op in ops:
+            part = run()
+            print_table(title, part)
+            rows += part
     return rows
 
 

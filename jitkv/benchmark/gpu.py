@@ -68,15 +68,15 @@ def latency_floor_spec(arch: str):
                    target=arch, exports=("latency_floor",))
 
 
-def latency_floor_us() -> float:
+def latency_floor_us(bufs) -> float:
     """The floor for an n = 1 KV write under the same graph replay: one thread, PDL, slot load ->
-    16-byte source load -> store (csrc/benchmark/latency_floor_cuda.cu), into 8 layers of 302 MB."""
+    16-byte source load -> store (csrc/benchmark/latency_floor_cuda.cu), into ``bufs[layer]``
+    (one [rows, >= 16 bytes] cache per layer)."""
     from jitkv.ops._common import jit_function  # noqa: PLC0415
 
     fn, _ = jit_function(latency_floor_spec(jitkv.jit.toolchain.cuda_arch(torch.device("cuda"))), "latency_floor")
-    bufs = [torch.empty(262144, 576, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
     srcs = [torch.randn(1, 576, device="cuda").bfloat16() for _ in range(LAYERS)]
-    locs = [torch.randint(0, 262144, (1,), device="cuda") for _ in range(LAYERS)]
+    locs = [torch.randint(0, b.shape[0], (1,), device="cuda") for b in bufs]
     return graph_us(lambda i: fn(bufs[i], locs[i], srcs[i]))
 
 
@@ -141,7 +141,7 @@ def mla_rows(bw: float, empty_us: float, ns=MLA_NS) -> list[Row]:
     bufs = [torch.empty(rows_per_layer, 576, dtype=torch.bfloat16, device="cuda").normal_() for _ in range(LAYERS)]
     spec = mla.cuda_spec(jitkv.jit.toolchain.cuda_arch(torch.device("cuda")), 1024, 128)
     fn, _ = jit_function(spec, "set_mla_kv_buffer")
-    floor_us = latency_floor_us()
+    floor_us = latency_floor_us(bufs)
     rows = [Row("empty kernel", "triton, graph", 0, "—", empty_us, 0, None, bw),
             Row("latency floor", "slot -> 16 B -> store, 1 thread, PDL", 1, "jit", floor_us, 32, None, bw,
                 {"x_empty": round(floor_us / empty_us, 2)})]
