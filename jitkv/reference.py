@@ -124,6 +124,15 @@ def _dsv4_rows(k_cache, block_size):
     return k_cache.as_strided((k_cache.shape[0], block_size * DSV4_TOKEN_BYTES), (k_cache.stride(0), 1))
 
 
+def _dsv4_columns(pos, block_size):
+    """Byte columns, within a block row of ``_dsv4_rows``, of the data [m, 576] and the scales [m, 8]
+    of tokens at positions ``pos`` [m, 1] of their blocks."""
+    dev = pos.device
+    data = pos * DSV4_DATA_BYTES + torch.arange(DSV4_DATA_BYTES, device=dev)
+    scales = block_size * DSV4_DATA_BYTES + pos * DSV4_SCALE_BYTES + torch.arange(DSV4_SCALE_BYTES, device=dev)
+    return data, scales
+
+
 def dsv4_quantize_tokens(x):
     """x bf16 [m, 512] -> (data uint8 [m, 576], scales uint8 [m, 8])."""
     m = x.shape[0]
@@ -164,10 +173,10 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, *, block_size=64):
     if not slots.numel():
         return
     data, scales = dsv4_quantize_tokens(k[keep])
-    blk, pos = (slots // block_size).unsqueeze(1), (slots % block_size).unsqueeze(1)
-    dev = k.device
-    rows[blk, pos * DSV4_DATA_BYTES + torch.arange(DSV4_DATA_BYTES, device=dev)] = data
-    rows[blk, block_size * DSV4_DATA_BYTES + pos * DSV4_SCALE_BYTES + torch.arange(DSV4_SCALE_BYTES, device=dev)] = scales
+    blk = (slots // block_size).unsqueeze(1)
+    data_cols, scale_cols = _dsv4_columns((slots % block_size).unsqueeze(1), block_size)
+    rows[blk, data_cols] = data
+    rows[blk, scale_cols] = scales
 
 
 def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset=0):
@@ -198,9 +207,8 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
     else:
         phys = torch.where(valid, phys, torch.zeros_like(phys)).reshape(-1, 1)
         row = torch.where(valid, pos % block_size, torch.zeros_like(pos)).reshape(-1, 1)
-        data = rows[phys, row * DSV4_DATA_BYTES + torch.arange(DSV4_DATA_BYTES, device=dev)]
-        scales = rows[phys, block_size * DSV4_DATA_BYTES + row * DSV4_SCALE_BYTES + torch.arange(DSV4_SCALE_BYTES, device=dev)]
-        val = dsv4_dequantize_tokens(data, scales).reshape(num_reqs, n_rows, 512)
+        data_cols, scale_cols = _dsv4_columns(row, block_size)
+        val = dsv4_dequantize_tokens(rows[phys, data_cols], rows[phys, scale_cols]).reshape(num_reqs, n_rows, 512)
         val = torch.where(valid.unsqueeze(-1), val, torch.zeros_like(val))
     dst = out[:, offset:]
     dst.copy_(torch.where(write.unsqueeze(-1), val, dst))
