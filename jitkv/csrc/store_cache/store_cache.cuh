@@ -140,6 +140,7 @@ struct Divider {
   float s, r;
   uint32_t lo, span;  // fast iff biased exponent of x - lo < span (unsigned), or x == +-0
 
+  Divider() = default;
   __device__ __forceinline__ explicit Divider(float scale) : s(scale) {
     float r0;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(scale));
@@ -171,7 +172,6 @@ struct Convert {
   static constexpr int kRatio = src_ratio(kSrc, kFp8);
   static constexpr int kUnroll = chunk_unroll(kSrc, kFp8, kBulk);
   static_assert(kQuant == (kSrc != SrcType::kBytes), "fp8 builds need a bf16/fp16/fp32 source type");
-  static_assert(kQuant || kBulk, "copies have one kernel");
   static constexpr __nv_fp8_interpretation_t kFmt = kFp8 == Fp8::kE4M3 ? __NV_E4M3 : __NV_E5M2;
 
   // Element i of a source pack as float (exact for every source type).
@@ -266,16 +266,25 @@ __device__ __forceinline__ char* slot_row(const Side& s, int64_t slot) {
   return s.dst + blk * s.dst_stride_block + off * s.dst_stride_token;
 }
 
-// ---- one side (K or V) of one chunk: loads into registers, then stores ----
+// ---- one side (K or V) of one chunk ----
+// prepare() does everything that does not depend on the slot (vector offsets in the source and
+// destination rows, the fp8 scale and its reciprocal); load() and store() then only add offsets to
+// two row pointers. kPin (latency kernels) keeps prepare()'s work before the kernel's padding check,
+// where it runs while the slot load is in flight: otherwise the compiler sinks it to its first use,
+// after the slot, and a lone warp at a few cycles per instruction puts ~400 instructions on the
+// latency of an n = 1 write. Bulk kernels leave it sunk (fewer live registers, more warps per SM).
 // kHeadBytes: destination bytes per head when compiled in, 0 when taken from Side::head_vecs.
-template <int kHeadBytes, int kVec, class Cv>
+template <int kHeadBytes, int kVec, class Cv, bool kPin>
 struct SideChunk {
   static constexpr int kSrcVec = kVec * Cv::kRatio;
   static constexpr int kUnroll = Cv::kUnroll;
   static_assert(kHeadBytes % kVec == 0, "head bytes must be a multiple of the vector width");
 
   Pack<kSrcVec> data[kUnroll];
-  bool live;
+  uint64_t src_addr[kUnroll];  // this lane's source vectors
+  int64_t dst_off[kUnroll];    // and their byte offsets in the destination row
+  int32_t count;               // vectors u < count lie in the row (after load(): are written)
+  Divider div;                 // fp8 only
 
   __device__ __forceinline__ static uint32_t head_vecs(const Side& s) {
     return kHeadBytes ? uint32_t(kHeadBytes / kVec) : uint32_t(s.head_vecs);
@@ -287,30 +296,34 @@ struct SideChunk {
     return int64_t(h) * head_stride + int64_t(i - h * hv) * vec_bytes;
   }
 
-  __device__ __forceinline__ void load(const Side& s, int64_t token, uint32_t first, bool ok) {
-    live = ok;
-    if (!ok) return;
-    const char* row = s.src + token * s.src_stride_token;
-    const uint32_t hv = head_vecs(s);
+  __device__ __forceinline__ void prepare(const Side& s, int64_t token, uint32_t first) {
+    const uint32_t hv = head_vecs(s), row_vecs = uint32_t(s.row_vecs);
+    const uint64_t src_row = reinterpret_cast<uint64_t>(s.src) + token * s.src_stride_token;
+    count = first < row_vecs ? min(kUnroll, int32_t((row_vecs - first + 31) / 32)) : 0;
+    if constexpr (kPin) asm volatile("" : "+r"(count));
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint32_t i = first + 32 * u;
-      if (i < uint32_t(s.row_vecs)) data[u] = load_pack<kSrcVec>(row + vec_offset(i, hv, s.src_stride_head, kSrcVec));
+      src_addr[u] = src_row + vec_offset(i, hv, s.src_stride_head, kSrcVec);
+      dst_off[u] = vec_offset(i, hv, s.dst_stride_head, kVec);
+      if constexpr (kPin) asm volatile("" : "+l"(src_addr[u]), "+l"(dst_off[u]));
     }
+    if constexpr (Cv::kQuant) div = Divider(s.scale_ptr ? __ldg(s.scale_ptr) : s.scale);
   }
 
-  __device__ __forceinline__ void store(const Side& s, int64_t slot, uint32_t first) const {
-    if (!live) return;
-    const Divider div(!Cv::kQuant ? 1.0f : s.scale_ptr ? __ldg(s.scale_ptr) : s.scale);
-    char* row = slot_row(s, slot);
-    const uint32_t hv = head_vecs(s);
+  __device__ __forceinline__ void load(bool ok) {
+    if (!ok) count = 0;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const uint32_t i = first + 32 * u;
-      if (i < uint32_t(s.row_vecs)) {
-        store_pack<kVec>(row + vec_offset(i, hv, s.dst_stride_head, kVec), Cv::template run<kVec>(data[u], div));
-      }
-    }
+    for (int u = 0; u < kUnroll; ++u)
+      if (u < count) data[u] = load_pack<kSrcVec>(reinterpret_cast<const char*>(src_addr[u]));
+  }
+
+  __device__ __forceinline__ void store(const Side& s, int64_t slot) const {
+    if (count == 0) return;
+    char* row = slot_row(s, slot);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (u < count) store_pack<kVec>(row + dst_off[u], Cv::template run<kVec>(data[u], div));
   }
 };
 
@@ -333,15 +346,18 @@ __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
   cuda::pdl_launch_dependents();
   const int64_t token = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (token >= p.n) return;
-  const int64_t slot = resolve_slot(p, load_index(p.slots, p.slot_i64, token));
-  if (slot < 0) return;  // padding: nothing else is read
+  const int64_t entry = load_index(p.slots, p.slot_i64, token);  // in flight during prepare()
   const uint32_t first = blockIdx.y * (32 * Cv::kUnroll) + (threadIdx.x & 31);
-  SideChunk<kKHeadBytes, kVec, Cv> k;
-  SideChunk<kVHeadBytes, kVec, Cv> v;
-  k.load(p.k, token, first, slot < p.k.num_slots);  // out-of-range slots are never written
-  v.load(p.v, token, first, slot < p.v.num_slots);
-  k.store(p.k, slot, first);
-  v.store(p.v, slot, first);
+  SideChunk<kKHeadBytes, kVec, Cv, !kBulk> k;
+  SideChunk<kVHeadBytes, kVec, Cv, !kBulk> v;
+  k.prepare(p.k, token, first);
+  v.prepare(p.v, token, first);
+  const int64_t slot = resolve_slot(p, entry);
+  if (slot < 0) return;  // padding: nothing else is read
+  k.load(slot < p.k.num_slots);  // out-of-range slots are never written
+  v.load(slot < p.v.num_slots);
+  k.store(p.k, slot);
+  v.store(p.v, slot);
 }
 
 }  // namespace store_cache

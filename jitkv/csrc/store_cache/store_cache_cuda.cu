@@ -22,6 +22,9 @@
 
 #include "store_cache/store_cache.cuh"
 
+#ifndef JITKV_SC_LATENCY
+#define JITKV_SC_LATENCY 1
+#endif
 #ifndef JITKV_PDL
 #define JITKV_PDL 1
 #endif
@@ -38,7 +41,6 @@ constexpr bool kGeneric = kKHeadBytes == 0;
 static_assert((kKHeadBytes == 0) == (kVHeadBytes == 0), "K and V are both specialised or both generic");
 static_assert(kKHeadBytes % 16 == 0 && kVHeadBytes % 16 == 0, "specialised head bytes must be multiples of 16");
 
-constexpr bool kQuant = kFp8 != Fp8::kNone;
 constexpr int kMaxDevices = 64;
 constexpr int64_t kLatencyWarpsPerSM = 16;  // half of the warps an SM holds at 64 registers
 
@@ -97,9 +99,8 @@ cudaError_t launch(const Params& p, int device, cudaStream_t stream) {
   DeviceInfo info;
   cudaError_t err = device_info(device, &info);
   if (err != cudaSuccess) return err;
-  if constexpr (kQuant) {
-    if (p.n * chunks_per_token(p, false) <= kLatencyWarpsPerSM * info.sms) return launch<kVec, false>(p, info, stream);
-  }
+  if (JITKV_SC_LATENCY && p.n * chunks_per_token(p, false) <= kLatencyWarpsPerSM * info.sms)
+    return launch<kVec, false>(p, info, stream);
   return launch<kVec, true>(p, info, stream);
 }
 
