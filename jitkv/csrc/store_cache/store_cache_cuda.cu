@@ -11,9 +11,9 @@
 //   JITKV_KV_DTYPE   0 auto, 1 fp8_e4m3, 2 fp8_e5m2 (jitkv::KVDtype values).
 //   JITKV_PDL (optional, default 1): launch with programmatic dependent launch on SM90+, so the
 //       launch overlaps the tail of the previous kernel (the kernel waits for it before any read).
-// Launch shape: one warp per (token, chunk); 1, 2, 4 or 8 warps per block so that small n spreads over
-// SMs and large n fills them. fp8 builds hold two kernels (store_cache.cuh): the latency kernel while
-// its warps fit in kLatencyWarpsPerSM per SM, the bulk kernel beyond.
+// Launch shape: one warp per (token, chunk[, side]); 1, 2, 4 or 8 warps per block so that small n
+// spreads over SMs and large n fills them. Each build holds two kernels (store_cache.cuh): the latency
+// kernel while its warps per token side fit in kLatencyWarpsPerSM per SM, the bulk kernel beyond.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -22,9 +22,6 @@
 
 #include "store_cache/store_cache.cuh"
 
-#ifndef JITKV_SC_LATENCY
-#define JITKV_SC_LATENCY 1
-#endif
 #ifndef JITKV_PDL
 #define JITKV_PDL 1
 #endif
@@ -90,7 +87,8 @@ cudaError_t launch(const Params& p, const DeviceInfo& info, cudaStream_t stream)
   const int64_t chunks = chunks_per_token(p, kBulk);
   const int wpb = warps_per_block(p.n * chunks, info.sms);
   return jitkv::cuda::launch(store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, kBulk>,
-                             dim3(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks)),
+                             dim3(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks),
+                                  split_sides(kFp8, kKHeadBytes, kVHeadBytes, kBulk) ? 2u : 1u),
                              dim3(32 * wpb), stream, JITKV_PDL && info.major >= 9, p);
 }
 
@@ -99,7 +97,7 @@ cudaError_t launch(const Params& p, int device, cudaStream_t stream) {
   DeviceInfo info;
   cudaError_t err = device_info(device, &info);
   if (err != cudaSuccess) return err;
-  if (JITKV_SC_LATENCY && p.n * chunks_per_token(p, false) <= kLatencyWarpsPerSM * info.sms)
+  if (p.n * chunks_per_token(p, false) <= kLatencyWarpsPerSM * info.sms)
     return launch<kVec, false>(p, info, stream);
   return launch<kVec, true>(p, info, stream);
 }

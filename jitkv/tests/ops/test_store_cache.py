@@ -10,7 +10,7 @@ import torch
 
 import jitkv
 from jitkv import reference
-from jitkv.tests.conftest import DEVICES, assert_bitwise, rand, slots
+from jitkv.tests.conftest import DEVICES, assert_bitwise, gpu, rand, slots
 
 BACKENDS = {"cpu": ["jit", "torch"], "cuda": ["jit", "triton", "torch"]}
 DEV_BACKENDS = [(d, b) for d in DEVICES for b in BACKENDS[d]]
@@ -288,3 +288,99 @@ def test_out_of_range_gpu_skipped_or_raises_under_debug(backend, monkeypatch):
     finally:
         monkeypatch.undo()
         op.reset()
+
+
+# ------------------------------------------------------------------------------- GPU-only cases
+
+
+def _fp8_case(n, h, dk, dv, num_slots, device, kv_dtype):
+    """Sources, caches and keyword arguments for one store_cache call ("auto" or an fp8 format)."""
+    if kv_dtype == "auto":
+        k, v = rand((n, h, dk), torch.bfloat16, device), rand((n, h, dv), torch.bfloat16, device)
+        return k, v, rand((num_slots, h, dk), torch.bfloat16, device), rand((num_slots, h, dv), torch.bfloat16, device), {}
+    k, v = _wide_range((n, h, dk), torch.bfloat16, device), _wide_range((n, h, dv), torch.bfloat16, device)
+    kc, vc = rand((num_slots, h, dk), torch.float8_e4m3fn, device), rand((num_slots, h, dv), torch.float8_e4m3fn, device)
+    scales = dict(k_scale=torch.tensor([0.37], device=device), v_scale=torch.tensor([2.5], device=device))
+    return k, v, kc, vc, dict(kv_cache_dtype=kv_dtype, **scales)
+
+
+@gpu
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize(
+    "h,dk,dv,n",
+    [(8, 128, 128, 1), (8, 128, 128, 3000), (32, 128, 128, 700), (8, 128, 64, 5), (8, 128, 64, 3000), (4, 36, 36, 9),
+     (4, 36, 36, 2500)],
+)
+def test_latency_and_bulk_kernels(kv_dtype, h, dk, dv, n):
+    """Small n runs the CUDA latency kernel (fp8 with equal K and V heads: K and V in separate warps),
+    large n the bulk kernel (rows of 2 KB or more split across warps); 36-dim heads take the generic
+    build. Each writes the reference's bytes over the whole caches."""
+    k, v, kc, vc, kw = _fp8_case(n, h, dk, dv, 4096, "cuda", kv_dtype)
+    sm = slots(4096, n, torch.int64, "cuda")
+    sm[::7] = -1
+    _run(k, v, kc, vc, sm, "jit", **kw)
+
+
+@gpu
+@pytest.mark.parametrize("backend", ["jit", "triton"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("n", [1, 64, 3000])
+def test_cuda_graph_replay_with_new_inputs_and_scales(backend, kv_dtype, n):
+    """A captured store_cache replays with new slots, sources and (fp8) device-tensor scales."""
+    k, v, kc, vc, kw = _fp8_case(n, 8, 128, 128, 8192, "cuda", kv_dtype)
+    sm = slots(8192, n, torch.int32, "cuda")
+    jitkv.store_cache(k, v, kc, vc, sm, backend=backend, **kw)  # build/compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        jitkv.store_cache(k, v, kc, vc, sm, backend=backend, **kw)
+    for step in range(3):
+        sm.copy_(slots(8192, n, torch.int32, "cuda"))
+        k.copy_(rand(k.shape, torch.bfloat16, "cuda"))
+        v.copy_(rand(v.shape, torch.bfloat16, "cuda"))
+        if kw:
+            kw["k_scale"].fill_(0.5 + step)
+            kw["v_scale"].fill_(0.125 * (step + 1))
+        ref_k, ref_v = kc.clone(), vc.clone()
+        reference.store_cache(k, v, ref_k, ref_v, sm, **kw)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise(kc, ref_k)
+        assert_bitwise(vc, ref_v)
+
+
+@gpu
+@pytest.mark.parametrize("backend", BACKENDS["cuda"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_side_stream(backend, kv_dtype):
+    k, v, kc, vc, kw = _fp8_case(4096, 8, 128, 128, 8192, "cuda", kv_dtype)
+    sm = slots(8192, 4096, torch.int64, "cuda")
+    ref_k, ref_v = kc.clone(), vc.clone()
+    reference.store_cache(k, v, ref_k, ref_v, sm, **kw)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        jitkv.store_cache(k, v, kc, vc, sm, backend=backend, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    assert_bitwise(kc, ref_k)
+    assert_bitwise(vc, ref_v)
+
+
+@gpu
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("n", [5, 777, 3000])
+def test_every_backend_same_bytes(kv_dtype, n):
+    if kv_dtype == "fp8_e5m2":
+        k, v = _wide_range((n, 8, 128), torch.float16, "cuda"), _wide_range((n, 8, 128), torch.float16, "cuda")
+        kc, vc = rand((4096, 8, 128), torch.uint8, "cuda"), rand((4096, 8, 128), torch.uint8, "cuda")
+        kw = dict(kv_cache_dtype=kv_dtype, k_scale=3.0, v_scale=0.01)
+    else:
+        k, v, kc, vc, kw = _fp8_case(n, 8, 128, 128, 4096, "cuda", kv_dtype)
+    sm = slots(4096, n, torch.int64, "cuda")
+    outs = []
+    for backend in BACKENDS["cuda"]:
+        got_k, got_v = kc.clone(), vc.clone()
+        jitkv.store_cache(k, v, got_k, got_v, sm, backend=backend, **kw)
+        outs.append((got_k, got_v))
+    for got_k, got_v in outs[1:]:
+        assert_bitwise(got_k, outs[0][0])
+        assert_bitwise(got_v, outs[0][1])
