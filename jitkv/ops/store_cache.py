@@ -60,8 +60,10 @@ def store_cache(
 
     Algorithm: CPU — one serial range check, then per-row AVX-512 copies / fp32->fp8 conversion,
     OpenMP above a payload threshold, non-temporal stores for caches far larger than the LLC.
-    CUDA — K and V in one launch, one warp per row with 16-byte vectors (rows >= 2 KB split across
-    warps), hardware saturating fp8 conversion. Triton (one program per row) as the fallback.
+    CUDA — K and V in one launch with 16-byte vectors and hardware saturating fp8 conversion: at
+    small n a latency kernel (one vector per lane, all address math done while the slot load is in
+    flight; fp8: K and V in separate warps), beyond it a bulk kernel (one warp per row, rows >= 2 KB
+    split across warps). Triton (one program per row) as the fallback.
     """
     if is_compiling():
         ks_t, ks_v = _scale_args(k_scale, "k_scale", kv_cache_dtype)
