@@ -39,7 +39,9 @@ static_assert((kKHeadBytes == 0) == (kVHeadBytes == 0), "K and V are both specia
 static_assert(kKHeadBytes % 16 == 0 && kVHeadBytes % 16 == 0, "specialised head bytes must be multiples of 16");
 
 constexpr int kMaxDevices = 64;
-constexpr int64_t kLatencyWarpsPerSM = 16;  // half of the warps an SM holds at 64 registers
+// Latency kernels while n x chunks stays within this many warps per SM. H200, H=8 D=128, latency vs
+// bulk kernel: bf16 n = 512 (the largest n below it) 2.0-2.1 vs 2.1-2.2 us; e4m3 n = 1024 3.6 vs 5.0 us.
+constexpr int64_t kLatencyWarpsPerSM = 16;
 
 int warps_per_block(int64_t warps, int sms) {
   for (int w = 1; w < kMaxWarpsPerBlock; w *= 2)

@@ -293,13 +293,15 @@ def test_out_of_range_gpu_skipped_or_raises_under_debug(backend, monkeypatch):
 # ------------------------------------------------------------------------------- GPU-only cases
 
 
-def _fp8_case(n, h, dk, dv, num_slots, device, kv_dtype):
-    """Sources, caches and keyword arguments for one store_cache call ("auto" or an fp8 format)."""
-    if kv_dtype == "auto":
-        k, v = rand((n, h, dk), torch.bfloat16, device), rand((n, h, dv), torch.bfloat16, device)
-        return k, v, rand((num_slots, h, dk), torch.bfloat16, device), rand((num_slots, h, dv), torch.bfloat16, device), {}
-    k, v = _wide_range((n, h, dk), torch.bfloat16, device), _wide_range((n, h, dv), torch.bfloat16, device)
-    kc, vc = rand((num_slots, h, dk), torch.float8_e4m3fn, device), rand((num_slots, h, dv), torch.float8_e4m3fn, device)
+def _kv_case(n, h, dk, dv, num_slots, device, kv_dtype):
+    """Sources, caches and keyword arguments for one store_cache call: "auto" copies bf16 into bf16
+    caches; an fp8 format writes wide-range bf16 into e4m3 caches with device-tensor scales."""
+    fp8 = kv_dtype != "auto"
+    src, cache_dtype = (_wide_range, torch.float8_e4m3fn) if fp8 else (rand, torch.bfloat16)
+    k, v = src((n, h, dk), torch.bfloat16, device), src((n, h, dv), torch.bfloat16, device)
+    kc, vc = rand((num_slots, h, dk), cache_dtype, device), rand((num_slots, h, dv), cache_dtype, device)
+    if not fp8:
+        return k, v, kc, vc, {}
     scales = dict(k_scale=torch.tensor([0.37], device=device), v_scale=torch.tensor([2.5], device=device))
     return k, v, kc, vc, dict(kv_cache_dtype=kv_dtype, **scales)
 
@@ -315,7 +317,7 @@ def test_latency_and_bulk_kernels(kv_dtype, h, dk, dv, n):
     """Small n runs the CUDA latency kernel (fp8 with equal K and V heads: K and V in separate warps),
     large n the bulk kernel (rows of 2 KB or more split across warps); 36-dim heads take the generic
     build. Each writes the reference's bytes over the whole caches."""
-    k, v, kc, vc, kw = _fp8_case(n, h, dk, dv, 4096, "cuda", kv_dtype)
+    k, v, kc, vc, kw = _kv_case(n, h, dk, dv, 4096, "cuda", kv_dtype)
     sm = slots(4096, n, torch.int64, "cuda")
     sm[::7] = -1
     _run(k, v, kc, vc, sm, "jit", **kw)
@@ -327,7 +329,7 @@ def test_latency_and_bulk_kernels(kv_dtype, h, dk, dv, n):
 @pytest.mark.parametrize("n", [1, 64, 3000])
 def test_cuda_graph_replay_with_new_inputs_and_scales(backend, kv_dtype, n):
     """A captured store_cache replays with new slots, sources and (fp8) device-tensor scales."""
-    k, v, kc, vc, kw = _fp8_case(n, 8, 128, 128, 8192, "cuda", kv_dtype)
+    k, v, kc, vc, kw = _kv_case(n, 8, 128, 128, 8192, "cuda", kv_dtype)
     sm = slots(8192, n, torch.int32, "cuda")
     jitkv.store_cache(k, v, kc, vc, sm, backend=backend, **kw)  # build/compile before capture
     graph = torch.cuda.CUDAGraph()
@@ -352,7 +354,7 @@ def test_cuda_graph_replay_with_new_inputs_and_scales(backend, kv_dtype, n):
 @pytest.mark.parametrize("backend", BACKENDS["cuda"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
 def test_side_stream(backend, kv_dtype):
-    k, v, kc, vc, kw = _fp8_case(4096, 8, 128, 128, 8192, "cuda", kv_dtype)
+    k, v, kc, vc, kw = _kv_case(4096, 8, 128, 128, 8192, "cuda", kv_dtype)
     sm = slots(8192, 4096, torch.int64, "cuda")
     ref_k, ref_v = kc.clone(), vc.clone()
     reference.store_cache(k, v, ref_k, ref_v, sm, **kw)
@@ -374,7 +376,7 @@ def test_every_backend_same_bytes(kv_dtype, n):
         kc, vc = rand((4096, 8, 128), torch.uint8, "cuda"), rand((4096, 8, 128), torch.uint8, "cuda")
         kw = dict(kv_cache_dtype=kv_dtype, k_scale=3.0, v_scale=0.01)
     else:
-        k, v, kc, vc, kw = _fp8_case(n, 8, 128, 128, 4096, "cuda", kv_dtype)
+        k, v, kc, vc, kw = _kv_case(n, 8, 128, 128, 4096, "cuda", kv_dtype)
     sm = slots(4096, n, torch.int64, "cuda")
     outs = []
     for backend in BACKENDS["cuda"]:
