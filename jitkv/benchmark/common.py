@@ -49,11 +49,11 @@ def median_us(fn, *, min_time=0.2, repeats=7) -> float:
 
 def print_table(title: str, rows: list[Row]) -> None:
     print(f"\n## {title}")
-    print("| op | case | n | backend | µs | GB/s | vs torch | of copy bw | x empty kernel |")
+    print("| op | case | n | backend | µs | GB/s | vs torch | of copy bw | × floor |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         d = r.as_dict()
         sp = f"{d['speedup_vs_torch']:.2f}x" if d["speedup_vs_torch"] else "—"
         fr = f"{100 * d['frac_of_copy']:.1f} %" if d["frac_of_copy"] else "—"
-        xe = f"{r.extra['x_empty']:.2f}" if "x_empty" in r.extra else "—"
+        xe = f"{r.extra['x_floor']:.2f}" if "x_floor" in r.extra else "—"
         print(f"| {r.op} | {r.case} | {r.n} | {r.backend} | {r.us:.2f} | {r.gbps:.1f} | {sp} | {fr} | {xe} |")

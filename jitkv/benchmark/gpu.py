@@ -12,11 +12,12 @@ import jitkv
 from .common import Row
 
 LAYERS = 8
-MLA_NS = (1, 8, 32, 128, 512, 768, 2048, 4096, 16384, 65536, 262144)
+MLA_NS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 768, 2048, 4096, 16384, 65536, 262144)
 
 
 def graph_us(step_for_layer, *, replays=20) -> float:
-    """µs per op: capture one op per layer into a graph, replay it, time with CUDA events."""
+    """µs per op: capture one op per layer into a graph, replay it, time with CUDA events (median of
+    9 batches, after 2 ms of untimed replays so that the clocks have left idle)."""
     for layer in range(LAYERS):  # compile / build outside capture
         step_for_layer(layer)
     torch.cuda.synchronize()
@@ -24,10 +25,9 @@ def graph_us(step_for_layer, *, replays=20) -> float:
     with torch.cuda.graph(graph):
         for layer in range(LAYERS):
             step_for_layer(layer)
-    graph.replay()
-    torch.cuda.synchronize()
+    _warm_replays(graph)
     times = []
-    for _ in range(5):
+    for _ in range(9):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(replays):
@@ -36,6 +36,18 @@ def graph_us(step_for_layer, *, replays=20) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / (replays * LAYERS))
     return sorted(times)[len(times) // 2]
+
+
+def _warm_replays(graph, seconds=2e-3) -> None:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    once = max(start.elapsed_time(end) * 1e-3, 1e-6)
+    for _ in range(int(seconds / once) + 1):
+        graph.replay()
+    torch.cuda.synchronize()
 
 
 def copy_gbps(nbytes=2 << 30) -> float:
@@ -69,9 +81,10 @@ def latency_floor_spec(arch: str):
 
 
 def latency_floor_us(bufs) -> float:
-    """The floor for an n = 1 KV write under the same graph replay: one thread, PDL, slot load ->
-    16-byte source load -> store (csrc/benchmark/latency_floor_cuda.cu), into ``bufs[layer]``
-    (one [rows, >= 16 bytes] cache per layer)."""
+    """The fastest KV write the contract allows, under the same graph replay: one thread, PDL wait ->
+    slot and 16-byte source loads together -> trigger dependents -> store
+    (csrc/benchmark/latency_floor_cuda.cu), into ``bufs[layer]`` (one [rows, >= 16 bytes] cache per
+    layer)."""
     from jitkv.ops._common import jit_function  # noqa: PLC0415
 
     fn, _ = jit_function(latency_floor_spec(jitkv.jit.toolchain.cuda_arch(torch.device("cuda"))), "latency_floor")
@@ -86,9 +99,10 @@ def empty_kernel_us() -> float:
     return graph_us(lambda layer: _empty[(1,)](x, BLOCK=1))
 
 
-def _timed_rows(op, case, n, moved, cases, bw, empty_us, *, eager=()) -> list[Row]:
+def _timed_rows(op, case, n, moved, cases, bw, floor_us, *, eager=()) -> list[Row]:
     """One row per (name, step) case; the first case is the torch baseline. Names in ``eager`` are
-    timed per call with events instead of graph replay (they sync on the host)."""
+    timed per call with events instead of graph replay (they sync on the host). ``x_floor``: µs over
+    the latency floor's of the same run."""
     from jitkv.ops._dispatch import BackendUnavailable  # noqa: PLC0415
 
     rows, base = [], None
@@ -100,7 +114,7 @@ def _timed_rows(op, case, n, moved, cases, bw, empty_us, *, eager=()) -> list[Ro
             continue
         base = us if base is None else base
         label = name + (" (eager)" if name in eager else "")
-        rows.append(Row(op, case, n, label, us, moved, base, bw, {"x_empty": round(us / empty_us, 2)}))
+        rows.append(Row(op, case, n, label, us, moved, base, bw, {"x_floor": round(us / floor_us, 2)}))
     return rows
 
 
@@ -133,18 +147,26 @@ def with_ceiling(cases, moved: int):
     return cases + [(CEILING, lambda i: dst[i].copy_(src[i]))]
 
 
-def mla_rows(bw: float, empty_us: float, ns=MLA_NS) -> list[Row]:
+def floor_rows(bw: float, empty_us: float) -> tuple[float, list[Row]]:
+    """The latency floor (µs) and its rows, measured into 8 layers of 2^19-row caches."""
+    bufs = [torch.empty(1 << 19, 576, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+    floor_us = latency_floor_us(bufs)
+    return floor_us, [
+        Row("empty kernel", "triton, graph", 0, "—", empty_us, 0, None, bw, {"x_floor": round(empty_us / floor_us, 2)}),
+        Row("latency floor", "PDL wait -> slot + 16 B loads -> trigger -> store, 1 thread", 1, "jit", floor_us, 32,
+            None, bw, {"x_floor": 1.0}),
+    ]
+
+
+def mla_rows(bw: float, floor_us: float, ns=MLA_NS) -> list[Row]:
     from jitkv.ops import mla  # noqa: PLC0415
     from jitkv.ops._common import jit_function  # noqa: PLC0415
 
-    rows_per_layer = (2 << 20) // LAYERS  # 2 Mi slots x 1152 B = 2.4 GB of caches
+    rows_per_layer = 1 << 19  # 8 layers x 2^19 slots x 1152 B = 4.8 GB of caches
     bufs = [torch.empty(rows_per_layer, 576, dtype=torch.bfloat16, device="cuda").normal_() for _ in range(LAYERS)]
     spec = mla.cuda_spec(jitkv.jit.toolchain.cuda_arch(torch.device("cuda")), 1024, 128)
     fn, _ = jit_function(spec, "set_mla_kv_buffer")
-    floor_us = latency_floor_us(bufs)
-    rows = [Row("empty kernel", "triton, graph", 0, "—", empty_us, 0, None, bw),
-            Row("latency floor", "slot -> 16 B -> store, 1 thread, PDL", 1, "jit", floor_us, 32, None, bw,
-                {"x_empty": round(floor_us / empty_us, 2)})]
+    rows = []
     for n in ns:
         # Fresh sources per layer (read from DRAM), and one shared source (L2-warm, as when the
         # previous kernel of the layer has just produced it).
@@ -159,25 +181,24 @@ def mla_rows(bw: float, empty_us: float, ns=MLA_NS) -> list[Row]:
         cases = [
             ("torch index", torch_index),
             ("jitkv auto", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i])),
+            ("jit latency", lambda i: fn(bufs[i], locs[i], nope[i], rope[i], -1, 3)),
+            ("jit vector (bulk)", lambda i: fn(bufs[i], locs[i], nope[i], rope[i], -1, 2)),
             ("jit TMA", lambda i: fn(bufs[i], locs[i], nope[i], rope[i], -1, 1)),
-            ("jit vector", lambda i: fn(bufs[i], locs[i], nope[i], rope[i], -1, 2)),
-            # opt-in: source rows loaded together with their slots (reads padding rows' sources)
-            ("jit vector, speculative loads", lambda i: fn(bufs[i], locs[i], nope[i], rope[i], -1, 2 + 8)),
             ("triton", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i], backend="triton")),
             ("jitkv auto, L2-warm source", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[0], rope[0])),
             ("triton, L2-warm source", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[0], rope[0], backend="triton")),
         ]
         rows += _timed_rows("set_mla_kv_buffer", "512+64 bf16", n, 2 * n * 1152, with_ceiling(cases, 2 * n * 1152),
-                            bw, empty_us, eager=(CEILING,))
+                            bw, floor_us, eager=(CEILING,))
         del nope, rope, locs
     return rows
 
 
-STORE_NS = (1, 64, 1024, 16384, 131072)
+STORE_NS = (1, 2, 4, 16, 64, 256, 1024, 4096, 16384, 131072)
 
 
-def store_cache_rows(bw: float, empty_us: float, ns=STORE_NS) -> list[Row]:
-    slots_per_layer = 131072  # K and V caches of 8 heads x 128 bf16: 512 MB per layer, 4 GB in all
+def store_cache_rows(bw: float, floor_us: float, ns=STORE_NS) -> list[Row]:
+    slots_per_layer = 1 << 18  # K and V caches of 8 heads x 128 bf16: 1 GB per layer, 8 GB in all
     rows = []
     for label, cache_dtype, kv_dtype in (("bf16", torch.bfloat16, "auto"), ("bf16->fp8 e4m3", torch.float8_e4m3fn, "fp8_e4m3")):
         kcs = [torch.empty(slots_per_layer, 8, 128, device="cuda").normal_().to(cache_dtype) for _ in range(LAYERS)]
@@ -203,7 +224,7 @@ def store_cache_rows(bw: float, empty_us: float, ns=STORE_NS) -> list[Row]:
                 for name, b in (("jitkv auto", None), ("triton", "triton"))
             ]
             rows += _timed_rows("store_cache", f"H8 D128 K+V {label}", n, moved, with_ceiling(cases, moved), bw,
-                                empty_us, eager=(CEILING,))
+                                floor_us, eager=(CEILING,))
             del ks, vs, sms
         del kcs, vcs
     return rows
@@ -215,7 +236,7 @@ def _paged_slots(n: int, block_size: int, num_blocks: int) -> torch.Tensor:
     return (blocks[:, None] * block_size + torch.arange(block_size, device="cuda")).flatten()[:n]
 
 
-def dsv4_rows(bw: float, empty_us: float) -> list[Row]:
+def dsv4_rows(bw: float, floor_us: float) -> list[Row]:
     from jitkv import DSV4_K_CACHE, reference  # noqa: PLC0415
 
     bs, blocks_per_layer = 64, 8192  # 307 MB of cache per layer
@@ -232,9 +253,9 @@ def dsv4_rows(bw: float, empty_us: float) -> list[Row]:
             for name, b in (("jitkv auto", None), ("triton", "triton"))
         ]
         rows += _timed_rows("dequantize_and_gather_k_cache", f"{reqs} req x {k_len}", reqs * k_len, moved,
-                            with_ceiling(cases, moved), bw, empty_us, eager=("torch reference", CEILING))
+                            with_ceiling(cases, moved), bw, floor_us, eager=("torch reference", CEILING))
         del outs, tables
-    for n in (1, 128, 4096, 65536):
+    for n in (1, 16, 128, 4096, 65536):
         ks = [torch.randn(n, 512, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
         # Random unique token slots (the worst case: most 8-byte scale writes share their 32-byte
         # sector with no other write), and whole pages in random order (a prefill's paged slots).
@@ -246,13 +267,15 @@ def dsv4_rows(bw: float, empty_us: float) -> list[Row]:
                       for name, b in (("jitkv auto", None), ("triton", "triton"))]
         moved = n * (1024 + 584)
         rows += _timed_rows("quantize_and_insert_k_cache", "block_size 64", n, moved, with_ceiling(cases, moved), bw,
-                            empty_us, eager=("torch reference", CEILING))
+                            floor_us, eager=("torch reference", CEILING))
         del ks, token_slots, page_slots
     return rows
 
 
-def host_overhead_rows() -> list[Row]:
-    """Eager host cost per call at n = 1 (launch rate, synchronized once at the end)."""
+def host_overhead_rows(calls=2000, batches=9) -> list[Row]:
+    """Eager host cost per call at n = 1: the best of ``batches`` batches of ``calls`` back-to-back
+    calls, never synchronizing in between (the GPU queue never drains, so no batch waits on it and
+    none pays a cold start), each op on its own in the same process."""
     import time  # noqa: PLC0415
 
     buf = torch.empty(4096, 576, dtype=torch.bfloat16, device="cuda")
@@ -266,7 +289,7 @@ def host_overhead_rows() -> list[Row]:
     arch = jitkv.jit.toolchain.cuda_arch(torch.device("cuda"))
     raw, _ = jit_function(mla.cuda_spec(arch, 1024, 128), "set_mla_kv_buffer")
     raw_sc, _ = jit_function(store_cache.cuda_spec(arch, 256, 256, 0, 0), "store_cache")
-    calls = {
+    ops = {
         "set_mla_kv_buffer": lambda: jitkv.set_mla_kv_buffer(buf, loc, nope, rope),
         "set_mla_kv_buffer (bare tvm-ffi binding)": lambda: raw(buf, loc, nope, rope, -1, 0),
         "store_cache": lambda: jitkv.store_cache(k, k, kc, kc, loc),
@@ -274,13 +297,16 @@ def host_overhead_rows() -> list[Row]:
         "torch index (MLA)": lambda: buf.__setitem__((loc, slice(0, 512)), nope),
     }
     rows = []
-    for name, fn in calls.items():
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(5000):
+    for name, fn in ops.items():
+        for _ in range(200):
             fn()
+        best = float("inf")
+        for _ in range(batches):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / calls)
         torch.cuda.synchronize()
-        us = (time.perf_counter() - t0) / 5000 * 1e6
-        rows.append(Row(name, "eager host cost per call", 1, "jitkv" if not name.startswith("torch") else "torch", us, 0))
+        rows.append(Row(name, "eager host cost per call", 1, "torch" if name.startswith("torch") else "jitkv",
+                        best * 1e6, 0))
     return rows

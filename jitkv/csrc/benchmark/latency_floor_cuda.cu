@@ -1,7 +1,7 @@
-// Benchmark-only kernel: the shortest launch that obeys the KV-write contract (DESIGN §3.2: a row's
-// slot is read before anything of the row). One thread waits for the previous kernel (PDL), loads
-// loc[0], then 16 source bytes, and stores them at that slot: two dependent memory round trips and a
-// store, the floor under any set_mla_kv_buffer / store_cache launch at n = 1.
+// Benchmark-only kernel: the fastest KV write the contract allows. One thread waits for the previous
+// kernel (PDL), loads loc[0] and 16 source bytes together (one memory round trip), lets the next
+// kernel launch, and stores the bytes at that slot if it is in range: the floor under any
+// set_mla_kv_buffer / store_cache / DSv4 writer launch at n = 1.
 #include <cstdint>
 
 #include "jitkv/cuda/launch.cuh"
@@ -10,11 +10,12 @@ namespace {
 
 __global__ void latency_floor_kernel(const int64_t* loc, const uint4* src, char* dst, int64_t row_bytes,
                                      int64_t num_rows) {
-  jitkv::cuda::pdl_wait();
-  jitkv::cuda::pdl_launch_dependents();
   if (threadIdx.x != 0) return;
-  const int64_t slot = loc[0];
-  if (slot >= 0 && slot < num_rows) *reinterpret_cast<uint4*>(dst + slot * row_bytes) = src[0];
+  jitkv::cuda::pdl_wait();
+  const int64_t slot = __ldg(loc);
+  const uint4 v = __ldg(src);
+  jitkv::cuda::pdl_launch_dependents();
+  if (slot >= 0 && slot < num_rows) *reinterpret_cast<uint4*>(dst + slot * row_bytes) = v;
 }
 
 }  // namespace

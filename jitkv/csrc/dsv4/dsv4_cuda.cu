@@ -261,12 +261,13 @@ __device__ __forceinline__ void quantize_token(uint4 xa, uint4 xb, uint8_t* dst,
 template <typename IdxT>
 __global__ void __launch_bounds__(kWriteWarps * 32) dsv4_quant_insert_kernel(const __grid_constant__ WriteParams p) {
   jitkv::cuda::warm_params(p);
-  jitkv::cuda::pdl_wait();  // k and the slots may come from the previous kernel
-  jitkv::cuda::pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kWriteWarps + (threadIdx.x >> 5)) * kWriteTok;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kWriteTok;
+  jitkv::cuda::pdl_wait();  // k and the slots may come from the previous kernel
 
-  // Lane t < kWriteTok loads the slot of token first + t (-1: skip the token, nothing else is read).
+  // Lane t < kWriteTok loads the slot of token first + t (-1: skip the token). The rows of every
+  // token < n are loaded at the same time (padding rows' sources exist; they are never written): one
+  // memory round trip from the PDL wait to the first conversion.
   int64_t slot = -1;
   if (lane < kWriteTok && first + lane < p.n) {
     const int64_t s = static_cast<int64_t>(__ldg(static_cast<const IdxT*>(p.slots) + first + lane));
@@ -275,11 +276,12 @@ __global__ void __launch_bounds__(kWriteWarps * 32) dsv4_quant_insert_kernel(con
   uint4 xa[kWriteTok], xb[kWriteTok];
 #pragma unroll
   for (int t = 0; t < kWriteTok; ++t) {  // all rows in flight before the first conversion
-    const bool keep = shfl64(slot, t) >= 0;
+    const bool real = first + t < p.n;
     const uint16_t* src = p.k + (first + t) * p.k_stride;
-    xa[t] = ld_v4(src + 8 * lane, keep);
-    xb[t] = ld_v4(src + 256 + 8 * lane, keep);
+    xa[t] = ld_v4(src + 8 * lane, real);
+    xb[t] = ld_v4(src + 256 + 8 * lane, real);
   }
+  jitkv::cuda::pdl_launch_dependents();  // after the loads (see set_mla_kv_buffer.cuh)
   // Block and row (a 64-bit division) while the rows are in flight, not before their loads.
   int64_t base = -1;
   int row = 0;
@@ -467,11 +469,12 @@ extern "C" int jitkv_dsv4_quantize_insert(int device, void* stream, const void* 
   jitkv::cuda::DeviceGuard guard(device);
   WriteParams p{static_cast<const uint16_t*>(k), k_stride, static_cast<uint8_t*>(cache), block_stride,
                 num_blocks * block_size, slots, n, block_size};
-  constexpr int64_t kPerCta = int64_t(kWriteWarps) * kWriteTok;
-  const int64_t grid = (n + kPerCta - 1) / kPerCta;
+  const int64_t warps = (n + kWriteTok - 1) / kWriteTok;
+  const int per_cta = jitkv::cuda::spread_warps_per_block(warps, jitkv::cuda::sm_count(device), kWriteWarps);
+  const int64_t grid = (warps + per_cta - 1) / per_cta;
   if (grid > 0x7FFFFFFF) return static_cast<int>(cudaErrorInvalidConfiguration);
   auto kernel = slots_int64 ? dsv4_quant_insert_kernel<int64_t> : dsv4_quant_insert_kernel<int32_t>;
-  return static_cast<int>(jitkv::cuda::launch(kernel, dim3(static_cast<unsigned>(grid)), dim3(kWriteWarps * 32),
+  return static_cast<int>(jitkv::cuda::launch(kernel, dim3(static_cast<unsigned>(grid)), dim3(per_cta * 32),
                                               static_cast<cudaStream_t>(stream), device_info(device).pdl, p));
 }
 

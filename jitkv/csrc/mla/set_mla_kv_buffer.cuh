@@ -1,16 +1,17 @@
 // set_mla_kv_buffer kernels: kv_buffer[loc[i], :nope] = k_nope[i], kv_buffer[loc[i], nope:] = k_rope[i].
 //
-// A pure row scatter: the kernels only move bytes. Each warp takes kRows consecutive rows per step
-// (grid-stride loop): it reads their slots first and drops a row before loading anything of it when
-// its slot is < 0, == skip_slot or >= num_slots (kSpec, an opt-in, instead loads the source rows
-// together with the slots, saving one memory round trip at small n, and still writes only kept rows);
-// then it loads all kept rows with V-byte vectors (every load issued before any store) and writes
-// them out:
-//  - TMA path (SM90+): the lanes put the rows in the warp's shared-memory slots, fence the generic
-//    proxy against the async proxy, and lane 0 issues ONE cp.async.bulk shared->global store per row
-//    (nope + rope bytes). A slot is rewritten only after the previous step's bulk stores have read it
-//    (wait_group.read, checked after the next loads are issued, so it costs nothing).
-//  - vector path (any arch, any alignment): the registers are stored straight to global memory.
+// A pure row scatter: the kernels only move bytes; a row whose slot is < 0, == skip_slot or
+// >= num_slots is never written.
+//  - latency kernel (the default; 16-byte aligned rows that fit in registers): one warp per row, the
+//    slot and the row loaded together (set_mla_kv_buffer_latency_kernel).
+//  - bulk kernels: each warp takes kRows consecutive rows per step (grid-stride loop): it reads their
+//    slots first and drops a row before loading anything of it; then it loads all kept rows with
+//    V-byte vectors (every load issued before any store) and writes them out:
+//    - TMA path (SM90+): the lanes put the rows in the warp's shared-memory slots, fence the generic
+//      proxy against the async proxy, and lane 0 issues ONE cp.async.bulk shared->global store per row
+//      (nope + rope bytes). A slot is rewritten only after the previous step's bulk stores have read
+//      it (wait_group.read, checked after the next loads are issued, so it costs nothing).
+//    - vector path (any arch, any alignment): the registers are stored straight to global memory.
 // Programmatic dependent launch: see jitkv/cuda/launch.cuh.
 #pragma once
 
@@ -179,13 +180,36 @@ __device__ __forceinline__ bool load_slot(const MlaKernelParams& p, int64_t row,
   return slot >= 0 && slot != p.skip_slot && slot < p.num_slots;
 }
 
-template <int kNope, int kRope, int V, int kWarps, int kRows, bool kTma, bool kSpec, typename TLoc>
+// Latency kernel (small n): one warp per row and a grid of exactly n warps. After the PDL wait a warp
+// issues its slot load and all of its row's 16-byte source loads at once (the sources of every row
+// < n exist, padding rows included, so reading them is safe; they are written only when the slot is
+// kept), lets the next kernel launch, and stores: one memory round trip from wait to store.
+template <int kNope, int kRope, typename TLoc>
+__global__ void __launch_bounds__(32 * 8)
+    set_mla_kv_buffer_latency_kernel(const __grid_constant__ MlaKernelParams p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  cuda::warm_params(p);
+  if (row >= p.n) return;
+  const char* nope = p.nope + row * p.nope_row_stride;
+  const char* rope = p.rope + row * p.rope_row_stride;
+  cuda::pdl_wait();  // loc and the sources may come from the previous kernel
+  const int64_t slot = static_cast<int64_t>(__ldg(static_cast<const TLoc*>(p.loc) + row));
+  RowRegs<kNope, kRope, 16> r;
+  r.load(nope, rope, lane);
+  cuda::pdl_launch_dependents();  // after the loads: triggering before them measured 0.15 us slower
+  // Padding (slot < 0) fails the unsigned range check; out-of-range slots are never written.
+  if (slot != p.skip_slot && static_cast<uint64_t>(slot) < static_cast<uint64_t>(p.num_slots)) {
+    r.store(p.dst + slot * p.dst_row_stride, lane);
+  }
+}
+
+template <int kNope, int kRope, int V, int kWarps, int kRows, bool kTma, typename TLoc>
 __global__ void __launch_bounds__(kWarps * 32)
     set_mla_kv_buffer_kernel(const __grid_constant__ MlaKernelParams p) {
   using S = RowShape<kNope, kRope, V>;
   using Smem = WarpSmem<kTma, kWarps, kRows, S::kBytes>;
   static_assert(kRows == 1 || S::kInRegisters, "several rows per step only when a row fits in registers");
-  static_assert(!kSpec || S::kInRegisters, "speculative loads only when a row fits in registers");
   __shared__ alignas(128) char smem[Smem::kTotal];
 
   // loc and the sources may come from the previous kernel; then let the next PDL kernel launch.
@@ -200,12 +224,6 @@ __global__ void __launch_bounds__(kWarps * 32)
     const char* nope = p.nope + row0 * p.nope_row_stride;
     const char* rope = p.rope + row0 * p.rope_row_stride;
     RowRegs<kNope, kRope, V> rows[S::kInRegisters ? kRows : 1];
-    if constexpr (kSpec) {  // source loads issued before the slot loads: one memory round trip less
-#pragma unroll
-      for (int k = 0; k < kRows; ++k) {
-        if (row0 + k < p.n) rows[k].load(nope + k * p.nope_row_stride, rope + k * p.rope_row_stride, lane);
-      }
-    }
     bool keep[kRows];
     char* dst[kRows];
 #pragma unroll
@@ -215,11 +233,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       dst[k] = p.dst + (keep[k] ? slot : 0) * p.dst_row_stride;
     }
     if constexpr (S::kInRegisters) {
-      if constexpr (!kSpec) {
 #pragma unroll
-        for (int k = 0; k < kRows; ++k) {
-          if (keep[k]) rows[k].load(nope + k * p.nope_row_stride, rope + k * p.rope_row_stride, lane);
-        }
+      for (int k = 0; k < kRows; ++k) {
+        if (keep[k]) rows[k].load(nope + k * p.nope_row_stride, rope + k * p.rope_row_stride, lane);
       }
       if constexpr (kTma) {
         if (lane == 0) bulk_wait_smem_read();  // last step's bulk stores are done with the slots

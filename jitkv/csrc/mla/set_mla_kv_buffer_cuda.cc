@@ -26,7 +26,6 @@ using tvm::ffi::TensorView;
 constexpr const char* kOp = "set_mla_kv_buffer";
 constexpr int64_t kPathMask = 3;
 constexpr int64_t kNoPdl = 4;
-constexpr int64_t kSpeculative = 8;
 
 void check_cuda_device(const char* name, DLDevice dev) {
   if (dev.device_type != kDLCUDA) {
@@ -45,9 +44,9 @@ void check_row_bytes(int64_t nope_bytes, int64_t rope_bytes) {
 
 int64_t check_path(int64_t path) {
   const int64_t kernel = path & kPathMask;
-  if ((path & ~(kPathMask | kNoPdl | kSpeculative)) != 0 || kernel == 3) {
-    TVM_FFI_THROW(ValueError) << kOp << ": path: expected 0 (auto), 1 (TMA) or 2 (vector), optionally + 4 "
-                              << "(no PDL) + 8 (speculative loads), got " << path;
+  if ((path & ~(kPathMask | kNoPdl)) != 0) {
+    TVM_FFI_THROW(ValueError) << kOp << ": path: expected 0 (auto), 1 (TMA), 2 (vector) or 3 (latency), "
+                              << "optionally + 4 (no PDL), got " << path;
   }
   return kernel;
 }
@@ -75,7 +74,6 @@ void set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView k_nope, 
   p.device = a.device.device_id;
   p.path = static_cast<int32_t>(kernel);
   p.pdl = (path & kNoPdl) == 0;
-  p.speculative = (path & kSpeculative) != 0;
   if (kernel == JITKV_MLA_PATH_TMA) {
     if (const char* why = jitkv_set_mla_kv_buffer_tma_blocker(&p)) {
       TVM_FFI_THROW(ValueError) << kOp << ": path=1 (TMA) is not possible: " << why;

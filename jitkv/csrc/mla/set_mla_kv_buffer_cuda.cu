@@ -1,18 +1,20 @@
 // Launcher for the set_mla_kv_buffer kernels (set_mla_kv_buffer.cuh), one module per (nope, rope) byte
-// sizes given as -DJITKV_NOPE_BYTES / -DJITKV_ROPE_BYTES. Picks the path, the widest vector the
-// alignments allow, warps per block and rows per warp step from n and the SM count, and launches
-// (with programmatic dependent launch unless told not to) with the tensors' device current.
+// sizes given as -DJITKV_NOPE_BYTES / -DJITKV_ROPE_BYTES. Picks the kernel, the widest vector the
+// alignments allow and the launch shape, and launches (with programmatic dependent launch unless told
+// not to) with the tensors' device current.
 //
-// Measured on an NVIDIA H200 (132 SMs; copy 4.25 TB/s read+write), CUDA-graph replay, 8 layers of
-// 302 MB bf16 512+64 caches, random unique slots (scratch/mla/gpu_run.py):
-//  - the vector path is as fast as the TMA bulk store at every n from 1 to 262,144 (within 0.5 %)
-//    and faster at small n (no shared-memory round trip), so auto takes it; TMA stays available;
-//  - 2 warps per block is best or within noise at every n; 2 rows per warp step gains 2.5 % from
-//    n ~ 4096 up (more bytes in flight per warp), so rows = 2 above 16 rows per SM;
-//  - PDL saves 0.4-0.6 us per launch at every n;
-//  - capping the grid (persistent warps), 3-4 rows per step and cp.async double buffering were no
-//    faster: at large n random 1152-byte row writes run at 89 % of copy bandwidth whatever the
-//    kernel, against 98 % for the same kernel with sequential slots (DRAM locality, not the kernel).
+// Path choice, measured on an NVIDIA H100 (132 SMs), CUDA-graph replay, 8 layers of 2^19-row bf16
+// 512+64 caches, random unique slots, n = 1 ... 262,144 (python -m jitkv.benchmark --op
+// set_mla_kv_buffer has the "jit latency / vector / TMA" rows that re-measure it):
+//  - the latency kernel (one warp per row, slot and row loads together) is the fastest at every n:
+//    0.35-0.45 us ahead of the vector (bulk) kernel up to n = 2048, 0.4 us at 4096, 0.5 us at 16,384,
+//    within noise at 262,144, where random 1152-byte row writes bound every kernel. Auto takes it
+//    whenever the rows are 16-byte aligned and fit in registers;
+//  - 4 warps per block: best or within noise from n = 2 to 16,384 (against 1, 2 and 1/2/4/8 by n);
+//  - the TMA bulk store is never faster than the vector kernel (its rows pass through shared
+//    memory), so it is only there when forced;
+//  - the vector (bulk) kernel, 2 warps per block and 2 rows per warp step above 16 rows per SM,
+//    takes unaligned views and rows too long for registers.
 #include "mla/set_mla_kv_buffer.cuh"
 #include "mla/set_mla_kv_buffer_launch.h"
 
@@ -73,11 +75,10 @@ int vector_path_vec_bytes(const JitkvMlaLaunchParams& p) {
   return common_pow2(source_vec_bytes(p) | u(p.dst) | u(p.dst_row_stride));
 }
 
-// Launch shape: warps per block, rows per warp step, speculative loads.
+// Launch shape: warps per block, rows per warp step.
 struct Shape {
   int warps;
   int rows;
-  bool spec;
 };
 
 // Tuned shapes exist for 16-byte vectors on rows that fit in registers; anything else (misaligned
@@ -101,13 +102,27 @@ constexpr bool two_rows() {
   }
 }
 constexpr int kTunedWarps = 2;  // best or within noise at every n (see the top of this file)
-constexpr Shape kFixedShape{2, 1, false};
+constexpr Shape kFixedShape{2, 1};
 
 Shape pick_shape(const JitkvMlaLaunchParams& p, int vec, int sms) {
   if (vec != 16 || !tunable<16>()) return kFixedShape;
-  Shape s{kTunedWarps, p.n > 16 * static_cast<int64_t>(sms) ? 2 : 1, p.speculative != 0};
-  if (s.spec || !two_rows()) s.rows = 1;  // speculative loads are a small-n tool
-  return s;
+  return Shape{kTunedWarps, p.n > 16 * static_cast<int64_t>(sms) && two_rows() ? 2 : 1};
+}
+
+// The latency kernel takes 16-byte aligned rows that fit in registers, at every n (see the top of
+// this file), in blocks of kLatencyWarps warps.
+bool latency_fits(const JitkvMlaLaunchParams& p) { return tunable<16>() && vector_path_vec_bytes(p) == 16; }
+constexpr int kLatencyWarps = 4;
+
+template <typename TLoc>
+cudaError_t launch_latency_kernel(const MlaKernelParams& k, int warps, bool pdl, cudaStream_t stream) {
+  if constexpr (tunable<16>()) {
+    const unsigned blocks = static_cast<unsigned>((k.n + warps - 1) / warps);
+    return jitkv::cuda::launch(set_mla_kv_buffer_latency_kernel<kNope, kRope, TLoc>, dim3(blocks), dim3(32 * warps),
+                                stream, pdl, k);
+  } else {
+    return cudaErrorInvalidValue;
+  }
 }
 
 struct Launch {
@@ -118,19 +133,18 @@ struct Launch {
   cudaStream_t stream;
 };
 
-template <bool kTma, int V, int W, int R, bool kSpec, typename TLoc>
+template <bool kTma, int V, int W, int R, typename TLoc>
 cudaError_t launch_kernel(const Launch& l) {
-  return jitkv::cuda::launch(set_mla_kv_buffer_kernel<kNope, kRope, V, W, R, kTma, kSpec, TLoc>, dim3(l.blocks),
+  return jitkv::cuda::launch(set_mla_kv_buffer_kernel<kNope, kRope, V, W, R, kTma, TLoc>, dim3(l.blocks),
                               dim3(W * 32), l.stream, l.pdl, l.k);
 }
 
 template <bool kTma, int V, typename TLoc, int W>
 cudaError_t dispatch_rows(const Launch& l) {
-  if (l.shape.spec) return launch_kernel<kTma, V, W, 1, true, TLoc>(l);
   if constexpr (two_rows()) {
-    if (l.shape.rows == 2) return launch_kernel<kTma, V, W, 2, false, TLoc>(l);
+    if (l.shape.rows == 2) return launch_kernel<kTma, V, W, 2, TLoc>(l);
   }
-  return l.shape.rows == 1 ? launch_kernel<kTma, V, W, 1, false, TLoc>(l) : cudaErrorInvalidValue;
+  return l.shape.rows == 1 ? launch_kernel<kTma, V, W, 1, TLoc>(l) : cudaErrorInvalidValue;
 }
 
 template <bool kTma, int V, typename TLoc>
@@ -138,7 +152,7 @@ cudaError_t dispatch_shape(const Launch& l) {
   if constexpr (tunable<V>()) {
     return dispatch_rows<kTma, V, TLoc, kTunedWarps>(l);
   } else {
-    return launch_kernel<kTma, V, kFixedShape.warps, kFixedShape.rows, false, TLoc>(l);
+    return launch_kernel<kTma, V, kFixedShape.warps, kFixedShape.rows, TLoc>(l);
   }
 }
 
@@ -155,16 +169,28 @@ cudaError_t dispatch_vec(const Launch& l, int vec) {
   }
 }
 
+MlaKernelParams kernel_params(const JitkvMlaLaunchParams& p) {
+  return MlaKernelParams{static_cast<char*>(p.dst), static_cast<const char*>(p.nope), static_cast<const char*>(p.rope),
+                         p.loc, p.n, p.num_slots, p.dst_row_stride, p.nope_row_stride, p.rope_row_stride, p.skip_slot};
+}
+
+bool use_pdl(const JitkvMlaLaunchParams& p) { return p.pdl != 0 && device_info(p.device).major >= 9; }
+
+cudaError_t dispatch_latency(const JitkvMlaLaunchParams& p, cudaStream_t stream) {
+  const MlaKernelParams k = kernel_params(p);
+  return p.loc_i64 ? launch_latency_kernel<int64_t>(k, kLatencyWarps, use_pdl(p), stream)
+                   : launch_latency_kernel<int32_t>(k, kLatencyWarps, use_pdl(p), stream);
+}
+
 template <bool kTma>
 cudaError_t dispatch(const JitkvMlaLaunchParams& p, int vec, int sms, cudaStream_t stream) {
   Launch l;
-  l.k = MlaKernelParams{static_cast<char*>(p.dst), static_cast<const char*>(p.nope), static_cast<const char*>(p.rope),
-                        p.loc, p.n, p.num_slots, p.dst_row_stride, p.nope_row_stride, p.rope_row_stride, p.skip_slot};
+  l.k = kernel_params(p);
   l.shape = pick_shape(p, vec, sms);
   const int64_t rows_per_block = static_cast<int64_t>(l.shape.warps) * l.shape.rows;
   // Rows past a full grid are taken by the grid-stride loop.
   l.blocks = static_cast<unsigned>(std::min<int64_t>((p.n + rows_per_block - 1) / rows_per_block, 0x7fffffff));
-  l.pdl = p.pdl != 0 && device_info(p.device).major >= 9;
+  l.pdl = use_pdl(p);
   l.stream = stream;
   return p.loc_i64 ? dispatch_vec<kTma, 16, int64_t>(l, vec) : dispatch_vec<kTma, 16, int32_t>(l, vec);
 }
@@ -192,11 +218,16 @@ extern "C" const char* jitkv_set_mla_kv_buffer_tma_blocker(const JitkvMlaLaunchP
 
 extern "C" int jitkv_set_mla_kv_buffer_launch(const JitkvMlaLaunchParams* p, void* stream) {
   if (p->n <= 0) return cudaSuccess;
-  // Auto takes the vector path: never slower than TMA on H200 (see the top of this file).
-  const int path = p->path == JITKV_MLA_PATH_AUTO ? JITKV_MLA_PATH_VEC : p->path;
   const int sms = device_info(p->device).sms;
+  int path = p->path;
+  if (path == JITKV_MLA_PATH_AUTO) {  // see the top of this file
+    path = latency_fits(*p) ? JITKV_MLA_PATH_LATENCY : JITKV_MLA_PATH_VEC;
+  }
   auto s = static_cast<cudaStream_t>(stream);
   jitkv::cuda::DeviceGuard guard(p->device);
+  if (path == JITKV_MLA_PATH_LATENCY) {
+    return latency_fits(*p) ? dispatch_latency(*p, s) : cudaErrorInvalidValue;
+  }
   if (path == JITKV_MLA_PATH_TMA) {
     if (jitkv_set_mla_kv_buffer_tma_blocker(p) != nullptr) return cudaErrorInvalidValue;
     return dispatch_tma<kTmaBuilt>(*p, sms, s);

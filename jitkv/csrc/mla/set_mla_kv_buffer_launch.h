@@ -6,7 +6,7 @@
 
 extern "C" {
 
-enum { JITKV_MLA_PATH_AUTO = 0, JITKV_MLA_PATH_TMA = 1, JITKV_MLA_PATH_VEC = 2 };
+enum { JITKV_MLA_PATH_AUTO = 0, JITKV_MLA_PATH_TMA = 1, JITKV_MLA_PATH_VEC = 2, JITKV_MLA_PATH_LATENCY = 3 };
 
 struct JitkvMlaLaunchParams {
   void* dst;
@@ -18,15 +18,14 @@ struct JitkvMlaLaunchParams {
   int32_t device;
   int32_t path;             // JITKV_MLA_PATH_*
   int32_t pdl;              // 1: launch with programmatic dependent launch (SM90+; ignored below)
-  int32_t speculative;      // 1: load source rows together with their slots (reads padding rows'
-                            // sources, never writes them): one memory round trip less at small n
 };
 
 // nullptr when the TMA path can run these arguments on p->device, else the reason it cannot.
 const char* jitkv_set_mla_kv_buffer_tma_blocker(const JitkvMlaLaunchParams* p);
 // Launches on `stream` (a cudaStream_t of p->device) with p->device current (restored after);
 // returns a cudaError_t. A forced TMA path must have passed jitkv_set_mla_kv_buffer_tma_blocker
-// (else cudaErrorInvalidValue).
+// (else cudaErrorInvalidValue); a forced latency path needs 16-byte aligned rows that fit in
+// registers (else cudaErrorInvalidValue).
 int jitkv_set_mla_kv_buffer_launch(const JitkvMlaLaunchParams* p, void* stream);
 // cudaGetErrorString of a value returned by the launcher.
 const char* jitkv_set_mla_kv_buffer_error_string(int err);

@@ -8,12 +8,13 @@
 // of that head, so dense rows and per-head strided layouts (HND caches, fused-qkv source views) share
 // one code path; every stride is in bytes.
 //
-// Two kernels per build. While the GPU is not full (small n, decode) a latency kernel: one vector
-// per lane and side, every slot-independent address computed while the slot load is in flight, and
-// (fp8) K and V in separate warps, so a lone warp's chain from slot to store is a few dozen
-// instructions. Beyond that the bulk kernel: 2 KB of source per warp and side (H=8 x D=128 bf16 rows
-// are one chunk per token, larger rows split across warps, grid.y = chunks per token), few registers,
-// the most bytes in flight per SM. H200, H=8 D=128 bf16: n = 1 1.63 -> 1.15 us with the latency kernel.
+// Two kernels per build. The latency kernel: one vector per lane and side, every address computed
+// before the PDL wait, the slot and the source loads issued together after it (padding rows' sources
+// are read, never written), and (fp8) K and V in separate warps, so a lone warp's chain from slot to
+// store is a few dozen instructions. Beyond kLatencyWarpsPerSM warps per SM (store_cache_cuda.cu) the
+// bulk kernel: 2 KB of source per warp and side (H=8 x D=128 bf16 rows are one chunk per token,
+// larger rows split across warps, grid.y = chunks per token), few registers, the slot first so that
+// skipped rows cost no reads.
 //
 // FP8: stored = cvt.rn.satfinite(x / scale): a true fp32 division (bit-identical to __fdiv_rn), then
 // the hardware round-to-nearest-even conversion, which saturates finite overflow and +-inf to +-max
@@ -53,7 +54,8 @@ struct Side {
   char* dst;
   int64_t num_slots, block_size, dst_stride_block, dst_stride_token, dst_stride_head;
   int32_t head_vecs, row_vecs;
-  int32_t block_shift;  // log2(block_size) when it is a power of two, else -1
+  int32_t block_shift;   // slot / block_size = (umulhi(slot, block_magic) + slot) >> block_shift
+  uint32_t block_magic;  // (see the binding; exact for every slot of a cache the binding accepts)
   const float* scale_ptr;  // fp8: device scale, or nullptr to use `scale`
   float scale;
 };
@@ -64,6 +66,7 @@ struct Params {
   const void* loc_map;  // nullptr: no translation
   int64_t loc_map_size, n, skip_slot;
   int32_t slot_i64, loc_i64;
+  int32_t same_blocks;  // 1: K and V caches have the same block size (a slot's block and row agree)
 };
 
 }  // namespace store_cache
@@ -261,21 +264,6 @@ __device__ __forceinline__ int64_t load_index(const void* p, bool i64, int64_t i
   return i64 ? __ldg(static_cast<const long long*>(p) + i) : int64_t(__ldg(static_cast<const int*>(p) + i));
 }
 
-// Byte address of `slot`'s row in one cache (slot in [0, num_slots)). Block sizes that are not powers
-// of two divide in 32 bits (the binding refuses such caches with 2^32 slots or more).
-__device__ __forceinline__ char* slot_row(const Side& s, int64_t slot) {
-  int64_t blk, off;
-  if (s.block_shift >= 0) {
-    blk = slot >> s.block_shift;
-    off = slot & ((int64_t(1) << s.block_shift) - 1);
-  } else {
-    const uint32_t q = uint32_t(slot) / uint32_t(s.block_size);
-    blk = q;
-    off = uint32_t(slot) - q * uint32_t(s.block_size);
-  }
-  return s.dst + blk * s.dst_stride_block + off * s.dst_stride_token;
-}
-
 // ---- one side (K or V) of one chunk ----
 // prepare() does everything that does not depend on the slot (vector offsets in the source and
 // destination rows, the fp8 scale and its reciprocal); load() and store() then only add offsets to
@@ -306,6 +294,7 @@ struct SideChunk {
     return int64_t(h) * head_stride + int64_t(i - h * hv) * vec_bytes;
   }
 
+  // Addresses only (no memory access): latency kernels call it before the PDL wait.
   __device__ __forceinline__ void prepare(const Side& s, int64_t token, uint32_t first) {
     const uint32_t hv = head_vecs(s), row_vecs = uint32_t(s.row_vecs);
     const uint64_t src_row = reinterpret_cast<uint64_t>(s.src) + token * s.src_stride_token;
@@ -318,6 +307,10 @@ struct SideChunk {
       dst_off[u] = vec_offset(i, hv, s.dst_stride_head, kVec);
       if constexpr (kPin) asm volatile("" : "+l"(src_addr[u]), "+l"(dst_off[u]));
     }
+  }
+
+  // fp8: the scale (a device scale may come from the previous kernel: after the PDL wait).
+  __device__ __forceinline__ void load_scale(const Side& s) {
     if constexpr (Cv::kQuant) div = Divider(s.scale_ptr ? __ldg(s.scale_ptr) : s.scale);
   }
 
@@ -328,14 +321,45 @@ struct SideChunk {
       if (u < count) data[u] = load_pack<kSrcVec>(reinterpret_cast<const char*>(src_addr[u]));
   }
 
-  __device__ __forceinline__ void store(const Side& s, int64_t slot) const {
+  __device__ __forceinline__ void store(char* row) const {
     if (count == 0) return;
-    char* row = slot_row(s, slot);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (u < count) store_pack<kVec>(row + dst_off[u], Cv::template run<kVec>(data[u], div));
   }
 };
+
+// The destination geometry of one side, and a slot's (block, row) in it: latency kernels split a slot
+// once when K and V have the same block size.
+struct DstRegs {
+  char* dst;
+  uint64_t stride_block, stride_token;
+  uint32_t block_size, block_magic;
+  int32_t block_shift;
+
+  __device__ __forceinline__ static DstRegs of(const Side& s) {
+    return DstRegs{s.dst, uint64_t(s.dst_stride_block), uint64_t(s.dst_stride_token),
+                   uint32_t(s.block_size), s.block_magic, s.block_shift};
+  }
+
+  // (block, row in block) of a slot in [0, num_slots), without a branch or a division.
+  __device__ __forceinline__ void split(int64_t slot, uint64_t& blk, uint64_t& off) const {
+    blk = (uint64_t(__umulhi(uint32_t(slot), block_magic)) + uint64_t(slot)) >> block_shift;
+    off = uint64_t(slot) - blk * block_size;
+  }
+
+  __device__ __forceinline__ char* row(uint64_t blk, uint64_t off) const {
+    return dst + (blk * stride_block + off * stride_token);
+  }
+};
+
+// Byte address of `slot`'s row in one cache (slot in [0, num_slots)).
+__device__ __forceinline__ char* slot_row(const Side& s, int64_t slot) {
+  const DstRegs d = DstRegs::of(s);
+  uint64_t blk, off;
+  d.split(slot, blk, off);
+  return d.row(blk, off);
+}
 
 // Destination slot of a slot_mapping entry, or -1 when the row is skipped (padding, skip_slot, outside
 // loc_map or mapped below 0; skip_slot is compared before the translation).
@@ -346,49 +370,84 @@ __device__ __forceinline__ int64_t resolve_slot(const Params& p, int64_t slot) {
   return load_index(p.loc_map, p.loc_i64, slot);
 }
 
-// One side (K or V) of a latency kernel's warp: prepare while the slot entry is in flight, then
-// load and store.
-template <int kHeadBytes, int kVec, class Cv>
-__device__ __forceinline__ void write_one_side(const Params& p, const Side& s, int64_t token, uint32_t first,
-                                               int64_t entry) {
-  SideChunk<kHeadBytes, kVec, Cv, true> c;
-  c.prepare(s, token, first);
-  const int64_t slot = resolve_slot(p, entry);
-  if (slot < 0) return;  // padding: nothing else is read
-  c.load(slot < s.num_slots);  // out-of-range slots are never written
-  c.store(s, slot);
+// Latency kernel: one vector per lane and side. Addresses are computed before the PDL wait (they
+// read only the parameter block); after it a warp issues the slot load and its source loads together
+// (every token < n has source rows, padding included, so reading them is safe; they are written only
+// for a kept slot), lets the next kernel launch, then resolves the slot and stores.
+template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8>
+__device__ __forceinline__ void latency_write(const Params& p) {
+  using Cv = Convert<kSrc, kFp8, false>;
+  cuda::warm_params(p);
+  const int64_t token = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const uint32_t first = blockIdx.y * 32 + (threadIdx.x & 31);
+  constexpr bool kSplit = split_sides(kFp8, kKHeadBytes, kVHeadBytes, false);
+  // With split sides (grid.z = 2) blockIdx.z picks K or V: one code path with the side picked by
+  // data (with two, the compiler computes both).
+  const Side& first_side = kSplit && blockIdx.z ? p.v : p.k;
+  SideChunk<kKHeadBytes, kVec, Cv, true> k;
+  SideChunk<kVHeadBytes, kVec, Cv, true> v;
+  k.prepare(first_side, token, first);
+  if constexpr (!kSplit) v.prepare(p.v, token, first);
+  if (token >= p.n) return;
+  cuda::pdl_wait();  // sources, indices and device scales may come from the previous kernel
+  const int64_t entry = load_index(p.slots, p.slot_i64, token);
+  k.load(true);
+  if constexpr (!kSplit) v.load(true);
+  cuda::pdl_launch_dependents();  // after the loads (see set_mla_kv_buffer.cuh)
+  k.load_scale(first_side);
+  if constexpr (!kSplit) v.load_scale(p.v);
+  int64_t slot = entry;
+  if (p.loc_map != nullptr) slot = resolve_slot(p, entry);
+  else if (entry == p.skip_slot) return;  // padding (< 0) fails the unsigned range check below
+  // Padding, skipped and out-of-range slots are never written (K and V have the same slot count).
+  if (uint64_t(slot) >= uint64_t(p.k.num_slots)) return;
+  const DstRegs dk = DstRegs::of(first_side);
+  DstRegs dv = DstRegs::of(p.v);
+  uint64_t blk, off;
+  dk.split(slot, blk, off);
+  k.store(dk.row(blk, off));
+  if constexpr (!kSplit) {
+    if (p.same_blocks == 0) dv.split(slot, blk, off);
+    v.store(dv.row(blk, off));
+  }
 }
 
-// grid = (ceil(n / warps_per_block), chunks, sides), block = 32 * warps_per_block; one warp per
-// (token, chunk), writing K and V. With split_sides (sides = 2), one warp per (token, chunk, side):
-// blockIdx.z = 0 writes K, 1 writes V, which halves each warp's fp8 conversion chain (H200, H=8 D=128
-// e4m3: n = 1 1.48 -> 1.30 us, n = 64 1.67 -> 1.46 us; bf16 copies are 0.05-0.1 us slower split).
-template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8, bool kBulk>
-__global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
-    store_cache_kernel(const __grid_constant__ Params p) {
-  using Cv = Convert<kSrc, kFp8, kBulk>;
-  cuda::warm_params(p);
+// Bulk kernel: the slot first, then a padding or out-of-range row is dropped before anything of it
+// is read (at large n every skipped row saves its bytes).
+template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8>
+__device__ __forceinline__ void bulk_write(const Params& p) {
+  using Cv = Convert<kSrc, kFp8, true>;
   cuda::pdl_wait();  // sources and indices may come from the previous kernel
   cuda::pdl_launch_dependents();
   const int64_t token = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (token >= p.n) return;
-  const int64_t entry = load_index(p.slots, p.slot_i64, token);  // in flight during prepare()
+  const int64_t entry = load_index(p.slots, p.slot_i64, token);
   const uint32_t first = blockIdx.y * (32 * Cv::kUnroll) + (threadIdx.x & 31);
-  if constexpr (split_sides(kFp8, kKHeadBytes, kVHeadBytes, kBulk)) {
-    // one code path with the side picked by data (with two, the compiler computes both)
-    write_one_side<kKHeadBytes, kVec, Cv>(p, blockIdx.z ? p.v : p.k, token, first, entry);
-    return;
-  }
-  SideChunk<kKHeadBytes, kVec, Cv, !kBulk> k;
-  SideChunk<kVHeadBytes, kVec, Cv, !kBulk> v;
+  SideChunk<kKHeadBytes, kVec, Cv, false> k;
+  SideChunk<kVHeadBytes, kVec, Cv, false> v;
   k.prepare(p.k, token, first);
   v.prepare(p.v, token, first);
   const int64_t slot = resolve_slot(p, entry);
   if (slot < 0) return;  // padding: nothing else is read
+  k.load_scale(p.k);
+  v.load_scale(p.v);
   k.load(slot < p.k.num_slots);  // out-of-range slots are never written
   v.load(slot < p.v.num_slots);
-  k.store(p.k, slot);
-  v.store(p.v, slot);
+  k.store(slot_row(p.k, slot));
+  v.store(slot_row(p.v, slot));
+}
+
+// grid = (ceil(n / warps_per_block), chunks, sides), block = 32 * warps_per_block; one warp per
+// (token, chunk), writing K and V. With split_sides (sides = 2), one warp per (token, chunk, side),
+// which halves each warp's fp8 conversion chain; bf16 copies stay on one warp (measured slower split).
+template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8, bool kBulk>
+__global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
+    store_cache_kernel(const __grid_constant__ Params p) {
+  if constexpr (kBulk) {
+    bulk_write<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8>(p);
+  } else {
+    latency_write<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8>(p);
+  }
 }
 
 }  // namespace store_cache

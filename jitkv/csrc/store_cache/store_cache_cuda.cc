@@ -84,11 +84,16 @@ void check_build(const StoreCacheArgs& a, int64_t k_head_bytes, int64_t v_head_b
   }
 }
 
-int32_t block_shift(int64_t block_size) {
-  if (block_size <= 0 || (block_size & (block_size - 1)) != 0) return -1;
-  int32_t s = 0;
-  while ((int64_t(1) << s) < block_size) ++s;
-  return s;
+bool is_pow2(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
+
+// Division of a slot by block_size as (umulhi(slot, magic) + slot) >> shift (round-up method:
+// shift = ceil(log2(block_size)), magic = floor(2^32 (2^shift - block_size) / block_size) + 1). Exact
+// for slots < 2^32; for a power of two magic is 1, umulhi is 0 and the shift is exact for any slot.
+void set_block_division(sc::Side& d, int64_t block_size) {
+  int32_t shift = 0;
+  while ((int64_t(1) << shift) < block_size) ++shift;
+  d.block_shift = shift;
+  d.block_magic = static_cast<uint32_t>((((uint64_t(1) << shift) - uint64_t(block_size)) << 32) / uint64_t(block_size) + 1);
 }
 
 sc::Side make_side(const jitkv::SrcGeom& s, const jitkv::CacheGeom& c, int64_t heads, int64_t head_bytes, int vec,
@@ -105,7 +110,7 @@ sc::Side make_side(const jitkv::SrcGeom& s, const jitkv::CacheGeom& c, int64_t h
   d.dst_stride_head = c.stride_head;
   d.head_vecs = static_cast<int32_t>(head_bytes / vec);
   d.row_vecs = static_cast<int32_t>(heads * head_bytes / vec);
-  d.block_shift = block_shift(c.block_size);
+  set_block_division(d, c.block_size);
   d.scale_ptr = scale_ptr;
   d.scale = scale;
   return d;
@@ -131,7 +136,7 @@ void store_cache(TensorView k, TensorView v, TensorView k_cache, TensorView v_ca
                               << " elements are too large for the CUDA kernel";
   }
   for (const jitkv::CacheGeom* c : {&a.k_cache, &a.v_cache}) {
-    if (block_shift(c->block_size) < 0 && c->num_slots > int64_t(UINT32_MAX)) {
+    if (!is_pow2(c->block_size) && c->num_slots > int64_t(UINT32_MAX)) {
       TVM_FFI_THROW(ValueError) << kOp << ": k_cache: a block_size that is not a power of two (" << c->block_size
                                 << ") needs fewer than 2^32 slots, got " << c->num_slots;
     }
@@ -148,6 +153,7 @@ void store_cache(TensorView k, TensorView v, TensorView k_cache, TensorView v_ca
   p.skip_slot = a.skip_slot;
   p.slot_i64 = a.slot_i64;
   p.loc_i64 = a.loc_map_i64;
+  p.same_blocks = p.k.block_size == p.v.block_size;
 
   const int32_t device = a.device.device_id;
   const char* err = jitkv_store_cache_launch(&p, vec, device, TVMFFIEnvGetStream(kDLCUDA, device));

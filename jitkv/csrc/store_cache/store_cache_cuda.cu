@@ -39,15 +39,11 @@ static_assert((kKHeadBytes == 0) == (kVHeadBytes == 0), "K and V are both specia
 static_assert(kKHeadBytes % 16 == 0 && kVHeadBytes % 16 == 0, "specialised head bytes must be multiples of 16");
 
 constexpr int kMaxDevices = 64;
-// Latency kernels while n x chunks stays within this many warps per SM. H200, H=8 D=128, latency vs
-// bulk kernel: bf16 n = 512 (the largest n below it) 2.0-2.1 vs 2.1-2.2 us; e4m3 n = 1024 3.6 vs 5.0 us.
-constexpr int64_t kLatencyWarpsPerSM = 16;
-
-int warps_per_block(int64_t warps, int sms) {
-  for (int w = 1; w < kMaxWarpsPerBlock; w *= 2)
-    if (warps <= int64_t(sms) * w) return w;
-  return kMaxWarpsPerBlock;
-}
+// Latency kernels while n x chunks (x 2 sides for fp8) stays within this many warps per SM. NVIDIA
+// H100, H=8 D=128, CUDA-graph replay (python -m jitkv.benchmark --op store_cache): bf16 latency vs
+// bulk kernel n = 1024 4.4 vs 4.9 us, 2048 7.3 vs 7.9, 4096 13.4 vs 13.4 (256 warps per SM: 13.6);
+// e4m3 n = 4096 10.4 vs 13.4 us, 16,384 35.9 vs 38.8.
+constexpr int64_t kLatencyWarpsPerSM = kFp8 == Fp8::kNone ? 64 : 256;
 
 struct DeviceInfo {
   int sms, major;
@@ -87,7 +83,7 @@ int64_t chunks_per_token(const Params& p, bool bulk) {
 template <int kVec, bool kBulk>
 cudaError_t launch(const Params& p, const DeviceInfo& info, cudaStream_t stream) {
   const int64_t chunks = chunks_per_token(p, kBulk);
-  const int wpb = warps_per_block(p.n * chunks, info.sms);
+  const int wpb = jitkv::cuda::spread_warps_per_block(p.n * chunks, info.sms, kMaxWarpsPerBlock);
   return jitkv::cuda::launch(store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, kBulk>,
                              dim3(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks),
                                   split_sides(kFp8, kKHeadBytes, kVHeadBytes, kBulk) ? 2u : 1u),

@@ -232,3 +232,32 @@ def test_torch_compile_fullgraph():
 
     step(buf, loc, k_nope, k_rope)
     assert_bitwise(buf, ref)
+
+
+@gpu
+@pytest.mark.parametrize("path", [0, 1, 2, 3])  # auto, TMA bulk store, vector (bulk), latency
+@pytest.mark.parametrize("n", [1, 5, 133, 3000])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_every_cuda_kernel_keeps_the_contract(path, n, idx_dtype):
+    """Each CUDA kernel, forced through the binding's path argument, writes exactly the reference's
+    rows: padding (-1), skip_slot and out-of-range slots are never written, extra source rows never
+    read into the buffer, strided sources, PDL on and off (path + 4)."""
+    from jitkv.jit.toolchain import cuda_arch  # noqa: PLC0415
+    from jitkv.ops._common import jit_function  # noqa: PLC0415
+    from jitkv.ops.mla import cuda_spec  # noqa: PLC0415
+
+    fn, _ = jit_function(cuda_spec(cuda_arch(torch.device("cuda")), 1024, 128), "set_mla_kv_buffer")
+    num_slots = 4096
+    buf = rand((num_slots, 576), torch.bfloat16, "cuda")
+    src = rand((n + 3, 1200), torch.bfloat16, "cuda")  # strided views, extra rows
+    k_nope, k_rope = src[:, 8:520], src[:, 600:664]
+    loc = slots(num_slots, n, idx_dtype, "cuda")
+    loc[::7] = -1
+    loc[3::11] = 17
+    loc[5::13] = num_slots + 5
+    keep = (loc >= 0) & (loc < num_slots) & (loc != 17)
+    for pdl_bit in (0, 4):
+        ref, got = buf.clone(), buf.clone()
+        reference.set_mla_kv_buffer(ref, loc[keep], k_nope[:n][keep], k_rope[:n][keep])
+        fn(got, loc, k_nope, k_rope, 17, path + pdl_bit)
+        assert_bitwise(got, ref)

@@ -78,13 +78,29 @@ def _cache(layout, num_blocks, block_size, h, d, dtype, device):
 
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
 @pytest.mark.parametrize("layout", ["flat3d", "flat2d", "nhd", "hnd"])
-@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize("block_size", [16, 8, 12, 1])  # 12: a block size that is not a power of two
 def test_layouts(device, backend, layout, block_size):
     h, d, nb, n = 8, 64, 32, 77  # h == block_size at 8: strides, not shapes, say HND
     k, v = rand((n, h, d), torch.bfloat16, device), rand((n, h * d), torch.bfloat16, device)
     kc = _cache(layout, nb, block_size, h, d, torch.bfloat16, device)
     vc = _cache(layout, nb, block_size, h, d, torch.bfloat16, device)
-    _run(k, v, kc, vc, slots(nb * block_size, n, torch.int32, device), backend)
+    sm = slots(nb * block_size, n, torch.int32, device)
+    sm[-1] = nb * block_size - 1  # the last slot: the last row of the last block
+    _run(k, v, kc, vc, sm, backend)
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_k_and_v_block_sizes_differ(device, backend, kv_dtype):
+    """A paged K cache (blocks of 12) beside a flat V cache of the same slot count: a slot's block and
+    row are found per cache."""
+    h, d, n = 4, 64, 50
+    cache_dtype = torch.bfloat16 if kv_dtype == "auto" else torch.float8_e4m3fn
+    k, v = rand((n, h, d), torch.bfloat16, device), rand((n, h, d), torch.bfloat16, device)
+    kc = _cache("nhd", 10, 12, h, d, torch.bfloat16, device).to(cache_dtype)
+    vc = _cache("flat3d", 10, 12, h, d, torch.bfloat16, device).to(cache_dtype)
+    kw = {} if kv_dtype == "auto" else dict(kv_cache_dtype=kv_dtype, k_scale=0.5, v_scale=2.0)
+    _run(k, v, kc, vc, slots(120, n, torch.int64, device), backend, **kw)
 
 
 @pytest.mark.parametrize("layout", ["flat3d", "nhd", "hnd"])
@@ -321,6 +337,19 @@ def test_latency_and_bulk_kernels(kv_dtype, h, dk, dv, n):
     sm = slots(4096, n, torch.int64, "cuda")
     sm[::7] = -1
     _run(k, v, kc, vc, sm, "jit", **kw)
+
+
+@gpu
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
+def test_bulk_kernel_at_large_n(kv_dtype):
+    """n x chunks beyond the latency kernel's limit (256 warps per SM for fp8 on a 132-SM GPU:
+    32 heads x 128 fp8 = 8 chunks per side, 6000 tokens) runs the bulk kernel; padding and skip_slot
+    included."""
+    k, v, kc, vc, kw = _kv_case(6000, 32, 128, 128, 8192, "cuda", kv_dtype)
+    sm = slots(8192, 6000, torch.int64, "cuda")
+    sm[::7] = -1
+    sm[5::13] = 100
+    _run(k, v, kc, vc, sm, "jit", skip_slot=100, **kw)
 
 
 @gpu

@@ -10,6 +10,9 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
+
 namespace jitkv {
 namespace cuda {
 
@@ -60,6 +63,28 @@ cudaError_t launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t
   cfg.attrs = &attr;
   cfg.numAttrs = pdl ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<Args&&>(args)...);
+}
+
+// Multiprocessor count of `device`, queried once per device (an attribute query costs about a
+// microsecond of the launch path); 0 if the query fails.
+inline int sm_count(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices];
+  const bool cache = device >= 0 && device < kMaxDevices;
+  int sms = cache ? cached[device].load(std::memory_order_relaxed) : 0;
+  if (sms == 0 && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess && cache) {
+    cached[device].store(sms, std::memory_order_relaxed);
+  }
+  return sms;
+}
+
+// Warps per block for a grid of `warps` independent latency-bound warps: one per block while every
+// warp can have an SM to itself, then 2, 4, ... up to `max_warps` as the grid grows past 1, 2, 4 ...
+// warps per SM (fewer, fuller blocks cost less to schedule once the SMs are all busy).
+inline int spread_warps_per_block(int64_t warps, int sms, int max_warps = 8) {
+  int w = 1;
+  while (w < max_warps && warps > static_cast<int64_t>(w) * sms) w *= 2;
+  return w;
 }
 
 // Makes `device` current for a launch and restores the caller's device afterwards.
