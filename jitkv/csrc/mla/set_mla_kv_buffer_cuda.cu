@@ -10,7 +10,9 @@
 //    0.35-0.45 us ahead of the vector (bulk) kernel up to n = 2048, 0.4 us at 4096, 0.5 us at 16,384,
 //    within noise at 262,144, where random 1152-byte row writes bound every kernel. Auto takes it
 //    whenever the rows are 16-byte aligned and fit in registers;
-//  - 4 warps per block: best or within noise from n = 2 to 16,384 (against 1, 2 and 1/2/4/8 by n);
+//  - warps per block of the latency kernel, A/B over 3 interleaved rounds: 4 up to 8 rows per SM
+//    (n = 1024: 1.37 us against 1.53 with 8 and sglang's 1.51), 8 beyond (n = 2048: 2.37 against
+//    2.48 with 4); 1 per block while n <= SMs was 0.02-0.06 us slower at n <= 256;
 //  - the TMA bulk store is never faster than the vector kernel (its rows pass through shared
 //    memory), so it is only there when forced;
 //  - the vector (bulk) kernel, 2 warps per block and 2 rows per warp step above 16 rows per SM,
@@ -109,10 +111,10 @@ Shape pick_shape(const JitkvMlaLaunchParams& p, int vec, int sms) {
   return Shape{kTunedWarps, p.n > 16 * static_cast<int64_t>(sms) && two_rows() ? 2 : 1};
 }
 
-// The latency kernel takes 16-byte aligned rows that fit in registers, at every n (see the top of
-// this file), in blocks of kLatencyWarps warps.
+// The latency kernel takes 16-byte aligned rows that fit in registers, at every n, in blocks of 4 warps
+// up to 8 rows per SM and 8 warps beyond (see the top of this file).
 bool latency_fits(const JitkvMlaLaunchParams& p) { return tunable<16>() && vector_path_vec_bytes(p) == 16; }
-constexpr int kLatencyWarps = 4;
+int latency_warps(int64_t n, int sms) { return n <= 8 * static_cast<int64_t>(sms) ? 4 : 8; }
 
 template <typename TLoc>
 cudaError_t launch_latency_kernel(const MlaKernelParams& k, int warps, bool pdl, cudaStream_t stream) {
@@ -178,8 +180,9 @@ bool use_pdl(const JitkvMlaLaunchParams& p) { return p.pdl != 0 && device_info(p
 
 cudaError_t dispatch_latency(const JitkvMlaLaunchParams& p, cudaStream_t stream) {
   const MlaKernelParams k = kernel_params(p);
-  return p.loc_i64 ? launch_latency_kernel<int64_t>(k, kLatencyWarps, use_pdl(p), stream)
-                   : launch_latency_kernel<int32_t>(k, kLatencyWarps, use_pdl(p), stream);
+  const int w = latency_warps(p.n, device_info(p.device).sms);
+  return p.loc_i64 ? launch_latency_kernel<int64_t>(k, w, use_pdl(p), stream)
+                   : launch_latency_kernel<int32_t>(k, w, use_pdl(p), stream);
 }
 
 template <bool kTma>

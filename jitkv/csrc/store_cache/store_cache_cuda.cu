@@ -95,8 +95,7 @@ cudaError_t launch(const Params& p, int device, cudaStream_t stream) {
   DeviceInfo info;
   cudaError_t err = device_info(device, &info);
   if (err != cudaSuccess) return err;
-  if (p.n * chunks_per_token(p, false) <= kLatencyWarpsPerSM * info.sms)
-    return launch<kVec, false>(p, info, stream);
+  if (p.n * chunks_per_token(p, false) <= kLatencyWarpsPerSM * info.sms) return launch<kVec, false>(p, info, stream);
   return launch<kVec, true>(p, info, stream);
 }
 
