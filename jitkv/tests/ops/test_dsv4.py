@@ -246,7 +246,7 @@ def test_layout_numbers():
 
 LAYOUT_BAD = [  # (case, cache from a good [4, 1728] block_size-2 cache, exception)
     ("int8", lambda c: c.view(torch.int8), TypeError),
-    ("not a tensor", lambda c: c.numpy(), TypeError),
+    ("not a tensor", lambda c: c.tolist(), TypeError),
     ("stride short", lambda c: torch.zeros(4, 1712, dtype=torch.uint8), ValueError),
     ("stride not a multiple of 16", lambda c: torch.zeros(4, 1736, dtype=torch.uint8), ValueError),
     ("narrower than 2 * 584", lambda c: c[:, :1000], ValueError),
