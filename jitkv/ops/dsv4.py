@@ -186,7 +186,7 @@ def _check_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, 
 
 def _host_range_check(k, k_cache, slot_mapping, block_size):
     """JITKV_DEBUG=1: raise IndexError for a slot past the cache (GPU kernels would skip it)."""
-    reference.valid_rows(slot_mapping, k_cache.shape[0] * block_size, strict=True)
+    reference.check_slots(slot_mapping, k_cache.shape[0] * block_size, op=WRITE_OP)
 
 
 def _flat(k_cache):

@@ -115,7 +115,7 @@ def _jit(device, variant):
 
 
 def _host_range_check(buf, loc, skip):
-    reference.valid_rows(loc, buf.shape[0], skip_slot=skip, strict=True, name="loc")
+    reference.check_slots(loc, buf.shape[0], skip_slot=skip, name="loc", op=OP)
 
 
 @_DISPATCH.register("triton")

@@ -209,7 +209,7 @@ def _fp8_scale_args(kv_dtype, k_scale, v_scale):
 
 def _host_range_check(k_cache, slot_mapping, loc_map, skip):
     num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
-    reference.valid_rows(slot_mapping, num_slots, skip_slot=skip, loc_map=loc_map, strict=True)
+    reference.check_slots(slot_mapping, num_slots, skip_slot=skip, loc_map=loc_map, op=OP)
 
 
 @_DISPATCH.register("triton")
