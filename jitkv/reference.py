@@ -191,7 +191,7 @@ def _write_rows(cache, dest, vals, any_kept):
 
 
 def dsv4_block_stride(block_size: int) -> int:
-    """Bytes per block: token data, then scales, padded to a multiple of 576."""
+    """jitkv's default bytes per block: token data, then scales, padded to a multiple of 576."""
     return -(-block_size * DSV4_TOKEN_BYTES // DSV4_DATA_BYTES) * DSV4_DATA_BYTES
 
 

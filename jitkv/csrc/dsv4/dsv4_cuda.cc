@@ -58,8 +58,10 @@ struct CacheView {
   int64_t num_blocks;
 };
 
-// uint8 [num_blocks, >= block_size*584] with stride(0) the block stride, or its
-// [num_blocks, block_size, 584] view; kernels use stride(0) only.
+// uint8 [num_blocks, >= block_size*584], or [num_blocks, block_size, 584] with tokens 584 bytes apart;
+// kernels use stride(0) and touch the first block_size*584 bytes of each block. These guards keep the
+// kernels inside the tensor with aligned 16-byte accesses; the layout's semantics (the block size a
+// cache holds, a block stride >= block_size*584) are checked once, in Python (DSV4_K_CACHE.validate).
 CacheView check_cache(const char* op, const TensorView& c, int64_t block_size) {
   if (c.device().device_type != kDLCUDA) {
     TVM_FFI_THROW(ValueError) << op << ": k_cache: expected a CUDA tensor, got device_type "
@@ -73,9 +75,10 @@ CacheView check_cache(const char* op, const TensorView& c, int64_t block_size) {
                                 << ", got shape " << shape_str(c);
     }
   } else if (c.ndim() == 3) {
-    if (c.size(1) != block_size || c.size(2) != layout::kTokenBytes) {
+    if (c.size(1) != block_size || c.size(2) != layout::kTokenBytes ||
+        (block_size > 1 && c.stride(1) != layout::kTokenBytes)) {
       TVM_FFI_THROW(ValueError) << op << ": k_cache: expected shape [num_blocks, " << block_size
-                                << ", 584], got " << shape_str(c);
+                                << ", 584] with stride(1) 584, got " << shape_str(c);
     }
   } else {
     TVM_FFI_THROW(ValueError) << op << ": k_cache: expected a 2-D [num_blocks, block_stride] or 3-D "
@@ -83,15 +86,10 @@ CacheView check_cache(const char* op, const TensorView& c, int64_t block_size) {
                               << shape_str(c);
   }
   jitkv::check_last_dim_contiguous(op, "k_cache", c);
-  const int64_t need = layout::block_stride(block_size);
-  const int64_t stride = c.size(0) > 1 ? c.stride(0) : need;
-  if (stride < need || stride % 16 != 0) {
-    TVM_FFI_THROW(ValueError) << op << ": k_cache: expected stride(0) (the block stride in bytes) to be "
-                              << "a multiple of 16 and >= ceil(block_size*584/576)*576 = " << need
-                              << ", got " << stride;
-  }
-  if (!aligned16(data_ptr(c))) {
-    TVM_FFI_THROW(ValueError) << op << ": k_cache: expected a 16-byte aligned data pointer";
+  const int64_t stride = c.size(0) > 1 ? c.stride(0) : 0;  // one block: never multiplied
+  if (stride % 16 != 0 || !aligned16(data_ptr(c))) {
+    TVM_FFI_THROW(ValueError) << op << ": k_cache: expected a 16-byte aligned data pointer and stride(0) "
+                              << "(the block stride in bytes) a multiple of 16, got stride " << c.stride(0);
   }
   return {data_ptr(c), stride, c.size(0)};
 }
