@@ -64,7 +64,21 @@ def scale_value(op, name, scale):
     return s
 
 
-def scale(op, name, s, device):
+def scale_tensor_value(op, name, s):
+    """Read a 1-element float32 scale tensor on the host: finite and > 0, else ValueError (other
+    tensors are left to the structural checks). On CUDA this syncs, so callers do it only under
+    JITKV_DEBUG=1, and it refuses (RuntimeError, before any CUDA work) during CUDA-graph capture."""
+    if s.dtype != torch.float32 or s.numel() != 1:
+        return
+    if s.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{op}: JITKV_DEBUG=1 reads {name} on the host, which CUDA-graph capture does not "
+                           "allow; capture without JITKV_DEBUG")
+    scale_value(op, name, s.item())
+
+
+def scale(op, name, s, device, debug=False):
+    """A Python-float scale (checked), or a 1-element float32 tensor on ``device`` whose value is
+    checked on CPU, and on CUDA only with ``debug`` (JITKV_DEBUG=1: it syncs)."""
     if s is None:
         raise ValueError(f"{op}: {name}: required for an fp8 kv_cache_dtype (no default scale)")
     if isinstance(s, torch.Tensor):
@@ -73,6 +87,8 @@ def scale(op, name, s, device):
         if s.numel() != 1:
             raise ValueError(f"{op}: {name}: expected a 1-element tensor, got {s.numel()} elements")
         same_device(op, name, s, device)
+        if s.is_cpu or debug:
+            scale_tensor_value(op, name, s)
         return s
     if isinstance(s, (int, float)):
         return scale_value(op, name, s)
@@ -120,9 +136,10 @@ def mla(kv_buffer, loc, k_nope, k_rope):
 # --------------------------------------------------------------------------------------- store_cache
 
 
-def store_cache(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map):
+def store_cache(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, debug=False):
     """Validate store_cache arguments; return (k, v, k_cache, v_cache) as [n', H, D] sources and
-    [num_blocks, block_size, H, D] caches (flat caches get block_size 1), plus the parsed scales."""
+    [num_blocks, block_size, H, D] caches (flat caches get block_size 1), plus the parsed scales.
+    ``debug`` (JITKV_DEBUG=1) also reads CUDA scale tensors on the host (see ``scale``)."""
     op = "store_cache"
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         tensor(op, name, t)
@@ -145,7 +162,7 @@ def store_cache(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v
     (kv, kcv), (vv, vcv) = views
     scales = (None, None)
     if kv_cache_dtype != "auto":
-        scales = (scale(op, "k_scale", k_scale, dev), scale(op, "v_scale", v_scale, dev))
+        scales = (scale(op, "k_scale", k_scale, dev, debug), scale(op, "v_scale", v_scale, dev, debug))
     return kv, vv, kcv, vcv, scales
 
 
