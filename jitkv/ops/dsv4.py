@@ -8,7 +8,7 @@ import torch
 from .. import reference
 from ..jit import JitSpec
 from . import _validate
-from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_type_error, require_triton
+from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_error, require_triton
 from ._dispatch import Dispatcher
 
 WRITE_OP = "quantize_and_insert_k_cache"
@@ -64,6 +64,8 @@ class DSv4KCacheLayout:
     def validate(self, k_cache, block_size: int, op: str = "DSV4_K_CACHE") -> None:
         """Raise TypeError/ValueError unless ``k_cache`` is a cache of this layout for ``block_size``."""
         _validate.tensor(op, "k_cache", k_cache)
+        if not (k_cache.is_cpu or k_cache.is_cuda):
+            raise _validate.unsupported_device(op, "k_cache", k_cache)
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"{op}: block_size: expected a positive int, got {block_size!r}")
         if k_cache.dtype != torch.uint8:
@@ -164,7 +166,7 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
 def _check_bf16_rows(op, name, t, dev, ndim, shape_desc):
     """A bf16 tensor of ``ndim`` dims whose last dim is 512 and contiguous, on ``dev``."""
     _validate.tensor(op, name, t)
-    _validate.same_device(op, name, t, dev)
+    _validate.same_device(op, name, t, dev, "k_cache")
     if t.dtype != torch.bfloat16:
         raise TypeError(f"{op}: {name}: expected dtype bfloat16, got {t.dtype}")
     if t.dim() != ndim or t.shape[-1] != 512:
@@ -176,7 +178,7 @@ def _check_write(k, k_cache, slot_mapping, block_size):
     op = WRITE_OP
     DSV4_K_CACHE.validate(k_cache, block_size, op)
     dev = k_cache.device
-    _validate.index(op, "slot_mapping", slot_mapping, dev)
+    _validate.index(op, "slot_mapping", slot_mapping, dev, "k_cache")
     _check_bf16_rows(op, "k", k, dev, 2, "[n', 512]")
     _validate.rows_at_least(op, "k", k, slot_mapping.numel(), "slot_mapping")
 
@@ -190,13 +192,13 @@ def _check_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, 
     for name, t in (("seq_lens", seq_lens), ("gather_lens", gather_lens)):
         if t is None and name == "gather_lens":
             continue
-        _validate.index(op, name, t, dev)
+        _validate.index(op, name, t, dev, "k_cache")
         if t.dtype != torch.int32:
             raise TypeError(f"{op}: {name}: expected dtype int32, got {t.dtype}")
         if t.shape[0] != num_reqs:
             raise ValueError(f"{op}: {name}: expected {num_reqs} entries (out.shape[0]), got {t.shape[0]}")
     _validate.tensor(op, "block_table", block_table)
-    _validate.same_device(op, "block_table", block_table, dev)
+    _validate.same_device(op, "block_table", block_table, dev, "k_cache")
     if block_table.dtype != torch.int32:
         raise TypeError(f"{op}: block_table: expected dtype int32, got {block_table.dtype}")
     if block_table.dim() != 2 or block_table.shape[0] != num_reqs:
@@ -256,8 +258,8 @@ def _jit_factory(op, arg_names, fallback):
                 return unaligned[0](*args)
             try:
                 fn(*args)
-            except TypeError as e:
-                raise name_ffi_type_error(op, e, arg_names) from None
+            except (TypeError, RuntimeError) as e:
+                raise name_ffi_error(op, e, arg_names, args) from None
 
         return run, info
 

@@ -10,7 +10,7 @@ from torch.compiler import is_compiling
 from .. import reference
 from ..jit import JitSpec
 from . import _validate
-from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_type_error, require_triton
+from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_error, require_triton
 from ._dispatch import Dispatcher
 
 OP = "store_cache"
@@ -195,8 +195,8 @@ def _binding_caller(fn, generic_fn, debug=False):
             if "generic build" not in str(e):
                 raise
             generic_fn()(*args)
-        except TypeError as e:
-            raise name_ffi_type_error(OP, e, _BINDING_ARGS) from None
+        except (TypeError, RuntimeError) as e:
+            raise name_ffi_error(OP, e, _BINDING_ARGS, args) from None
 
     return run
 

@@ -103,7 +103,7 @@ void check_req_index(const char* op, const char* name, const TensorView& t, int6
     TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected " << num_reqs
                               << " entries (out.shape[0]), got " << t.size(0);
   }
-  jitkv::check_device(op, name, t, dev);
+  jitkv::check_device(op, name, t, dev, "k_cache");
 }
 
 void check_launch(const char* op, int err) {
@@ -124,9 +124,9 @@ void quantize_and_insert_k_cache(TensorView k, TensorView k_cache, TensorView sl
   const CacheView cache = check_cache(op, k_cache, block_size);
   const DLDevice dev = k_cache.device();
   const bool slots64 = jitkv::check_index(op, "slot_mapping", slot_mapping);
-  jitkv::check_device(op, "slot_mapping", slot_mapping, dev);
+  jitkv::check_device(op, "slot_mapping", slot_mapping, dev, "k_cache");
   check_dtype(op, "k", k, kBf16, "bfloat16");
-  jitkv::check_device(op, "k", k, dev);
+  jitkv::check_device(op, "k", k, dev, "k_cache");
   const int64_t n = slot_mapping.size(0);
   if (k.ndim() != 2 || k.size(1) != layout::kHeadDim || k.size(0) < n) {
     TVM_FFI_THROW(ValueError) << op << ": k: expected shape [n', 512] with n' >= " << n
@@ -157,7 +157,7 @@ void dequantize_and_gather_k_cache(TensorView out, TensorView k_cache, TensorVie
   const DLDevice dev = k_cache.device();
 
   check_dtype(op, "out", out, kBf16, "bfloat16");
-  jitkv::check_device(op, "out", out, dev);
+  jitkv::check_device(op, "out", out, dev, "k_cache");
   if (out.ndim() != 3 || out.size(2) != layout::kHeadDim) {
     TVM_FFI_THROW(ValueError) << op << ": out: expected shape [num_reqs, max_tokens, 512], got "
                               << shape_str(out);
@@ -180,7 +180,7 @@ void dequantize_and_gather_k_cache(TensorView out, TensorView k_cache, TensorVie
     gl_ptr = static_cast<const int32_t*>(static_cast<void*>(data_ptr(gl)));
   }
   check_dtype(op, "block_table", block_table, kInt32, "int32");
-  jitkv::check_device(op, "block_table", block_table, dev);
+  jitkv::check_device(op, "block_table", block_table, dev, "k_cache");
   if (block_table.ndim() != 2 || block_table.size(0) != num_reqs) {
     TVM_FFI_THROW(ValueError) << op << ": block_table: expected shape [" << num_reqs
                               << ", max_blocks], got " << shape_str(block_table);
