@@ -308,7 +308,7 @@ def test_bad_scale_tensor_value_gpu_under_debug(backend, name, value, monkeypatc
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")
-@pytest.mark.parametrize("backend", ["jit", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS["cuda"])
 def test_out_of_range_gpu_skipped_or_raises_under_debug(backend, monkeypatch):
     from jitkv.ops import store_cache as op  # noqa: PLC0415
 
