@@ -68,6 +68,10 @@ def _cache(layout, dtype):
             "hnd": lambda: _bits((8, 2, 8, 32), dtype).permute(0, 2, 1, 3)}[layout]()
 
 
+def _raw(t):
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
 def _slot_view(cache, s):
     return cache[s // cache.shape[1], s % cache.shape[1]] if cache.dim() == 4 else cache[s]
 
@@ -85,8 +89,7 @@ def _store_loop(k, v, kc, vc, sm, loc_map, skip_slot, kw):
             if "kv_cache_dtype" in kw:
                 row = reference.quantize_fp8(row, reference.FP8_DTYPES[kw["kv_cache_dtype"]], scale)
             dst_row = _slot_view(dst, t)
-            dst_row.view(torch.uint8 if dst.element_size() == 1 else dst.dtype).copy_(
-                row.reshape(dst_row.shape).view(torch.uint8 if dst.element_size() == 1 else dst.dtype))
+            _raw(dst_row).copy_(_raw(row.reshape(dst_row.shape)))  # a bitwise copy, float8 into uint8 too
     return out_k, out_v
 
 
