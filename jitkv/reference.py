@@ -1,8 +1,13 @@
 """Pure-torch reference of every jitkv op (DESIGN §2-§5).
 
 Used by the tests as ground truth and as the last-resort ``torch`` backend. Arguments are assumed
-valid (the op wrappers validate first). Copies go through uint8 views so they are bitwise and work
-for float8 dtypes, which torch cannot index-put on every device.
+valid (the op wrappers validate first). Copies go through same-width integer views so they are
+bitwise and work for float8 dtypes, which torch cannot index-put on every device.
+
+No op reads a device tensor on the host, so on CUDA each is safe under CUDA-graph capture: writers
+scatter every row, skipped rows repeating a kept row's write (see ``_plan``). Writers take
+``strict``: out-of-range slots raise IndexError before anything is written (default on CPU and under
+JITKV_DEBUG=1; that check syncs, see ``check_slots``), else they are skipped.
 """
 
 from __future__ import annotations
@@ -24,82 +29,153 @@ DSV4_TOKEN_BYTES = DSV4_DATA_BYTES + DSV4_SCALE_BYTES  # 584
 DSV4_GROUP = 64
 
 
-def valid_rows(index, num_slots, *, skip_slot=None, loc_map=None, strict=None, name="slot_mapping"):
-    """(slots, rows) to write: rows i of the sources whose slot survives the padding rules of DESIGN §3.
+def default_strict(index) -> bool:
+    """Whether out-of-range slots raise (CPU, or JITKV_DEBUG=1) or are skipped (CUDA)."""
+    return index.device.type == "cpu" or os.environ.get("JITKV_DEBUG", "0") not in ("", "0")
 
-    Out-of-range slots raise IndexError when ``strict`` (default: CPU or JITKV_DEBUG=1), else are dropped."""
-    if strict is None:
-        strict = index.device.type == "cpu" or os.environ.get("JITKV_DEBUG", "0") not in ("", "0")
+
+def check_slots(index, num_slots, *, skip_slot=None, loc_map=None, name="slot_mapping", op="jitkv"):
+    """Raise IndexError naming the first position whose slot (or loc_map entry) is out of range.
+
+    It reads the slots on the host, which synchronizes a CUDA device: while the current stream is
+    capturing a CUDA graph it raises RuntimeError before any CUDA work instead (a sync would
+    invalidate the capture)."""
+    _refuse_capture(index, name, op)
+    _raise_first(_slots(index, num_slots, skip_slot, loc_map, name)[2])
+
+
+def _refuse_capture(index, name, op):
+    if index.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{op}: JITKV_DEBUG=1 checks {name} on the host, which CUDA-graph capture does not allow; "
+            "capture without JITKV_DEBUG"
+        )
+
+
+def _slots(index, num_slots, skip_slot, loc_map, name):
+    """The padding rules of DESIGN §3 on the index's device, without a host sync.
+
+    Returns (keep [n] bool, slot [n] int64, checks): checks are (out of range [n] bool, value [n],
+    message) in the order a strict caller reports them; out-of-range rows are not kept."""
     s = index.long()
     keep = s >= 0
     if skip_slot is not None:
         keep &= s != skip_slot
+    checks = []
     if loc_map is not None:
         lm = loc_map.long()
-        keep = _check_range(keep, s, lm.numel(), strict, f"{name}: position {{i}} has slot {{v}}, out of range for loc_map of size {lm.numel()}")
-        mapped = lm[s.clamp(0, lm.numel() - 1)] if lm.numel() else s
-        keep &= mapped >= 0
-        keep = _check_range(keep, mapped, num_slots, strict, f"loc_map: {name} position {{i}} maps to {{v}}, out of range for a cache of {num_slots} slots")
-        s = mapped
+        oob = keep & (s >= lm.numel())
+        checks.append((oob, s, f"{name}: position {{i}} has slot {{v}}, out of range for loc_map of size {lm.numel()}"))
+        keep &= ~oob
+        s = lm.index_select(0, s.clamp(0, lm.numel() - 1)) if lm.numel() else s
+        keep &= s >= 0
+        where = f"loc_map: {name} position {{i}} maps to {{v}}"
     else:
-        keep = _check_range(keep, s, num_slots, strict, f"{name}: position {{i}} has slot {{v}}, out of range for a cache of {num_slots} slots")
-    rows = keep.nonzero().flatten()
-    return s[rows], rows
+        where = f"{name}: position {{i}} has slot {{v}}"
+    oob = keep & (s >= num_slots)
+    checks.append((oob, s, f"{where}, out of range for a cache of {num_slots} slots"))
+    return keep & ~oob, s, checks
 
 
-def _check_range(keep, s, bound, strict, message):
-    oob = keep & (s >= bound)
-    if bool(oob.any()):
-        if strict:
+def _raise_first(checks):
+    for oob, values, message in checks:
+        if bool(oob.any()):
             i = int(oob.nonzero()[0, 0])
-            raise IndexError(message.format(i=i, v=int(s[i])))
-        keep = keep & ~oob
-    return keep
+            raise IndexError(message.format(i=i, v=int(values[i])))
 
 
-def _bytes(t):
-    return t.view(torch.uint8) if t.element_size() == 1 else t
+def _plan(index, num_slots, *, op, skip_slot=None, loc_map=None, strict=None, name="slot_mapping"):
+    """Where each of the n rows goes, for a scatter with no host sync (graph-safe on CUDA).
+
+    Returns None when nothing can be written (n == 0 or an empty cache), else (dest [n], src [n],
+    any_kept 0-d bool): row i writes source row src[i] to slot dest[i]. Of rows that share a slot,
+    the last one wins (``_last_per_slot``); every other row repeats the write of the first winner
+    (same src, same dest), so each slot receives one row's bytes and nothing outside the written
+    slots changes. With no row to write, every row targets slot 0 and the writer puts slot 0's own
+    bytes back (``torch.where(any_kept, new, old)``): no byte changes. ``strict`` (default:
+    ``default_strict``) raises first, as ``check_slots``."""
+    strict = default_strict(index) if strict is None else strict
+    if strict:
+        _refuse_capture(index, name, op)
+    keep, slot, checks = _slots(index, num_slots, skip_slot, loc_map, name)
+    if strict:
+        _raise_first(checks)
+    n = index.numel()
+    if n == 0 or num_slots == 0:
+        return None
+    keep = _last_per_slot(keep, slot)
+    first = keep.to(torch.uint8).argmax().view(1)  # the first winner; 0 when no row is written
+    any_kept = keep.index_select(0, first)
+    dest = torch.where(keep, slot, torch.where(any_kept, slot.index_select(0, first), 0))
+    src = torch.where(keep, torch.arange(n, device=index.device), first)
+    return dest, src, any_kept.view(())
 
 
-def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, skip_slot=None):
+def _last_per_slot(keep, slot):
+    """``keep`` narrowed to the last kept row of each slot (a stable sort, no host sync): scatters of
+    several values (K and V, DSv4 data and scales) then never mix rows, and any index_put_ that
+    races per element still writes one row's bytes."""
+    key = torch.where(keep, slot, -1)
+    sorted_key, order = torch.sort(key, stable=True)
+    last = torch.ones_like(keep)
+    last[:-1] = sorted_key[1:] != sorted_key[:-1]
+    return keep & torch.empty_like(keep).index_put_((order,), last)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t):
+    """Same-width integer view: copies through it are bitwise (float8 included)."""
+    return t.view(_BITS[t.element_size()])
+
+
+def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, skip_slot=None, strict=None):
     """kv_buffer[loc[i], :nope] = k_nope[i]; kv_buffer[loc[i], nope:nope+rope] = k_rope[i]."""
-    buf = _bytes(kv_buffer.select(1, 0) if kv_buffer.dim() == 3 else kv_buffer)
-    nope = _bytes(cache_k_nope.select(1, 0) if cache_k_nope.dim() == 3 else cache_k_nope)
-    rope = _bytes(cache_k_rope.select(1, 0) if cache_k_rope.dim() == 3 else cache_k_rope)
-    slots, rows = valid_rows(loc, buf.shape[0], skip_slot=skip_slot, name="loc")
-    dn, dr = nope.shape[1], rope.shape[1]
-    buf[slots, :dn] = nope[rows]
-    buf[slots, dn : dn + dr] = rope[rows]
+    nope = _bits(cache_k_nope.select(1, 0) if cache_k_nope.dim() == 3 else cache_k_nope)
+    rope = _bits(cache_k_rope.select(1, 0) if cache_k_rope.dim() == 3 else cache_k_rope)
+    buf = _bits(kv_buffer.select(1, 0) if kv_buffer.dim() == 3 else kv_buffer)[:, : nope.shape[1] + rope.shape[1]]
+    plan = _plan(loc, buf.shape[0], op="set_mla_kv_buffer", skip_slot=skip_slot, strict=strict, name="loc")
+    if plan is None:
+        return
+    dest, src, any_kept = plan
+    new = torch.cat([nope.index_select(0, src), rope.index_select(0, src)], dim=1)
+    buf.index_put_((dest,), torch.where(any_kept, new, buf[0]))
 
 
 def quantize_fp8(x, fp8_dtype, scale):
     """stored = RNE(clamp(x / scale, ±max)) in fp32; scale a float (rounded to float32) or a tensor."""
     if not isinstance(scale, torch.Tensor):
-        scale = torch.tensor(scale, dtype=torch.float32, device=x.device)
+        scale = torch.full((), scale, dtype=torch.float32, device=x.device)  # a fill, not a host copy
     m = FP8_MAX[fp8_dtype]
     return (x.float() / scale.reshape(())).clamp(-m, m).to(fp8_dtype)
 
 
 def store_cache(
-    k, v, k_cache, v_cache, slot_mapping, *, kv_cache_dtype="auto", k_scale=None, v_scale=None, loc_map=None, skip_slot=None
+    k, v, k_cache, v_cache, slot_mapping, *, kv_cache_dtype="auto", k_scale=None, v_scale=None, loc_map=None,
+    skip_slot=None, strict=None,
 ):
     """k_cache[slot'] = k[i], v_cache[slot'] = v[i] (quantized to fp8 when asked), DESIGN §2-§4."""
     num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
-    slots, rows = valid_rows(slot_mapping, num_slots, skip_slot=skip_slot, loc_map=loc_map)
-    for src, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-        vals = src[rows]
+    plan = _plan(slot_mapping, num_slots, op="store_cache", skip_slot=skip_slot, loc_map=loc_map, strict=strict)
+    if plan is None:
+        return
+    dest, src, any_kept = plan
+    for rows, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        vals = rows.index_select(0, src)
         if kv_cache_dtype != "auto":
             vals = quantize_fp8(vals, FP8_DTYPES[kv_cache_dtype], scale)
-        _write_rows(cache, slots, _bytes(vals))
+        _write_rows(_bits(cache), dest, _bits(vals), any_kept)
 
 
-def _write_rows(cache, slots, vals):
-    cache = _bytes(cache)
+def _write_rows(cache, dest, vals, any_kept):
+    """cache[dest[i]] = vals[i] (flat, or paged [num_blocks, block_size, ...]); see ``_plan``."""
     if cache.dim() == 4:
         bs = cache.shape[1]
-        cache[slots // bs, slots % bs] = vals.reshape(-1, *cache.shape[2:])
+        index, old = (dest // bs, dest % bs), cache[0, 0]
     else:
-        cache[slots] = vals.reshape(-1, *cache.shape[1:])
+        index, old = (dest,), cache[0]
+    cache.index_put_(index, torch.where(any_kept, vals.reshape(-1, *old.shape), old))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,7 +191,7 @@ def _write_rows(cache, slots, vals):
 
 
 def dsv4_block_stride(block_size: int) -> int:
-    """Bytes per block: token data, then scales, padded to a multiple of 576."""
+    """jitkv's default bytes per block: token data, then scales, padded to a multiple of 576."""
     return -(-block_size * DSV4_TOKEN_BYTES // DSV4_DATA_BYTES) * DSV4_DATA_BYTES
 
 
@@ -161,29 +237,30 @@ def dsv4_dequantize_tokens(data, scales):
     b = scales[:, :groups].to(torch.int32)
     scale = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23).view(torch.float32)  # 2^(b - 127)
     val = (fp8 * scale.unsqueeze(-1)).to(torch.bfloat16).reshape(m, DSV4_NOPE)
-    nan = torch.tensor(0x7FFF, dtype=torch.int16, device=data.device).view(torch.bfloat16)
+    nan = torch.full((), 0x7FFF, dtype=torch.int16, device=data.device).view(torch.bfloat16)  # a fill, not a host copy
     val = torch.where(torch.isnan(val), nan, val)
     return torch.cat([val, data[:, DSV4_NOPE:].contiguous().view(torch.bfloat16)], dim=1)
 
 
-def quantize_and_insert_k_cache(k, k_cache, slot_mapping, *, block_size=64):
+def quantize_and_insert_k_cache(k, k_cache, slot_mapping, *, block_size=64, strict=None):
     """Quantize k [n', 512] bf16 into the DSv4 FP8 K cache at slot_mapping (slot < 0 skipped)."""
     rows = _dsv4_rows(k_cache, block_size)
-    slots, keep = valid_rows(slot_mapping, rows.shape[0] * block_size)
-    if not slots.numel():
+    plan = _plan(slot_mapping, rows.shape[0] * block_size, op="quantize_and_insert_k_cache", strict=strict)
+    if plan is None:
         return
-    data, scales = dsv4_quantize_tokens(k[keep])
-    blk = (slots // block_size).unsqueeze(1)
-    data_cols, scale_cols = _dsv4_columns((slots % block_size).unsqueeze(1), block_size)
-    rows[blk, data_cols] = data
-    rows[blk, scale_cols] = scales
+    dest, src, any_kept = plan
+    data, scales = dsv4_quantize_tokens(k.index_select(0, src))
+    blk = (dest // block_size).unsqueeze(1)
+    data_cols, scale_cols = _dsv4_columns((dest % block_size).unsqueeze(1), block_size)
+    for cols, new in ((data_cols, data), (scale_cols, scales)):  # slot 0 is at cols[0] when none is kept
+        rows.index_put_((blk, cols), torch.where(any_kept, new, rows[0].index_select(0, cols[0])))
 
 
 def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset=0):
     """out[r, offset + i] = dequant(token seq_len - gather_len + i of request r), DESIGN §5.
 
     Positions whose block-table entry is < 0, >= num_blocks or past the table yield zero rows; rows
-    at or past out.shape[1] are not written. No host sync."""
+    at or past out.shape[1] are not written. No host sync (graph-safe on CUDA)."""
     num_reqs, n_rows = out.shape[0], out.shape[1] - offset
     if num_reqs == 0 or n_rows <= 0:
         return

@@ -9,6 +9,7 @@ import torch
 from ..jit import JitSpec, artifact_dir, env_flag, get_module
 from ..jit.toolchain import cuda_arch
 from ._dispatch import BackendUnavailable
+from ._validate import unsupported_device
 
 
 def jit_function(spec: JitSpec, name: str):
@@ -39,18 +40,28 @@ def debug_checks() -> bool:
 
 
 def device_index(op: str, name: str, t) -> int:
-    """-1 for a CPU tensor, else the CUDA device index (cheaper than ``t.device``)."""
+    """-1 for a CPU tensor, else the CUDA device index (cheaper than ``t.device``); ValueError for a
+    tensor on any other device (meta included), before anything runs."""
     try:
-        return t.get_device()
+        if t.is_cuda:
+            return t.get_device()
+        if t.is_cpu:
+            return -1
     except AttributeError:
         raise TypeError(f"{op}: {name}: expected a torch.Tensor, got {type(t).__name__}") from None
+    raise unsupported_device(op, name, t)
 
 
 _FFI_ARG = re.compile(r"Mismatched type on argument #(\d+)")
 
 
-def name_ffi_type_error(op: str, err: TypeError, arg_names: tuple[str, ...]) -> TypeError:
-    """tvm-ffi reports a wrong argument type by position; say which argument it was."""
+def name_ffi_error(op: str, err: Exception, arg_names: tuple[str, ...], args: tuple) -> Exception:
+    """An error tvm-ffi raises while packing a binding's arguments, naming the argument: a wrong type
+    (reported by position), or a tensor on a device DLPack cannot describe (meta: a RuntimeError with
+    a C++ frame dump). Any other error is returned as it is."""
+    if isinstance(err, RuntimeError):
+        bad = [(n, a) for n, a in zip(arg_names, args) if isinstance(a, torch.Tensor) and not (a.is_cpu or a.is_cuda)]
+        return unsupported_device(op, *bad[0]) if bad else err
     m = _FFI_ARG.search(str(err))
     if m is None or int(m.group(1)) >= len(arg_names):
         return err

@@ -1,8 +1,11 @@
 """Argument checks for the Python backends (triton, torch).
 
 The jit backend runs the same rules in C++ (``csrc/mla/mla_args.h``,
-``csrc/store_cache/store_cache_args.h``) so its eager path costs no Python-side checks; the tests
-run every bad input through every backend and expect the same exception type and argument name.
+``csrc/store_cache/store_cache_args.h``, ``csrc/dsv4/dsv4_cuda.cc``) so its eager path costs few
+Python-side checks; the tests run every bad input through every backend and expect the same
+exception type and argument name. Checks C++ cannot make, or that only Python makes, run here for
+the jit backend too: a tensor's device type (``unsupported_device``), a CPU scale tensor's value
+(``scale_tensor_value``) and the DSv4 cache layout's semantics (``DSV4_K_CACHE.validate``).
 Messages read ``"<op>: <argument>: <what was expected>, got <what>"``."""
 
 from __future__ import annotations
@@ -24,7 +27,12 @@ def tensor(op, name, t):
     return t
 
 
-def index(op, name, t, device):
+def unsupported_device(op, name, t):
+    """The ValueError for a tensor on a device jitkv does not run on (meta included)."""
+    return ValueError(f"{op}: {name}: expected a CPU or CUDA tensor, got one on {t.device}")
+
+
+def index(op, name, t, device, dest_name):
     tensor(op, name, t)
     if t.dtype not in INDEX_DTYPES:
         raise TypeError(f"{op}: {name}: expected dtype int32 or int64, got {t.dtype}")
@@ -32,13 +40,14 @@ def index(op, name, t, device):
         raise ValueError(f"{op}: {name}: expected a 1-D tensor, got shape {list(t.shape)}")
     if t.numel() > 1 and t.stride(0) != 1:
         raise ValueError(f"{op}: {name}: expected a contiguous tensor, got stride {t.stride(0)}")
-    same_device(op, name, t, device)
+    same_device(op, name, t, device, dest_name)
     return t
 
 
-def same_device(op, name, t, device):
+def same_device(op, name, t, device, dest_name):
+    """``t`` on ``device``, the device of the destination ``dest_name``."""
     if t.device != device:
-        raise ValueError(f"{op}: {name}: expected a tensor on {device} (the destination's device), got {t.device}")
+        raise ValueError(f"{op}: {name}: expected a tensor on {device} like {dest_name}, got one on {t.device}")
 
 
 def same_dtype(op, name, t, want, want_from):
@@ -64,7 +73,21 @@ def scale_value(op, name, scale):
     return s
 
 
-def scale(op, name, s, device):
+def scale_tensor_value(op, name, s):
+    """Read a 1-element float32 scale tensor on the host: finite and > 0, else ValueError (other
+    tensors are left to the structural checks). On CUDA this syncs, so callers do it only under
+    JITKV_DEBUG=1, and it refuses (RuntimeError, before any CUDA work) during CUDA-graph capture."""
+    if s.dtype != torch.float32 or s.numel() != 1:
+        return
+    if s.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{op}: JITKV_DEBUG=1 reads {name} on the host, which CUDA-graph capture does not "
+                           "allow; capture without JITKV_DEBUG")
+    scale_value(op, name, s.item())
+
+
+def scale(op, name, s, device, dest_name, debug=False):
+    """A Python-float scale (checked), or a 1-element float32 tensor on ``device`` whose value is
+    checked on CPU, and on CUDA only with ``debug`` (JITKV_DEBUG=1: it syncs)."""
     if s is None:
         raise ValueError(f"{op}: {name}: required for an fp8 kv_cache_dtype (no default scale)")
     if isinstance(s, torch.Tensor):
@@ -72,7 +95,9 @@ def scale(op, name, s, device):
             raise TypeError(f"{op}: {name}: expected a float32 tensor, got {s.dtype}")
         if s.numel() != 1:
             raise ValueError(f"{op}: {name}: expected a 1-element tensor, got {s.numel()} elements")
-        same_device(op, name, s, device)
+        same_device(op, name, s, device, dest_name)
+        if s.is_cpu or debug:
+            scale_tensor_value(op, name, s)
         return s
     if isinstance(s, (int, float)):
         return scale_value(op, name, s)
@@ -100,10 +125,10 @@ def mla(kv_buffer, loc, k_nope, k_rope):
     if kv_buffer.dtype not in COPY_DTYPES:
         raise TypeError(f"{op}: kv_buffer: expected dtype bf16, fp16, fp32, uint8 or float8, got {kv_buffer.dtype}")
     dev = kv_buffer.device
-    index(op, "loc", loc, dev)
+    index(op, "loc", loc, dev, "kv_buffer")
     for name, t in (("k_nope", k_nope), ("k_rope", k_rope)):
         same_dtype(op, name, t, kv_buffer.dtype, "kv_buffer")
-        same_device(op, name, t, dev)
+        same_device(op, name, t, dev, "kv_buffer")
     buf = _row_view(op, "kv_buffer", kv_buffer, "W")
     nope = _row_view(op, "k_nope", k_nope, "nope")
     rope = _row_view(op, "k_rope", k_rope, "rope")
@@ -120,32 +145,33 @@ def mla(kv_buffer, loc, k_nope, k_rope):
 # --------------------------------------------------------------------------------------- store_cache
 
 
-def store_cache(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map):
+def store_cache(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, debug=False):
     """Validate store_cache arguments; return (k, v, k_cache, v_cache) as [n', H, D] sources and
-    [num_blocks, block_size, H, D] caches (flat caches get block_size 1), plus the parsed scales."""
+    [num_blocks, block_size, H, D] caches (flat caches get block_size 1), plus the parsed scales.
+    ``debug`` (JITKV_DEBUG=1) also reads CUDA scale tensors on the host (see ``scale``)."""
     op = "store_cache"
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         tensor(op, name, t)
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"{op}: kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     dev = k_cache.device
-    index(op, "slot_mapping", slot_mapping, dev)
+    index(op, "slot_mapping", slot_mapping, dev, "k_cache")
     if loc_map is not None:
-        index(op, "loc_map", loc_map, dev)
+        index(op, "loc_map", loc_map, dev, "k_cache")
     n = slot_mapping.numel()
     if v.dtype != k.dtype:
         raise TypeError(f"{op}: v: expected dtype {k.dtype} (the dtype of k), got {v.dtype}")
     h = _num_heads(op, (("k", k), ("k_cache", k_cache), ("v", v), ("v_cache", v_cache)))
     views = []
     for src_name, src, cache_name, cache in (("k", k, "k_cache", k_cache), ("v", v, "v_cache", v_cache)):
-        same_device(op, src_name, src, dev)
-        same_device(op, cache_name, cache, dev)
+        same_device(op, src_name, src, dev, "k_cache")
+        same_device(op, cache_name, cache, dev, "k_cache")
         _dtypes(op, src_name, src, cache_name, cache, kv_cache_dtype)
         views.append(_pair_views(op, src_name, src, cache_name, cache, n, h))
     (kv, kcv), (vv, vcv) = views
     scales = (None, None)
     if kv_cache_dtype != "auto":
-        scales = (scale(op, "k_scale", k_scale, dev), scale(op, "v_scale", v_scale, dev))
+        scales = (scale(op, "k_scale", k_scale, dev, "k_cache", debug), scale(op, "v_scale", v_scale, dev, "k_cache", debug))
     return kv, vv, kcv, vcv, scales
 
 

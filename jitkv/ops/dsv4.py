@@ -8,7 +8,7 @@ import torch
 from .. import reference
 from ..jit import JitSpec
 from . import _validate
-from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_type_error, require_triton
+from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_error, require_triton
 from ._dispatch import Dispatcher
 
 WRITE_OP = "quantize_and_insert_k_cache"
@@ -23,9 +23,13 @@ class DSv4KCacheLayout:
 
     Per token: dims 0..447 as e4m3 (448 B) + dims 448..511 as bf16 (128 B) = 576 B of data, and 8 B
     of UE8M0 scales (one per 64 nope dims, 8th byte 0). A block holds all token data first (token t
-    at ``t * 576``), then all scales (token t at ``block_size * 576 + t * 8``), then padding up to a
-    multiple of 576 bytes. A cache is uint8 ``[num_blocks, block_stride]`` (or a
-    ``[num_blocks, block_size, 584]`` view of one); kernels use ``stride(0)``."""
+    at ``t * 576``), then all scales (token t at ``block_size * 576 + t * 8``): ``block_size * 584``
+    bytes, then any padding up to the block stride. A cache is uint8 ``[num_blocks, W]`` with
+    ``block_size * 584 <= W < (block_size + 1) * 584`` (so W gives the block size: jitkv allocates
+    W = ``block_stride(block_size)``, vLLM W = ``block_size * 584``), or a
+    ``[num_blocks, block_size, 584]`` view of one. The block stride is ``stride(0)``: any multiple of
+    16 bytes (the kernels' vector alignment) from ``block_size * 584`` up; kernels use ``stride(0)``
+    and ``scale_offset(block_size)`` and touch only the first ``block_size * 584`` bytes of a block."""
 
     head_dim = reference.DSV4_HEAD_DIM
     nope_dim = reference.DSV4_NOPE
@@ -42,36 +46,51 @@ class DSv4KCacheLayout:
         return block_size * self.data_bytes
 
     def block_stride(self, block_size: int) -> int:
-        """Bytes per block: ceil(block_size * 584 / 576) * 576 (37,440 at block_size 64)."""
+        """The block stride ``allocate`` uses by default: ceil(block_size * 584 / 576) * 576 (37,440 at
+        block_size 64; the smallest a cache may have is block_size * 584 rounded up to 16, 37,376)."""
         return reference.dsv4_block_stride(block_size)
 
-    def allocate(self, num_blocks: int, block_size: int = 64, device="cuda") -> torch.Tensor:
-        """A zeroed uint8 cache ``[num_blocks, block_stride(block_size)]``."""
-        return torch.zeros(num_blocks, self.block_stride(block_size), dtype=torch.uint8, device=device)
+    def allocate(self, num_blocks: int, block_size: int = 64, device="cuda", *, block_stride: int | None = None) -> torch.Tensor:
+        """A zeroed uint8 cache ``[num_blocks, block_stride]``; ``block_stride`` defaults to
+        ``block_stride(block_size)``. Raises ValueError unless it is a multiple of 16 with
+        ``block_size * 584 <= block_stride < (block_size + 1) * 584``."""
+        stride = self.block_stride(block_size) if block_stride is None else block_stride
+        lo, hi = block_size * self.token_bytes, (block_size + 1) * self.token_bytes
+        if not (isinstance(stride, int) and lo <= stride < hi and stride % self.alignment == 0):
+            raise ValueError(f"DSV4_K_CACHE.allocate: block_stride: expected a multiple of {self.alignment} in "
+                             f"[{lo}, {hi}) for block_size {block_size}, got {block_stride!r}")
+        return torch.zeros(num_blocks, stride, dtype=torch.uint8, device=device)
 
     def validate(self, k_cache, block_size: int, op: str = "DSV4_K_CACHE") -> None:
         """Raise TypeError/ValueError unless ``k_cache`` is a cache of this layout for ``block_size``."""
         _validate.tensor(op, "k_cache", k_cache)
+        if not (k_cache.is_cpu or k_cache.is_cuda):
+            raise _validate.unsupported_device(op, "k_cache", k_cache)
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"{op}: block_size: expected a positive int, got {block_size!r}")
         if k_cache.dtype != torch.uint8:
             raise TypeError(f"{op}: k_cache: expected dtype uint8, got {k_cache.dtype}")
-        need = self.block_stride(block_size)
+        used = block_size * self.token_bytes
         if k_cache.dim() == 2:
-            if k_cache.shape[1] < block_size * self.token_bytes:
-                raise ValueError(f"{op}: k_cache: expected [num_blocks, >= {block_size * self.token_bytes}] for "
-                                 f"block_size {block_size}, got {list(k_cache.shape)}")
+            if k_cache.shape[1] // self.token_bytes != block_size:
+                raise ValueError(
+                    f"{op}: k_cache: blocks of {k_cache.shape[1]} bytes hold {k_cache.shape[1] // self.token_bytes} "
+                    f"tokens of 584 bytes, but block_size is {block_size} (expected [num_blocks, W] with "
+                    f"{used} <= W < {used + self.token_bytes}), got shape {list(k_cache.shape)}")
         elif k_cache.dim() == 3:
             if tuple(k_cache.shape[1:]) != (block_size, self.token_bytes):
-                raise ValueError(f"{op}: k_cache: expected [num_blocks, {block_size}, 584], got {list(k_cache.shape)}")
+                raise ValueError(f"{op}: k_cache: expected [num_blocks, {block_size}, 584] for block_size {block_size}, "
+                                 f"got {list(k_cache.shape)}")
+            if block_size > 1 and k_cache.stride(1) != self.token_bytes:
+                raise ValueError(f"{op}: k_cache: expected stride(1) = 584 (tokens packed in a block), got {k_cache.stride(1)}")
         else:
             raise ValueError(f"{op}: k_cache: expected a 2-D [num_blocks, block_stride] or 3-D "
                              f"[num_blocks, block_size, 584] tensor, got {list(k_cache.shape)}")
         _validate.last_dim_contiguous(op, "k_cache", k_cache)
-        stride = k_cache.stride(0) if k_cache.shape[0] > 1 else need
-        if stride < need or stride % self.alignment:
+        stride = k_cache.stride(0)
+        if k_cache.shape[0] > 1 and (stride < used or stride % self.alignment):  # one block: no stride
             raise ValueError(f"{op}: k_cache: expected stride(0) (the block stride in bytes) to be a multiple of "
-                             f"{self.alignment} and >= {need}, got {stride}")
+                             f"{self.alignment} and >= block_size * 584 = {used}, got {stride}")
         if k_cache.data_ptr() % self.alignment:
             raise ValueError(f"{op}: k_cache: expected a {self.alignment}-byte aligned data pointer")
 
@@ -85,8 +104,10 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, *, block_size=64, back
     Args:
         k: ``[n', 512]`` bf16, n' >= n = slot_mapping.numel() (extra rows never read); last dim
             contiguous, any row stride.
-        k_cache: uint8 cache of ``DSV4_K_CACHE`` layout (``[num_blocks, block_stride]`` or its
-            ``[num_blocks, block_size, 584]`` view), written in place.
+        k_cache: uint8 cache of ``DSV4_K_CACHE`` layout for ``block_size``: ``[num_blocks, W]`` with
+            ``block_size * 584 <= W < (block_size + 1) * 584`` (jitkv's padded blocks or vLLM's
+            unpadded ones) or a ``[num_blocks, block_size, 584]`` view; block stride ``stride(0)`` a
+            multiple of 16 and >= ``block_size * 584``. Written in place.
         slot_mapping: ``[n]`` int32/int64; slot s is block ``s // block_size``, row
             ``s % block_size``; slot < 0 is skipped; slot >= num_blocks * block_size is never
             written (CPU raises IndexError first).
@@ -96,7 +117,8 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, *, block_size=64, back
     max(amax, 1e-4) (exact, via frexp); dims stored as e4m3(clamp(x / 2^e, ±448)), round to nearest
     even; dims 448..511 copied as bf16; the 8th scale byte written 0.
 
-    Raises TypeError/ValueError for bad arguments, IndexError as above.
+    Raises TypeError/ValueError for bad arguments (ValueError when ``block_size`` does not match
+    ``k_cache``'s layout), IndexError as above.
 
     Algorithm: CUDA — one warp per token, 16-byte loads, warp-shuffle amax, hardware e4m3
     conversion, 16-byte stores; Triton fallback (integer-exact conversion); torch reference on CPU.
@@ -118,12 +140,14 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
 
     Args:
         out: ``[num_reqs, max_tokens, 512]`` bf16, last dim contiguous.
-        k_cache: uint8 cache of ``DSV4_K_CACHE`` layout.
+        k_cache: uint8 cache of ``DSV4_K_CACHE`` layout for ``block_size`` (as for
+            ``quantize_and_insert_k_cache``).
         seq_lens, gather_lens: ``[num_reqs]`` int32 (gather_lens may be None).
         block_table: ``[num_reqs, max_blocks]`` int32.
         block_size: tokens per block. offset: first row of ``out`` written (>= 0).
 
-    Raises TypeError/ValueError for bad arguments.
+    Raises TypeError/ValueError for bad arguments (ValueError when ``block_size`` does not match
+    ``k_cache``'s layout).
 
     Algorithm: CUDA — one warp per token, block-table lookup once per token, several 16-byte loads
     in flight, exact power-of-two scaling, 16-byte stores, grid sized from num_reqs * max_tokens;
@@ -142,7 +166,7 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
 def _check_bf16_rows(op, name, t, dev, ndim, shape_desc):
     """A bf16 tensor of ``ndim`` dims whose last dim is 512 and contiguous, on ``dev``."""
     _validate.tensor(op, name, t)
-    _validate.same_device(op, name, t, dev)
+    _validate.same_device(op, name, t, dev, "k_cache")
     if t.dtype != torch.bfloat16:
         raise TypeError(f"{op}: {name}: expected dtype bfloat16, got {t.dtype}")
     if t.dim() != ndim or t.shape[-1] != 512:
@@ -154,7 +178,7 @@ def _check_write(k, k_cache, slot_mapping, block_size):
     op = WRITE_OP
     DSV4_K_CACHE.validate(k_cache, block_size, op)
     dev = k_cache.device
-    _validate.index(op, "slot_mapping", slot_mapping, dev)
+    _validate.index(op, "slot_mapping", slot_mapping, dev, "k_cache")
     _check_bf16_rows(op, "k", k, dev, 2, "[n', 512]")
     _validate.rows_at_least(op, "k", k, slot_mapping.numel(), "slot_mapping")
 
@@ -168,13 +192,13 @@ def _check_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, 
     for name, t in (("seq_lens", seq_lens), ("gather_lens", gather_lens)):
         if t is None and name == "gather_lens":
             continue
-        _validate.index(op, name, t, dev)
+        _validate.index(op, name, t, dev, "k_cache")
         if t.dtype != torch.int32:
             raise TypeError(f"{op}: {name}: expected dtype int32, got {t.dtype}")
         if t.shape[0] != num_reqs:
             raise ValueError(f"{op}: {name}: expected {num_reqs} entries (out.shape[0]), got {t.shape[0]}")
     _validate.tensor(op, "block_table", block_table)
-    _validate.same_device(op, "block_table", block_table, dev)
+    _validate.same_device(op, "block_table", block_table, dev, "k_cache")
     if block_table.dtype != torch.int32:
         raise TypeError(f"{op}: block_table: expected dtype int32, got {block_table.dtype}")
     if block_table.dim() != 2 or block_table.shape[0] != num_reqs:
@@ -186,7 +210,7 @@ def _check_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, 
 
 def _host_range_check(k, k_cache, slot_mapping, block_size):
     """JITKV_DEBUG=1: raise IndexError for a slot past the cache (GPU kernels would skip it)."""
-    reference.valid_rows(slot_mapping, k_cache.shape[0] * block_size, strict=True)
+    reference.check_slots(slot_mapping, k_cache.shape[0] * block_size, op=WRITE_OP)
 
 
 def _flat(k_cache):
@@ -214,12 +238,18 @@ def _vector_aligned(t) -> bool:
 
 
 def _jit_factory(op, arg_names, fallback):
+    """The CUDA binding checks every argument but the layout's semantics (the block size a cache
+    holds, its block stride), which ``DSV4_K_CACHE.validate`` checks first; it keeps the guards that
+    keep the kernels inside the tensors."""
+    block_size_at = arg_names.index("block_size")
+
     def factory(device, variant):
         fn, info = jit_function(cuda_spec(cuda_target(device)), op)
         unaligned = []  # the Triton path, built on first use, for views the kernel cannot vectorize
         debug = op == WRITE_OP and debug_checks()
 
         def run(*args):
+            DSV4_K_CACHE.validate(args[1], args[block_size_at], op)
             if debug:
                 _host_range_check(*args)
             if not _vector_aligned(args[0]):
@@ -228,8 +258,8 @@ def _jit_factory(op, arg_names, fallback):
                 return unaligned[0](*args)
             try:
                 fn(*args)
-            except TypeError as e:
-                raise name_ffi_type_error(op, e, arg_names) from None
+            except (TypeError, RuntimeError) as e:
+                raise name_ffi_error(op, e, arg_names, args) from None
 
         return run, info
 

@@ -8,7 +8,7 @@ from torch.compiler import is_compiling
 from .. import reference
 from ..jit import JitSpec
 from . import _validate
-from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_type_error, require_triton
+from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_error, require_triton
 from ._dispatch import Dispatcher
 
 OP = "set_mla_kv_buffer"
@@ -92,10 +92,11 @@ def _jit(device, variant):
         fn, info = jit_function(cpu_spec(), OP)
 
         def run_cpu(buf, loc, nope, rope, skip):
+            args = (buf, loc, nope, rope, -1 if skip is None else skip)
             try:
-                fn(buf, loc, nope, rope, -1 if skip is None else skip)
-            except TypeError as e:
-                raise name_ffi_type_error(OP, e, _BINDING_ARGS) from None
+                fn(*args)
+            except (TypeError, RuntimeError) as e:
+                raise name_ffi_error(OP, e, _BINDING_ARGS, args) from None
 
         return run_cpu, info
     fn, info = jit_function(cuda_spec(cuda_target(device), *variant), OP)
@@ -106,16 +107,17 @@ def _jit(device, variant):
     def run(buf, loc, nope, rope, skip):
         if debug:
             _host_range_check(buf, loc, skip)
+        args = (buf, loc, nope, rope, _skip(skip), auto)
         try:
-            fn(buf, loc, nope, rope, _skip(skip), auto)
-        except TypeError as e:
-            raise name_ffi_type_error(OP, e, _BINDING_ARGS) from None
+            fn(*args)
+        except (TypeError, RuntimeError) as e:
+            raise name_ffi_error(OP, e, _BINDING_ARGS, args) from None
 
     return run, info
 
 
 def _host_range_check(buf, loc, skip):
-    reference.valid_rows(loc, buf.shape[0], skip_slot=skip, strict=True, name="loc")
+    reference.check_slots(loc, buf.shape[0], skip_slot=skip, name="loc", op=OP)
 
 
 @_DISPATCH.register("triton")

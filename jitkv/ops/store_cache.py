@@ -10,7 +10,7 @@ from torch.compiler import is_compiling
 from .. import reference
 from ..jit import JitSpec
 from . import _validate
-from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_type_error, require_triton
+from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_error, require_triton
 from ._dispatch import Dispatcher
 
 OP = "store_cache"
@@ -46,7 +46,10 @@ def store_cache(
             (e4m3fn, max 448) or "fp8_e5m2" (max 57344): stored = RNE(clamp(x / scale, ±max)),
             from bf16/fp16/fp32 into float8 or uint8 caches.
         k_scale, v_scale: required for fp8: a finite float > 0, or a 1-element float32 tensor on
-            the cache's device (read on the device, so CUDA graphs replay with new values).
+            the cache's device (read on the device, so CUDA graphs replay with new values). A tensor's
+            value must be finite and > 0 too: checked on the host for CPU tensors, and for CUDA
+            tensors only under ``JITKV_DEBUG=1`` (the check syncs; otherwise the kernel divides by
+            the value as given).
         loc_map: optional ``[num_full_slots]`` int32/int64; ``slot = loc_map[slot]`` first (full ->
             sliding-window pool), fused in the kernel; a mapped value < 0 is skipped.
         skip_slot: an extra padding slot, compared before ``loc_map``; None for none.
@@ -54,7 +57,8 @@ def store_cache(
 
     Raises:
         TypeError: wrong dtype or non-tensor argument. ValueError: shape/device/layout mismatch,
-        unknown kv_cache_dtype, fp8 string vs cache dtype mismatch, missing or non-positive scale.
+        unknown kv_cache_dtype, fp8 string vs cache dtype mismatch, a missing scale, or one that is
+        not finite and > 0 (see k_scale).
         IndexError: slot (or loc_map entry) out of range — CPU always, CUDA under JITKV_DEBUG=1 (CUDA
         otherwise skips the row); nothing is written then.
 
@@ -183,7 +187,7 @@ def _binding_caller(fn, generic_fn, debug=False):
             scales = _fp8_scale_args(kv_dtype, k_scale, v_scale)
         args = (k, v, k_cache, v_cache, slot_mapping, loc_map, -1 if skip is None else skip, *scales)
         if debug:
-            _validate.store_cache(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map)
+            _validate.store_cache(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, debug)
             _host_range_check(k_cache, slot_mapping, loc_map, skip)
         try:
             fn(*args)
@@ -191,25 +195,29 @@ def _binding_caller(fn, generic_fn, debug=False):
             if "generic build" not in str(e):
                 raise
             generic_fn()(*args)
-        except TypeError as e:
-            raise name_ffi_type_error(OP, e, _BINDING_ARGS) from None
+        except (TypeError, RuntimeError) as e:
+            raise name_ffi_error(OP, e, _BINDING_ARGS, args) from None
 
     return run
 
 
 def _fp8_scale_args(kv_dtype, k_scale, v_scale):
-    """(dtype code, k_scale tensor, v_scale tensor, k_scale value, v_scale value) for the binding."""
+    """(dtype code, k_scale tensor, v_scale tensor, k_scale value, v_scale value) for the binding.
+    The binding checks a scale tensor's dtype, size and device; a CPU one's value is checked here."""
     code = _KV_CODE.get(kv_dtype) if isinstance(kv_dtype, str) else None
     if code is None:
         raise ValueError(f"{OP}: kv_cache_dtype: expected one of {', '.join(_validate.KV_CACHE_DTYPES)}, got {kv_dtype!r}")
     ks_t, ks_v = _scale_args(k_scale, "k_scale", kv_dtype)
     vs_t, vs_v = _scale_args(v_scale, "v_scale", kv_dtype)
+    for name, t in (("k_scale", ks_t), ("v_scale", vs_t)):
+        if t is not None and t.is_cpu:
+            _validate.scale_tensor_value(OP, name, t)
     return code, ks_t, vs_t, ks_v, vs_v
 
 
 def _host_range_check(k_cache, slot_mapping, loc_map, skip):
     num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
-    reference.valid_rows(slot_mapping, num_slots, skip_slot=skip, loc_map=loc_map, strict=True)
+    reference.check_slots(slot_mapping, num_slots, skip_slot=skip, loc_map=loc_map, op=OP)
 
 
 @_DISPATCH.register("triton")
@@ -220,7 +228,8 @@ def _triton(device, variant):
     debug = debug_checks()
 
     def run(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, skip):
-        kv, vv, kc, vc, (ks, vs) = _validate.store_cache(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map)
+        kv, vv, kc, vc, (ks, vs) = _validate.store_cache(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale,
+                                                         loc_map, debug)
         if debug:
             _host_range_check(kc, slot_mapping, loc_map, skip)
         if slot_mapping.numel():
@@ -243,8 +252,11 @@ def _scale_tensor(scale, device):
 
 @_DISPATCH.register("torch")
 def _torch(device, variant):
+    debug = debug_checks()
+
     def run(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, skip):
-        kv, vv, kc, vc, (ks, vs) = _validate.store_cache(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map)
+        kv, vv, kc, vc, (ks, vs) = _validate.store_cache(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale,
+                                                         loc_map, debug)
         reference.store_cache(kv, vv, kc, vc, slot_mapping, kv_cache_dtype=kv_dtype, k_scale=ks, v_scale=vs,
                               loc_map=loc_map, skip_slot=skip)
 

@@ -58,8 +58,10 @@ struct CacheView {
   int64_t num_blocks;
 };
 
-// uint8 [num_blocks, >= block_size*584] with stride(0) the block stride, or its
-// [num_blocks, block_size, 584] view; kernels use stride(0) only.
+// uint8 [num_blocks, >= block_size*584], or [num_blocks, block_size, 584] with tokens 584 bytes apart;
+// kernels use stride(0) and touch the first block_size*584 bytes of each block. These guards keep the
+// kernels inside the tensor with aligned 16-byte accesses; the layout's semantics (the block size a
+// cache holds, a block stride >= block_size*584) are checked once, in Python (DSV4_K_CACHE.validate).
 CacheView check_cache(const char* op, const TensorView& c, int64_t block_size) {
   if (c.device().device_type != kDLCUDA) {
     TVM_FFI_THROW(ValueError) << op << ": k_cache: expected a CUDA tensor, got device_type "
@@ -73,9 +75,10 @@ CacheView check_cache(const char* op, const TensorView& c, int64_t block_size) {
                                 << ", got shape " << shape_str(c);
     }
   } else if (c.ndim() == 3) {
-    if (c.size(1) != block_size || c.size(2) != layout::kTokenBytes) {
+    if (c.size(1) != block_size || c.size(2) != layout::kTokenBytes ||
+        (block_size > 1 && c.stride(1) != layout::kTokenBytes)) {
       TVM_FFI_THROW(ValueError) << op << ": k_cache: expected shape [num_blocks, " << block_size
-                                << ", 584], got " << shape_str(c);
+                                << ", 584] with stride(1) 584, got " << shape_str(c);
     }
   } else {
     TVM_FFI_THROW(ValueError) << op << ": k_cache: expected a 2-D [num_blocks, block_stride] or 3-D "
@@ -83,15 +86,10 @@ CacheView check_cache(const char* op, const TensorView& c, int64_t block_size) {
                               << shape_str(c);
   }
   jitkv::check_last_dim_contiguous(op, "k_cache", c);
-  const int64_t need = layout::block_stride(block_size);
-  const int64_t stride = c.size(0) > 1 ? c.stride(0) : need;
-  if (stride < need || stride % 16 != 0) {
-    TVM_FFI_THROW(ValueError) << op << ": k_cache: expected stride(0) (the block stride in bytes) to be "
-                              << "a multiple of 16 and >= ceil(block_size*584/576)*576 = " << need
-                              << ", got " << stride;
-  }
-  if (!aligned16(data_ptr(c))) {
-    TVM_FFI_THROW(ValueError) << op << ": k_cache: expected a 16-byte aligned data pointer";
+  const int64_t stride = c.size(0) > 1 ? c.stride(0) : 0;  // one block: never multiplied
+  if (stride % 16 != 0 || !aligned16(data_ptr(c))) {
+    TVM_FFI_THROW(ValueError) << op << ": k_cache: expected a 16-byte aligned data pointer and stride(0) "
+                              << "(the block stride in bytes) a multiple of 16, got stride " << c.stride(0);
   }
   return {data_ptr(c), stride, c.size(0)};
 }
@@ -105,7 +103,7 @@ void check_req_index(const char* op, const char* name, const TensorView& t, int6
     TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected " << num_reqs
                               << " entries (out.shape[0]), got " << t.size(0);
   }
-  jitkv::check_device(op, name, t, dev);
+  jitkv::check_device(op, name, t, dev, "k_cache");
 }
 
 void check_launch(const char* op, int err) {
@@ -126,9 +124,9 @@ void quantize_and_insert_k_cache(TensorView k, TensorView k_cache, TensorView sl
   const CacheView cache = check_cache(op, k_cache, block_size);
   const DLDevice dev = k_cache.device();
   const bool slots64 = jitkv::check_index(op, "slot_mapping", slot_mapping);
-  jitkv::check_device(op, "slot_mapping", slot_mapping, dev);
+  jitkv::check_device(op, "slot_mapping", slot_mapping, dev, "k_cache");
   check_dtype(op, "k", k, kBf16, "bfloat16");
-  jitkv::check_device(op, "k", k, dev);
+  jitkv::check_device(op, "k", k, dev, "k_cache");
   const int64_t n = slot_mapping.size(0);
   if (k.ndim() != 2 || k.size(1) != layout::kHeadDim || k.size(0) < n) {
     TVM_FFI_THROW(ValueError) << op << ": k: expected shape [n', 512] with n' >= " << n
@@ -159,7 +157,7 @@ void dequantize_and_gather_k_cache(TensorView out, TensorView k_cache, TensorVie
   const DLDevice dev = k_cache.device();
 
   check_dtype(op, "out", out, kBf16, "bfloat16");
-  jitkv::check_device(op, "out", out, dev);
+  jitkv::check_device(op, "out", out, dev, "k_cache");
   if (out.ndim() != 3 || out.size(2) != layout::kHeadDim) {
     TVM_FFI_THROW(ValueError) << op << ": out: expected shape [num_reqs, max_tokens, 512], got "
                               << shape_str(out);
@@ -182,7 +180,7 @@ void dequantize_and_gather_k_cache(TensorView out, TensorView k_cache, TensorVie
     gl_ptr = static_cast<const int32_t*>(static_cast<void*>(data_ptr(gl)));
   }
   check_dtype(op, "block_table", block_table, kInt32, "int32");
-  jitkv::check_device(op, "block_table", block_table, dev);
+  jitkv::check_device(op, "block_table", block_table, dev, "k_cache");
   if (block_table.ndim() != 2 || block_table.size(0) != num_reqs) {
     TVM_FFI_THROW(ValueError) << op << ": block_table: expected shape [" << num_reqs
                               << ", max_blocks], got " << shape_str(block_table);

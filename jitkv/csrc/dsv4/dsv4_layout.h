@@ -1,8 +1,9 @@
 // DeepSeek-V4 FP8 K cache layout (DESIGN §5), shared by the CUDA kernels and the tvm-ffi binding.
 // One head of 512 dims per token: dims 0..447 as e4m3 (448 B) + dims 448..511 as bf16 (128 B) = 576 B of
 // data, plus 8 B of UE8M0 scales (7 groups of 64 dims, 8th byte 0). A block of block_size tokens holds all
-// token data first (token t at t*576), then all scales (token t at block_size*576 + t*8), then padding up
-// to a multiple of 576 bytes.
+// token data first (token t at t*576), then all scales (token t at block_size*576 + t*8): block_size*584
+// bytes, then any padding up to the block stride (a multiple of 16 bytes; Python's DSV4_K_CACHE says
+// which strides a cache may have).
 #pragma once
 
 #include <cstdint>
@@ -26,13 +27,6 @@ constexpr float kMinAmax = 1e-4f;                   // floor of the group amax b
 // Bytes from a block's start to its scale region.
 constexpr int64_t scale_offset(int64_t block_size) { return block_size * kDataBytes; }
 
-// Smallest block stride: data + scales, rounded up to a multiple of 576 bytes.
-constexpr int64_t block_stride(int64_t block_size) {
-  return (block_size * kTokenBytes + kDataBytes - 1) / kDataBytes * kDataBytes;
-}
-
-static_assert(block_stride(64) == 37440, "block stride at block_size 64");
-static_assert(block_stride(2) == 1728, "block stride at block_size 2");
 static_assert(kNopeDim % kGroupSize == 0 && kDataBytes % 16 == 0, "16-byte aligned token data");
 
 }  // namespace dsv4

@@ -42,9 +42,9 @@ inline MlaArgs parse_mla_args(const char* op, const TensorView& kv_buffer, const
                              << "float8_e4m3fn or float8_e5m2, got " << dt;
   }
   DLDevice dev = kv_buffer.device();
-  check_device(op, "k_nope", k_nope, dev);
-  check_device(op, "k_rope", k_rope, dev);
-  check_device(op, "loc", loc, dev);
+  check_device(op, "k_nope", k_nope, dev, "kv_buffer");
+  check_device(op, "k_rope", k_rope, dev, "kv_buffer");
+  check_device(op, "loc", loc, dev, "kv_buffer");
   check_same_dtype(op, "k_nope", k_nope, dt, "kv_buffer");
   check_same_dtype(op, "k_rope", k_rope, dt, "kv_buffer");
 

@@ -186,7 +186,7 @@ inline void parse_scale(const char* op, const char* name, const Optional<TensorV
   *val = 1.0f;
   if (t.has_value()) {
     const TensorView& s = t.value();
-    check_device(op, name, s, dev);
+    check_device(op, name, s, dev, "k_cache");
     if (!(s.dtype().code == kDLFloat && s.dtype().bits == 32 && s.dtype().lanes == 1)) {
       TVM_FFI_THROW(TypeError) << op << ": " << name << ": expected a float32 tensor, got " << s.dtype();
     }
@@ -221,10 +221,10 @@ inline StoreCacheArgs parse_store_cache_args(const char* op, const TensorView& k
   namespace d = store_cache_detail;
   KVDtype kv = d::parse_kv_dtype(op, kv_cache_dtype);
   DLDevice dev = k_cache.device();
-  check_device(op, "k", k, dev);
-  check_device(op, "v", v, dev);
-  check_device(op, "v_cache", v_cache, dev);
-  check_device(op, "slot_mapping", slot_mapping, dev);
+  check_device(op, "k", k, dev, "k_cache");
+  check_device(op, "v", v, dev, "k_cache");
+  check_device(op, "v_cache", v_cache, dev, "k_cache");
+  check_device(op, "slot_mapping", slot_mapping, dev, "k_cache");
 
   // dtypes
   DLDataType src = k.dtype();
@@ -293,7 +293,7 @@ inline StoreCacheArgs parse_store_cache_args(const char* op, const TensorView& k
   a.loc_map_size = 0;
   if (loc_map.has_value()) {
     const TensorView& lm = loc_map.value();
-    check_device(op, "loc_map", lm, dev);
+    check_device(op, "loc_map", lm, dev, "k_cache");
     a.loc_map_i64 = check_index(op, "loc_map", lm);
     a.loc_map = data_ptr(lm);
     a.loc_map_size = lm.numel();

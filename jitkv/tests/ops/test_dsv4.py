@@ -17,7 +17,7 @@ DEV_BACKENDS = [(d, b) for d in DEVICES for b in BACKENDS[d]]
 WRITE_OP, GATHER_OP = "quantize_and_insert_k_cache", "dequantize_and_gather_k_cache"
 WRITE, GATHER = jitkv.quantize_and_insert_k_cache, jitkv.dequantize_and_gather_k_cache
 NUM_BLOCKS = {64: 8, 2: 128}  # 512 / 256 slots
-LAYOUTS = ["2d", "3d", "wide"]
+LAYOUTS = ["2d", "3d", "wide", "unpadded"]
 SPECIAL = [  # (row, dims, value): amax exactly 448 and just above it, amax below the 1e-4 floor, a zero
     # group, ±inf, NaN, bf16 denormals, near the bf16 maximum
     (0, slice(0, 64), 448.0), (0, 70, -450.0), (1, slice(64, 128), 1e-30), (2, slice(128, 192), 0.0),
@@ -42,10 +42,18 @@ def _k(rows, device, mags=(1e-3, 1.0, 100.0), special=True, col=0):
     return base.to(device)[:, col : col + 512]
 
 
+def _stride(block_size, layout):
+    """jitkv's padded block stride; "unpadded": block_size * 584 (vLLM's allocation; a multiple of 16
+    at block sizes 64 and 2); "wide": more than a block uses."""
+    if layout == "unpadded":
+        return block_size * 584
+    return L.block_stride(block_size) + (576 if layout == "wide" else 0)
+
+
 def _cache(block_size, layout, device):
     """Random bytes (scale bytes of most blocks in a realistic range) in a 2-D allocation; "wide" has a
     larger block stride and one leading row that is not part of the cache (see _blocks)."""
-    stride = L.block_stride(block_size) + (576 if layout == "wide" else 0)
+    stride = _stride(block_size, layout)
     c = rand((NUM_BLOCKS[block_size] + (layout == "wide"), stride), torch.uint8)
     lo, hi = L.scale_offset(block_size), L.scale_offset(block_size) + 8 * block_size
     tame = torch.rand(c.shape[0]) < 0.75
@@ -54,8 +62,9 @@ def _cache(block_size, layout, device):
 
 
 def _blocks(c, layout):
-    """The [num_blocks, block_stride] rows of an allocation made by _cache."""
-    return c[1:] if layout == "wide" else c
+    """The [num_blocks, W] cache of an allocation made by _cache ("wide": W = the padded stride, less
+    than stride(0), as a 2-D cache's width gives its block size)."""
+    return c[1:, : c.shape[1] - 576] if layout == "wide" else c
 
 
 def _view(c, block_size, layout):
@@ -246,11 +255,13 @@ def test_layout_numbers():
 
 LAYOUT_BAD = [  # (case, cache from a good [4, 1728] block_size-2 cache, exception)
     ("int8", lambda c: c.view(torch.int8), TypeError),
-    ("not a tensor", lambda c: c.numpy(), TypeError),
-    ("stride short", lambda c: torch.zeros(4, 1712, dtype=torch.uint8), ValueError),
+    ("not a tensor", lambda c: c.tolist(), TypeError),
+    ("stride short", lambda c: torch.zeros(4 * 1152 + 16, dtype=torch.uint8).as_strided((4, 1168), (1152, 1)), ValueError),
     ("stride not a multiple of 16", lambda c: torch.zeros(4, 1736, dtype=torch.uint8), ValueError),
     ("narrower than 2 * 584", lambda c: c[:, :1000], ValueError),
     ("3-D wrong shape", lambda c: c.view(4, 3, 576), ValueError),
+    ("3-D tokens not 584 apart", lambda c: c.as_strided((4, 2, 584), (1728, 576, 1)), ValueError),
+    ("wider than 2 tokens", lambda c: torch.zeros(4, 1760, dtype=torch.uint8), ValueError),
     ("1-D", lambda c: c.view(-1), ValueError),
     ("misaligned", lambda c: c.view(-1)[1 : 1 + 3 * 1728].view(3, 1728), ValueError),
 ]
@@ -261,6 +272,61 @@ def test_layout_validate_rejects(case):
     _, make, exc = case
     with pytest.raises(exc, match=r"DSV4_K_CACHE: k_cache\b"):
         L.validate(make(L.allocate(4, 2, device="cpu")), 2)
+
+
+@pytest.mark.parametrize("cache_bs,block_size", [(64, 32), (64, 63), (64, 65), (2, 1), (2, 3)])
+@pytest.mark.parametrize("stride", ["padded", "unpadded"])
+def test_block_size_must_match_the_cache(cache_bs, block_size, stride):
+    """A cache laid out for cache_bs tokens per block, used with another block_size: ValueError naming
+    both numbers, from the validator and from both ops, before anything is written."""
+    c = L.allocate(4, cache_bs, "cpu", block_stride=None if stride == "padded" else cache_bs * 584).random_(0, 256)
+    width = c.shape[1]
+    views = ((c, rf"k_cache: blocks of {width} bytes hold {cache_bs} tokens of 584 bytes, but block_size is {block_size}\b"),
+             (c[:, : cache_bs * 584].view(4, cache_bs, 584),
+              rf"k_cache: expected \[num_blocks, {block_size}, 584\] for block_size {block_size}, got \[4, {cache_bs}, 584\]"))
+    for cache, message in views:
+        with pytest.raises(ValueError, match="DSV4_K_CACHE: " + message):
+            L.validate(cache, block_size)
+        before = c.clone()
+        with pytest.raises(ValueError, match=f"{WRITE_OP}: " + message):
+            WRITE(_k(4, "cpu"), cache, torch.arange(4), block_size=block_size)
+        out = rand((1, 8, 512), torch.bfloat16)
+        with pytest.raises(ValueError, match=f"{GATHER_OP}: " + message):
+            GATHER(out, cache, torch.tensor([8], dtype=torch.int32), None, torch.zeros(1, 8, dtype=torch.int32), block_size)
+        assert_bitwise(c, before)
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+@pytest.mark.parametrize("block_size", [64, 2])
+def test_unpadded_cache_holds_the_padded_caches_records(device, backend, block_size):
+    """vLLM's unpadded cache (block stride block_size * 584: 37,376 bytes at 64) gets, block for block,
+    the bytes jitkv's padded cache gets, and gathers the same rows, 2-D and as the 3-D view."""
+    bs, nb = block_size, NUM_BLOCKS[block_size]
+    padded = _cache(bs, "2d", device)
+    unpadded = L.allocate(nb, bs, device, block_stride=bs * 584)
+    unpadded.copy_(padded[:, : bs * 584])  # the same poison in the bytes a block uses
+    k, sm = _k(100, device), slots(nb * bs, 100, torch.int32, device)
+    seq, gl, bt = _requests(bs, 3, 150, "short", False, device)
+    outs = []
+    for cache, layout in ((padded, "2d"), (unpadded, "2d"), (unpadded, "3d")):
+        got = cache.clone()
+        WRITE(k, _view(got, bs, layout), sm, block_size=bs, backend=backend)
+        out = rand((3, 150, 512), torch.bfloat16, device, gen=torch.Generator().manual_seed(1))
+        GATHER(out, _view(got, bs, layout), seq, gl, bt, bs, 0, backend=backend)
+        outs.append((got, out))
+    assert_bitwise(outs[0][0][:, bs * 584 :], padded[:, bs * 584 :])  # padding untouched
+    for got, out in outs[1:]:
+        assert_bitwise(got, outs[0][0][:, : bs * 584])
+        assert_bitwise(out, outs[0][1])
+
+
+def test_allocate_block_stride():
+    assert L.allocate(2, 64, "cpu", block_stride=37376).shape == (2, 37376)
+    assert L.allocate(2, 3, "cpu", block_stride=3 * 584 + 8).shape == (2, 1760)
+    L.validate(L.allocate(2, 64, "cpu", block_stride=37376), 64)
+    for bad in (37360, 37384, 37960, 37376.0):  # short, not a multiple of 16, a 65th token fits, not an int
+        with pytest.raises(ValueError, match=rf"DSV4_K_CACHE.allocate: block_stride: .* \[37376, 37960\) for block_size 64, got {bad}"):
+            L.allocate(2, 64, "cpu", block_stride=bad)
 
 
 # ----------------------------------------------------------------------------------- bad inputs
@@ -276,7 +342,9 @@ def _args(op, device):
 
 
 def _short_stride(a):
-    a.update(k_cache=torch.zeros(4, 1712, dtype=torch.uint8, device=a["k_cache"].device))
+    """Blocks of 1168 bytes (block_size 2) 1152 bytes apart."""
+    c = torch.zeros(4 * 1152 + 16, dtype=torch.uint8, device=a["k_cache"].device)
+    a.update(k_cache=c.as_strided((4, 1168), (1152, 1)))
 
 
 BAD = [  # (op, case, mutate(args), exception, argument named in the message)
@@ -289,6 +357,7 @@ BAD = [  # (op, case, mutate(args), exception, argument named in the message)
     (WRITE_OP, "k_cache stride short", _short_stride, ValueError, "k_cache"),
     (WRITE_OP, "k_cache 3-D wrong shape", lambda a: a.update(k_cache=a["k_cache"].view(4, 3, 576)), ValueError, "k_cache"),
     (WRITE_OP, "block_size 0", lambda a: a.update(block_size=0), ValueError, "block_size"),
+    (WRITE_OP, "block_size 1 on a block_size-2 cache", lambda a: a.update(block_size=1), ValueError, "k_cache"),
     (GATHER_OP, "out float32", lambda a: a.update(out=a["out"].float()), TypeError, "out"),
     (GATHER_OP, "out width 256", lambda a: a.update(out=a["out"][..., :256]), ValueError, "out"),
     (GATHER_OP, "seq_lens int64", lambda a: a.update(seq_lens=a["seq_lens"].long()), TypeError, "seq_lens"),
@@ -298,6 +367,7 @@ BAD = [  # (op, case, mutate(args), exception, argument named in the message)
     (GATHER_OP, "block_table int64", lambda a: a.update(block_table=a["block_table"].long()), TypeError, "block_table"),
     (GATHER_OP, "offset negative", lambda a: a.update(offset=-1), ValueError, "offset"),
     (GATHER_OP, "k_cache stride short", _short_stride, ValueError, "k_cache"),
+    (GATHER_OP, "block_size 3 on a block_size-2 cache", lambda a: a.update(block_size=3), ValueError, "k_cache"),
 ]
 
 

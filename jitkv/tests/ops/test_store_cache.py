@@ -280,8 +280,51 @@ def test_bad_fp8_input(device, backend, case):
         jitkv.store_cache(*args.values(), backend=backend, **kw)
 
 
+BAD_SCALE_TENSORS = [("k_scale", 0.0), ("v_scale", float("nan")), ("k_scale", float("inf")), ("v_scale", -1.0),
+                     ("k_scale", -0.0)]
+
+
+def _bad_scale_tensor(device, name, value):
+    """fp8 arguments with scale ``name`` a 1-element float32 tensor holding ``value``, and the caches."""
+    args, kw = _fp8(device)
+    kw[name] = torch.tensor([value], dtype=torch.float32, device=device)
+    return args, kw
+
+
+@pytest.mark.parametrize("backend", BACKENDS["cpu"])
+@pytest.mark.parametrize("name,value", BAD_SCALE_TENSORS)
+def test_bad_scale_tensor_value_cpu(backend, name, value):
+    """A CPU scale tensor is read on the host before anything is written."""
+    args, kw = _bad_scale_tensor("cpu", name, value)
+    before = [args["k_cache"].clone(), args["v_cache"].clone()]
+    with pytest.raises(ValueError, match=rf"store_cache: {name}: must be finite and > 0, got {value}"):
+        jitkv.store_cache(*args.values(), backend=backend, **kw)
+    assert_bitwise(args["k_cache"], before[0])
+    assert_bitwise(args["v_cache"], before[1])
+
+
+@gpu
+@pytest.mark.parametrize("backend", BACKENDS["cuda"])
+@pytest.mark.parametrize("name,value", BAD_SCALE_TENSORS[:2])
+def test_bad_scale_tensor_value_gpu_under_debug(backend, name, value, monkeypatch):
+    """A CUDA scale tensor is read on the host only under JITKV_DEBUG=1 (it syncs)."""
+    from jitkv.ops import store_cache as op  # noqa: PLC0415
+
+    monkeypatch.setenv("JITKV_DEBUG", "1")
+    op.reset()  # JITKV_DEBUG is read when a backend is resolved
+    try:
+        args, kw = _bad_scale_tensor("cuda", name, value)
+        before = args["k_cache"].clone()
+        with pytest.raises(ValueError, match=rf"store_cache: {name}: must be finite and > 0, got {value}"):
+            jitkv.store_cache(*args.values(), backend=backend, **kw)
+        assert_bitwise(args["k_cache"], before)
+    finally:
+        monkeypatch.undo()
+        op.reset()
+
+
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")
-@pytest.mark.parametrize("backend", ["jit", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS["cuda"])
 def test_out_of_range_gpu_skipped_or_raises_under_debug(backend, monkeypatch):
     from jitkv.ops import store_cache as op  # noqa: PLC0415
 

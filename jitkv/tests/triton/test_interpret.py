@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+pytest.importorskip("numpy")  # the interpreter computes with numpy (the test extra installs both)
 REPO = Path(__file__).resolve().parents[3]
 
 MLA = """
@@ -40,8 +41,8 @@ import torch
 from jitkv import DSV4_K_CACHE, reference
 from jitkv.tests.conftest import assert_bitwise, rand, slots
 from jitkv.triton.dsv4 import dequantize_and_gather_k_cache_triton, quantize_and_insert_k_cache_triton
-for bs in (64, 2):
-    cache = DSV4_K_CACHE.allocate(24, bs, "cpu").random_(0, 256)
+for bs, stride in ((64, None), (2, None), (64, 64 * 584)):  # padded, and vLLM's unpadded blocks
+    cache = DSV4_K_CACHE.allocate(24, bs, "cpu", block_stride=stride).random_(0, 256)
     k = (torch.randn(50, 512) * torch.logspace(-3, 2, 50)[:, None]).bfloat16()
     sm = slots(24 * bs, 45)
     sm[::6] = -1

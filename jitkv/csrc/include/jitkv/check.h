@@ -42,12 +42,24 @@ inline bool same_device(DLDevice a, DLDevice b) {
   return a.device_type == b.device_type && a.device_id == b.device_id;
 }
 
-inline void check_device(const char* op, const char* name, const TensorView& t, DLDevice dev) {
+inline std::string device_str(DLDevice d) {
+  std::ostringstream os;
+  if (d.device_type == kDLCPU) {
+    os << "cpu";
+  } else if (d.device_type == kDLCUDA) {
+    os << "cuda:" << d.device_id;
+  } else {
+    os << "device_type " << d.device_type << ":" << d.device_id;
+  }
+  return os.str();
+}
+
+// t on dev, the device of the destination dest_name (the same message as the Python validators).
+inline void check_device(const char* op, const char* name, const TensorView& t, DLDevice dev,
+                         const char* dest_name) {
   if (!same_device(t.device(), dev)) {
-    TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected a tensor on the same device as the "
-                              << "destination (device_type " << dev.device_type << ", id "
-                              << dev.device_id << "), got device_type " << t.device().device_type
-                              << ", id " << t.device().device_id;
+    TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected a tensor on " << device_str(dev)
+                              << " like " << dest_name << ", got one on " << device_str(t.device());
   }
 }
 
