@@ -329,36 +329,35 @@ struct SideChunk {
   }
 };
 
-// The destination geometry of one side, and a slot's (block, row) in it: latency kernels split a slot
-// once when K and V have the same block size.
+// The destination geometry of one side. A slot's row is dst + slot * stride_token + block * block_adj
+// (block_adj = stride_block - block_size * stride_token; 0 for flat caches), so that slot * stride_token
+// is computed while the block number is: a lone warp's chain from slot to store stays short.
 struct DstRegs {
   char* dst;
-  uint64_t stride_block, stride_token;
-  uint32_t block_size, block_magic;
+  int64_t stride_token, block_adj;
+  uint32_t block_magic;
   int32_t block_shift;
 
   __device__ __forceinline__ static DstRegs of(const Side& s) {
-    return DstRegs{s.dst, uint64_t(s.dst_stride_block), uint64_t(s.dst_stride_token),
-                   uint32_t(s.block_size), s.block_magic, s.block_shift};
+    return DstRegs{s.dst, s.dst_stride_token, s.dst_stride_block - s.block_size * s.dst_stride_token, s.block_magic,
+                   s.block_shift};
   }
 
-  // (block, row in block) of a slot in [0, num_slots), without a branch or a division.
-  __device__ __forceinline__ void split(int64_t slot, uint64_t& blk, uint64_t& off) const {
-    blk = (uint64_t(__umulhi(uint32_t(slot), block_magic)) + uint64_t(slot)) >> block_shift;
-    off = uint64_t(slot) - blk * block_size;
+  // slot / block_size for a slot in [0, num_slots), without a branch or a division: exact for every
+  // slot of a cache the binding accepts (see set_block_division there).
+  __device__ __forceinline__ uint64_t block(int64_t slot) const {
+    return (uint64_t(__umulhi(uint32_t(slot), block_magic)) + uint64_t(slot)) >> block_shift;
   }
 
-  __device__ __forceinline__ char* row(uint64_t blk, uint64_t off) const {
-    return dst + (blk * stride_block + off * stride_token);
+  __device__ __forceinline__ char* row(int64_t slot, uint64_t blk) const {
+    return dst + (slot * stride_token + int64_t(blk) * block_adj);
   }
 };
 
 // Byte address of `slot`'s row in one cache (slot in [0, num_slots)).
 __device__ __forceinline__ char* slot_row(const Side& s, int64_t slot) {
   const DstRegs d = DstRegs::of(s);
-  uint64_t blk, off;
-  d.split(slot, blk, off);
-  return d.row(blk, off);
+  return d.row(slot, d.block(slot));
 }
 
 // Destination slot of a slot_mapping entry, or -1 when the row is skipped (padding, skip_slot, outside
@@ -402,13 +401,12 @@ __device__ __forceinline__ void latency_write(const Params& p) {
   // Padding, skipped and out-of-range slots are never written (K and V have the same slot count).
   if (uint64_t(slot) >= uint64_t(p.k.num_slots)) return;
   const DstRegs dk = DstRegs::of(first_side);
-  DstRegs dv = DstRegs::of(p.v);
-  uint64_t blk, off;
-  dk.split(slot, blk, off);
-  k.store(dk.row(blk, off));
+  uint64_t blk = dk.block(slot);
+  k.store(dk.row(slot, blk));
   if constexpr (!kSplit) {
-    if (p.same_blocks == 0) dv.split(slot, blk, off);
-    v.store(dv.row(blk, off));
+    const DstRegs dv = DstRegs::of(p.v);
+    if (p.same_blocks == 0) blk = dv.block(slot);
+    v.store(dv.row(slot, blk));
   }
 }
 
