@@ -70,7 +70,8 @@ def _print_contents(root: str) -> None:
     for e in entries:
         with open(os.path.join(root, e, "manifest.json")) as f:
             m = json.load(f)
-        print(f"    {e}  ({m.get('seconds', '?')} s to build)")
+        built_by = "; ".join(f"{c['version']} ({c['path']})" for c in m.get("compilers", {}).values()) or "?"
+        print(f"    {e}  ({m.get('seconds', '?')} s to build with {built_by})")
     for e in failed:
         with open(os.path.join(root, "failed", e)) as f:
             print(f"    FAILED {e[:-5]}: {json.load(f).get('reason')}")

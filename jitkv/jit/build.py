@@ -122,6 +122,9 @@ def _load_or_build(spec: JitSpec):
 def _check_can_build(spec: JitSpec, final: Path) -> None:
     if env_flag("JITKV_DISABLE_JIT"):
         raise JitUnavailable("JIT disabled by JITKV_DISABLE_JIT")
+    missing = toolchain.missing_compiler(spec.is_cuda)
+    if missing:
+        raise JitUnavailable(f"{spec.describe()}: no compiler ({missing} not found) and no prebuilt artifact")
     _check_failure_memory(final)
     if _capturing():
         raise CaptureBuildError(
@@ -191,6 +194,7 @@ def _build_and_publish(spec: JitSpec, final: Path) -> None:
         "lib": os.path.basename(so),
         "seconds": round(seconds, 3),
         "built_at": time.time(),
+        "compilers": toolchain.build_compilers(spec.is_cuda),
         "components": spec.key_components(),
     }
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))

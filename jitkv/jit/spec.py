@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import re
 import sys
 from dataclasses import dataclass, field
@@ -83,7 +84,7 @@ class JitSpec:
             p = os.path.join(d, inc)
             if os.path.isfile(p):  # stat first: resolve() walks every path component
                 return Path(p).resolve()
-        return None  # a system or tvm-ffi header: covered by the toolchain and tvm-ffi versions
+        return None  # a system or tvm-ffi header: covered by the tvm-ffi version and the target
 
     def _key_path(self, path: Path) -> str:
         path = path.resolve()
@@ -95,6 +96,9 @@ class JitSpec:
         return path.as_posix()
 
     def key_components(self) -> dict[str, object]:
+        """What the artifact is made of and runs on. No compiler probe: a process without a compiler
+        computes the same key and loads what another machine published (the compiler that built an
+        artifact is recorded in its manifest instead)."""
         import tvm_ffi  # noqa: PLC0415  (imports torch; only when something is built or loaded)
 
         files = {rel: hashlib.sha256(p.read_bytes()).hexdigest() for rel, p in self.closure()}
@@ -106,14 +110,13 @@ class JitSpec:
             "target": self.target if self.is_cuda else toolchain.cpu_target(),
             "host_cflags": self.host_cflags(),
             "ldflags": self.ldflags(),
-            "cxx": toolchain.compiler_identity(toolchain.cxx()),
+            "platform": f"{sys.platform}-{platform.machine()}",
             "tvm_ffi": tvm_ffi.__version__,
             "jitkv": _version.__version__,
             "python": sys.implementation.cache_tag,
         }
         if self.is_cuda:
             comps["cuda_cflags"] = self.cuda_cflags()
-            comps["nvcc"] = toolchain.compiler_identity(toolchain.nvcc())
         return comps
 
     def key(self) -> str:

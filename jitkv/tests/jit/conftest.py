@@ -10,6 +10,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
 
+# A process that cannot find a compiler: nvcc hidden from PATH and CUDA_HOME/CUDA_PATH, CXX missing.
+NO_COMPILER = {"PATH": "/nonexistent", "CUDA_HOME": "/nonexistent", "CUDA_PATH": "/nonexistent", "CXX": "/nonexistent/c++"}
+
 
 def child_env(cache, **env) -> dict:
     """The environment of a child process whose cache layers are ``cache`` (a path or a list)."""
