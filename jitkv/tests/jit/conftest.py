@@ -8,10 +8,14 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[3]
 
 # A process that cannot find a compiler: nvcc hidden from PATH and CUDA_HOME/CUDA_PATH, CXX missing.
 NO_COMPILER = {"PATH": "/nonexistent", "CUDA_HOME": "/nonexistent", "CUDA_PATH": "/nonexistent", "CXX": "/nonexistent/c++"}
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="creates files owned by another uid (needs root)")
 
 
 def child_env(cache, **env) -> dict:

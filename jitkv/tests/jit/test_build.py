@@ -17,7 +17,7 @@ import jitkv
 from jitkv.jit import JitSpec, JitUnavailable, ensure_built, get_module
 from jitkv.jit import toolchain
 from jitkv.tests.conftest import assert_bitwise, rand, slots
-from jitkv.tests.jit.conftest import child_env, run_cli, run_py
+from jitkv.tests.jit.conftest import NO_COMPILER, child_env, run_cli, run_py
 
 GOOD = textwrap.dedent(
     """
@@ -115,10 +115,11 @@ def test_unwritable_cache_dir_falls_back_with_warning(tmp_path):
         print("WARN", " | ".join(str(x.message) for x in w))
         """,
         blocker / "cache",
+        TMPDIR=str(tmp_path),
     )
     assert res.returncode == 0, res.stderr
     used = res.stdout.split("DIR ")[1].split()[0]
-    assert used != str(blocker / "cache") and os.path.isdir(used)
+    assert used == str(tmp_path / f"jitkv-{os.geteuid()}") and os.stat(used).st_mode & 0o777 == 0o700
     assert str(blocker / "cache") in res.stdout and used in res.stdout.split("WARN")[1]
 
 
@@ -205,7 +206,7 @@ def _need_nvcc():
 
 def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
     """The Hopper kernels (and the benchmark's latency-floor kernel) compile with no GPU present (CI has
-    nvcc, no GPU)."""
+    nvcc, no GPU), and a process without nvcc finds them intact."""
     _need_nvcc()
     from jitkv.prebuild import specs_for  # noqa: PLC0415
 
@@ -217,11 +218,13 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
     assert set(first_per_op) == {"mla_cuda", "store_cache_cuda", "dsv4_cuda"} and generic_store
     from jitkv.benchmark.gpu import latency_floor_spec  # noqa: PLC0415
 
+    built = []
     for spec in [*first_per_op.values(), *generic_store, latency_floor_spec("9.0a")]:
         artifact = ensure_built(spec)
+        built.append(artifact.name)
         manifest = json.loads((artifact / "manifest.json").read_text())
         so = artifact / manifest["lib"]
-        assert so.is_file()
+        assert so.is_file() and "cuda" in manifest["compilers"]["nvcc"]["version"]
         cuobjdump = shutil.which("cuobjdump") or os.path.join(toolchain.cuda_home(), "bin", "cuobjdump")
         if os.path.exists(cuobjdump):
             listing = subprocess.run([cuobjdump, "--list-elf", str(so)], capture_output=True, text=True).stdout
@@ -229,6 +232,20 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
             if spec.op == "mla_cuda":
                 sass = subprocess.run([cuobjdump, "-sass", str(so)], capture_output=True, text=True).stdout
                 assert "UBLKCP" in sass  # the TMA bulk store is really there
+    found = run_py(
+        """
+        from jitkv.benchmark.gpu import latency_floor_spec
+        from jitkv.jit import artifact_dir, is_built
+        from jitkv.jit.build import verify_artifact
+        from jitkv.prebuild import specs_for
+        found = [artifact_dir(s) for s in [*specs_for("9.0a"), latency_floor_spec("9.0a")] if is_built(s)]
+        print("INTACT", sorted(d.name for d in found if verify_artifact(d)))
+        """,
+        tmp_path,
+        **NO_COMPILER,
+    )
+    assert found.returncode == 0, found.stderr
+    assert f"INTACT {sorted(built)}" in found.stdout
 
 
 def test_prebuild_cli_cpu(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import textwrap
 import warnings
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jitkv.jit import toolchain
-from jitkv.tests.jit.conftest import NO_COMPILER, run_cli, run_py
+from jitkv.tests.jit.conftest import NO_COMPILER, needs_root, run_cli, run_py
 
 # Every CPU jit op (set_mla_kv_buffer, store_cache copy and fp8) on its first call in a new process:
 # prints the ms from `import jitkv` returning to the last call returning, correctness against the
@@ -72,6 +73,25 @@ def published(tmp_path_factory) -> Path:
     return cache
 
 
+def _copy(published: Path, dst: Path) -> Path:
+    shutil.copytree(published, dst, ignore=shutil.ignore_patterns("locks", "staging"))
+    return dst
+
+
+def _read_only(root: Path) -> None:
+    """chmod -R a-w (root ignores the bits, so jitkv must honour the owner's missing write bit)."""
+    for path in [root, *root.rglob("*")]:
+        os.chmod(path, path.stat().st_mode & ~0o222)
+
+
+def _mla_lib(cache: Path) -> Path:
+    (lib,) = cache.glob("mla_cpu_*/*.so")
+    return lib
+
+
+def _truncate(lib: Path) -> None:
+    os.truncate(lib, lib.stat().st_size // 2)
+
 
 # ------------------------------------------------------------------------------------ no compiler
 
@@ -124,6 +144,128 @@ def test_manifest_records_the_compiler_and_info_shows_it(published):
     info = run_cli("info", cache=published, **NO_COMPILER)
     assert info.returncode == 0, info.stderr
     assert info.stdout.count(f"with {manifests[0]['compilers']['cxx']['version']}") == 2
+
+
+# ---------------------------------------------------------------------------------------- layers
+
+
+def test_relocated_read_only_layer_is_used_as_is(published, tmp_path):
+    image = _copy(published, tmp_path / "moved" / "image")
+    _read_only(image)
+    writable = tmp_path / "user"
+    out = _ops([image, writable], **NO_COMPILER)
+    assert _backends(out) == {"set_mla_kv_buffer": "jit", "store_cache": "jit"}
+    assert all(out["info"][op]["artifact"].startswith(str(image) + os.sep) for op in OPS_NAMES)
+    assert out["warnings"] == [] and "jitkv" not in out["stderr"], out
+    assert not writable.exists()  # nothing to build: the write layer is never even created
+
+
+def test_prebuild_out_writes_a_relocatable_cache(tmp_path):
+    out = tmp_path / "out"
+    res = run_cli("prebuild", "--out", str(out), cache=tmp_path / "user")
+    assert res.returncode == 0, res.stderr
+    assert not (tmp_path / "user").exists()
+    artifacts = [p for p in out.iterdir() if (p / "manifest.json").is_file()]
+    assert len(artifacts) == 2
+    for artifact in artifacts:
+        lib = json.loads((artifact / "manifest.json").read_text())["lib"]
+        assert sorted(os.listdir(artifact)) == sorted([lib, "manifest.json"])  # no build files
+        for path in artifact.iterdir():
+            assert str(out).encode() not in path.read_bytes(), path
+    moved = tmp_path / "elsewhere" / "image"
+    shutil.move(out, moved)
+    assert _backends(_ops(moved, **NO_COMPILER)) == {"set_mla_kv_buffer": "jit", "store_cache": "jit"}
+
+
+def test_builds_go_to_the_first_writable_layer(tmp_path):
+    read_only, writable = tmp_path / "ro", tmp_path / "rw"
+    read_only.mkdir()
+    _read_only(read_only)
+    out = _ops([read_only, writable])
+    assert _backends(out) == {"set_mla_kv_buffer": "jit", "store_cache": "jit"}
+    assert all(out["info"][op]["artifact"].startswith(str(writable) + os.sep) for op in OPS_NAMES)
+    assert out["stderr"].count("jitkv: building") == 2 and out["warnings"] == []
+    assert not any(read_only.iterdir())
+    for private in ("locks", "staging"):
+        assert (writable / private).stat().st_mode & 0o777 == 0o700
+
+
+def test_cache_verify_checks_every_layer(published, tmp_path):
+    first, second = _copy(published, tmp_path / "a"), _copy(published, tmp_path / "b")
+    res = run_cli("cache", "verify", cache=[first, second])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("ok ") == 4
+    _truncate(_mla_lib(second))
+    res = run_cli("cache", "verify", cache=[first, second])
+    assert res.returncode == 1
+    lines = res.stdout.splitlines()
+    assert len(lines) == 4 and [ln.split()[0] for ln in lines].count("DAMAGED") == 1
+    assert str(_mla_lib(second).parent) in next(ln for ln in lines if ln.startswith("DAMAGED"))
+
+
+# ------------------------------------------------------------------------------------- integrity
+
+
+def test_truncated_library_is_set_aside_and_rebuilt(published, tmp_path):
+    cache = _copy(published, tmp_path / "cache")
+    _truncate(_mla_lib(cache))
+    out = _ops(cache)  # before: dlopen of the truncated file killed the process (SIGBUS)
+    assert _backends(out) == {"set_mla_kv_buffer": "jit", "store_cache": "jit"}
+    warned = [ln for ln in out["stderr"].splitlines() if "not using" in ln]
+    assert len(warned) == 1 and "rebuilding mla_cpu" in warned[0] and out["warnings"] == [], out["stderr"]
+    assert "jitkv: building mla_cpu" in out["stderr"]
+    assert len(list((cache / "damaged").iterdir())) == 1
+    again = _ops(cache)
+    assert _backends(again) == {"set_mla_kv_buffer": "jit", "store_cache": "jit"}
+    assert "jitkv" not in again["stderr"] and again["warnings"] == [], again["stderr"]
+
+
+def test_damaged_artifact_in_read_only_layer_without_compiler_falls_back(published, tmp_path):
+    cache = _copy(published, tmp_path / "cache")
+    _truncate(_mla_lib(cache))
+    _read_only(cache)
+    out = _ops(cache, **NO_COMPILER)
+    assert _backends(out) == {"set_mla_kv_buffer": "torch", "store_cache": "jit"}
+    (warning,) = out["warnings"]
+    assert "manifest says" in warning and "no compiler" in warning
+    assert _mla_lib(cache).is_file() and not (cache / "damaged").exists()
+
+
+# ----------------------------------------------------------------------------------------- trust
+
+
+@needs_root
+@pytest.mark.parametrize("change", ["foreign owner", "world-writable"])
+@pytest.mark.parametrize("where", ["layer", "artifact", "library"])
+def test_untrusted_cache_is_never_loaded(published, tmp_path, where, change):
+    cache = _copy(published, tmp_path / "cache")
+    target = {"layer": cache, "artifact": _mla_lib(cache).parent, "library": _mla_lib(cache)}[where]
+    if change == "foreign owner":
+        os.chown(target, 65534, 65534)
+    else:
+        os.chmod(target, 0o777)
+    out = _ops(cache, JITKV_DISABLE_JIT="1", TMPDIR=str(tmp_path))
+    assert out["info"]["set_mla_kv_buffer"]["backend"] == "torch"
+    why = "owned by uid 65534" if change == "foreign owner" else "group/world-writable"
+    assert any(why in text for text in [*out["warnings"], out["info"]["set_mla_kv_buffer"]["reason"]]), out
+
+
+@needs_root
+@pytest.mark.parametrize("kind", ["foreign owner", "mode 777", "symlink"])
+def test_unsafe_temp_fallback_is_refused(tmp_path, kind):
+    fallback = tmp_path / f"jitkv-{os.geteuid()}"
+    if kind == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        fallback.symlink_to(tmp_path / "elsewhere")
+    else:
+        fallback.mkdir(mode=0o700)
+        os.chown(fallback, 65534, 65534) if kind == "foreign owner" else os.chmod(fallback, 0o777)
+    blocker = tmp_path / "file"
+    blocker.write_text("a dir below a file cannot be created, even by root")
+    out = _ops(blocker / "cache", TMPDIR=str(tmp_path))
+    assert _backends(out) == {"set_mla_kv_buffer": "torch", "store_cache": "torch"}
+    assert sum("refusing temp cache dir" in w for w in out["warnings"]) == 1, out["warnings"]
+    assert not any(fallback.iterdir())
 
 
 # ------------------------------------------------------------------------------------- log level
