@@ -5,6 +5,7 @@ call (or by ``prebuild``/``warmup``) and cached under ``JITKV_CACHE_DIR``."""
 
 import logging as _logging
 import os as _os
+import warnings as _warnings
 
 from ._version import __version__
 from .ops import _custom_ops  # noqa: F401  (registers torch.ops.jitkv.* for torch.compile)
@@ -15,11 +16,24 @@ from .ops.store_cache import store_cache
 from .prebuild import prebuild, warmup
 
 
+def _log_level(text: str) -> int:
+    """JITKV_LOG_LEVEL as a level: a number, or a name in any case; anything else warns once and
+    gives INFO (a typo in the environment must not break ``import jitkv``)."""
+    text = text.strip()
+    if text.isdecimal():
+        return int(text)
+    level = _logging.getLevelName(text.upper())
+    if isinstance(level, int):
+        return level
+    _warnings.warn(f"jitkv: JITKV_LOG_LEVEL={text!r} is not a logging level; using INFO", RuntimeWarning, stacklevel=3)
+    return _logging.INFO
+
+
 def _setup_logging() -> None:
     """Build start/end lines are INFO and shown by default: a first-call compile must not look
     like a hang. JITKV_LOG_LEVEL changes the level; an app can replace the handler."""
     logger = _logging.getLogger("jitkv")
-    logger.setLevel(_os.environ.get("JITKV_LOG_LEVEL", "INFO").upper())
+    logger.setLevel(_log_level(_os.environ.get("JITKV_LOG_LEVEL") or "INFO"))
     if not logger.handlers:
         handler = _logging.StreamHandler()
         handler.setFormatter(_logging.Formatter("%(message)s"))

@@ -1,7 +1,8 @@
-"""The build core: cache keys, cache dir, build + publish under locks, failure memory."""
+"""The build core: cache keys, cache layers, build + publish under locks, integrity, failure memory."""
 
-from .build import CaptureBuildError, JitUnavailable, artifact_dir, ensure_built, get_module, is_built
-from .cache_dir import cache_dir, configured_cache_dir
+from .build import CaptureBuildError, artifact_dir, ensure_built, get_module, is_built
+from .cache_dir import cache_dir, configured_layers
+from .errors import JitUnavailable
 from .spec import CSRC, JitSpec, env_flag
 from .util import cache_once
 
@@ -13,8 +14,8 @@ __all__ = [
     "artifact_dir",
     "cache_dir",
     "cache_once",
+    "configured_layers",
     "ensure_built",
-    "configured_cache_dir",
     "env_flag",
     "get_module",
     "is_built",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import re
 import sys
 from dataclasses import dataclass, field
@@ -11,9 +12,10 @@ from pathlib import Path
 
 from .. import _version
 from . import toolchain
+from .util import cache_once
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
+_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*[<"]([^>"\n]+)[>"]', re.M)
 
 
 @dataclass(frozen=True)
@@ -65,39 +67,34 @@ class JitSpec:
     def closure(self) -> list[tuple[str, Path]]:
         """Entry sources plus every quoted or <jitkv/...> include they reach, as (key path, file)."""
         seen: dict[str, Path] = {}
-        todo = [self.root / s for s in self.sources]
+        dirs = tuple(str(d) for d in self.include_dirs())
+        todo = [_realpath(str(self.root / s)) for s in self.sources]
         while todo:
             path = todo.pop()
             rel = self._key_path(path)
             if rel in seen:
                 continue
-            seen[rel] = path
-            for inc in _INCLUDE.findall(path.read_text()):
-                found = self._resolve_include(inc, path.parent)
+            seen[rel] = Path(path)
+            for inc in _scan(path)[1]:
+                found = _find_include(inc, (os.path.dirname(path), *dirs))
                 if found is not None:
                     todo.append(found)
         return sorted(seen.items())
 
-    def _resolve_include(self, inc: str, here: Path) -> Path | None:
-        for d in (here, *self.include_dirs()):
-            p = os.path.join(d, inc)
-            if os.path.isfile(p):  # stat first: resolve() walks every path component
-                return Path(p).resolve()
-        return None  # a system or tvm-ffi header: covered by the toolchain and tvm-ffi versions
-
-    def _key_path(self, path: Path) -> str:
-        path = path.resolve()
+    def _key_path(self, path: str) -> str:
         for base in (self.root, CSRC):
-            try:
-                return path.relative_to(base.resolve()).as_posix()
-            except ValueError:
-                continue
-        return path.as_posix()
+            real = _realpath(str(base))
+            if path.startswith(real + os.sep):
+                return Path(path[len(real) + 1 :]).as_posix()
+        return Path(path).as_posix()
 
     def key_components(self) -> dict[str, object]:
+        """What the artifact is made of and runs on. No compiler probe: a process without a compiler
+        computes the same key and loads what another machine published (the compiler that built an
+        artifact is recorded in its manifest instead)."""
         import tvm_ffi  # noqa: PLC0415  (imports torch; only when something is built or loaded)
 
-        files = {rel: hashlib.sha256(p.read_bytes()).hexdigest() for rel, p in self.closure()}
+        files = {rel: _scan(str(p))[0] for rel, p in self.closure()}
         comps: dict[str, object] = {
             "op": self.op,
             "sources": list(self.sources),
@@ -106,14 +103,13 @@ class JitSpec:
             "target": self.target if self.is_cuda else toolchain.cpu_target(),
             "host_cflags": self.host_cflags(),
             "ldflags": self.ldflags(),
-            "cxx": toolchain.compiler_identity(toolchain.cxx()),
+            "platform": f"{sys.platform}-{platform.machine()}",
             "tvm_ffi": tvm_ffi.__version__,
             "jitkv": _version.__version__,
             "python": sys.implementation.cache_tag,
         }
         if self.is_cuda:
             comps["cuda_cflags"] = self.cuda_cflags()
-            comps["nvcc"] = toolchain.compiler_identity(toolchain.nvcc())
         return comps
 
     def key(self) -> str:
@@ -130,6 +126,26 @@ class JitSpec:
     def describe(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.args)
         return f"{self.op}[{args}] for {self.target_name}" if args else f"{self.op} for {self.target_name}"
+
+
+def _find_include(inc: str, dirs: tuple[str, ...]) -> str | None:
+    """The real path of ``inc`` in the first of ``dirs`` that has it, or None: a system or tvm-ffi
+    header, covered by the tvm-ffi version and the target."""
+    for d in dirs:
+        p = os.path.join(d, inc)
+        if os.path.isfile(p):  # stat first: realpath walks every path component
+            return _realpath(p)
+    return None
+
+
+_realpath = cache_once(os.path.realpath)  # lstats every path component: once per path and process
+
+
+def _scan(path: str) -> tuple[str, tuple[str, ...]]:
+    """(sha256, included names) of a source file, read afresh for every key: a few small files cost
+    well under a millisecond, while a memo keyed by mtime could miss an edit within one timestamp tick."""
+    data = Path(path).read_bytes()
+    return hashlib.sha256(data).hexdigest(), tuple(inc.decode() for inc in _INCLUDE.findall(data))
 
 
 def env_flag(name: str) -> bool:

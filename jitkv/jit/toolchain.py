@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 
@@ -17,20 +18,30 @@ _ISA_FLAG = re.compile(r"^(avx\w*|amx\w*|sse\w*|ssse3|fma\w*|f16c|bmi\w*|popcnt|
 
 
 def cxx() -> str:
-    return os.environ.get("CXX", "c++")
+    """The host compiler command tvm-ffi runs (``CXX``, else ``c++``)."""
+    return os.environ.get("CXX") or "c++"
 
 
-@cache_once
-def compiler_identity(exe: str) -> str:
-    """The resolved compiler binary with its size and mtime: changes with any upgrade, and costs a
-    stat instead of a `--version` subprocess (which would eat the 50 ms warm-start budget)."""
-    path = shutil.which(exe) or exe
-    real = os.path.realpath(path)
-    try:
-        st = os.stat(real)
-    except OSError as e:
-        raise FileNotFoundError(f"compiler {exe!r} not found") from e
-    return f"{real}:{st.st_size}:{int(st.st_mtime)}"
+def missing_compiler(cuda: bool) -> str | None:
+    """The compiler a build needs and cannot find (``nvcc`` or the ``CXX`` command), or None.
+
+    A lookup on PATH, no subprocess: run only when an artifact is not published."""
+    if cuda and cuda_home() is None:
+        return "nvcc"
+    return None if _cxx_exe() else cxx()
+
+
+def build_compilers(cuda: bool) -> dict[str, dict[str, str]]:
+    """The compilers a build runs, as recorded in its manifest: {"cxx": {"path", "version"}, "nvcc": ...}."""
+    exes = {"cxx": _cxx_exe() or cxx()}
+    if cuda:
+        exes["nvcc"] = nvcc()
+    return {name: {"path": os.path.realpath(exe), "version": compiler_version(exe)} for name, exe in exes.items()}
+
+
+def _cxx_exe() -> str | None:
+    words = shlex.split(cxx())  # CXX may be a launcher and a compiler, e.g. "ccache g++"
+    return shutil.which(words[0]) if words else None
 
 
 @cache_once
@@ -56,13 +67,16 @@ def _has_cudart(home: str) -> bool:
 
 @cache_once
 def cuda_home() -> str | None:
-    """CUDA_HOME/CUDA_PATH, else /usr/local/cuda, else the toolkit that owns `nvcc` on PATH.
+    """CUDA_HOME/CUDA_PATH when either is set (they decide alone, so a process can hide the toolkit),
+    else /usr/local/cuda, else the toolkit that owns `nvcc` on PATH.
 
     `which nvcc` alone is not enough: it may be a wrapper script outside the toolkit."""
-    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates = [h for h in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")) if h]
+    if not candidates:
+        candidates.append("/usr/local/cuda")
+        nvcc = shutil.which("nvcc")
+        if nvcc:
+            candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
     for home in candidates:
         if home and os.path.isfile(os.path.join(home, "bin", "nvcc")) and _has_cudart(home):
             return home

@@ -17,8 +17,7 @@ import jitkv
 from jitkv.jit import JitSpec, JitUnavailable, ensure_built, get_module
 from jitkv.jit import toolchain
 from jitkv.tests.conftest import assert_bitwise, rand, slots
-
-REPO = Path(__file__).resolve().parents[3]
+from jitkv.tests.jit.conftest import NO_COMPILER, child_env, run_cli, run_py
 
 GOOD = textwrap.dedent(
     """
@@ -44,11 +43,6 @@ def _tree(root: Path, delta: int = 1, body: str = GOOD) -> Path:
 
 def _spec(root: Path, scale: int = 2, **kw) -> JitSpec:
     return JitSpec("tiny", ("tiny/add.cpp",), args=(("scale", scale),), exports=("add",), root=root, **kw)
-
-
-def _run_py(code: str, cache: Path, **env) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "JITKV_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **env}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env, timeout=300)
 
 
 def test_key_tracks_content_args_flags_target_not_location(tmp_path):
@@ -77,10 +71,10 @@ def test_build_publish_and_second_process_loads_without_compiling(tmp_path):
         t = time.perf_counter(); m = get_module(spec); x = torch.ones(3); m.add(x)
         print("RESULT", x.tolist(), time.perf_counter() - t)
     """
-    first = _run_py(code, cache)
+    first = run_py(code, cache)
     assert first.returncode == 0, first.stderr
     assert "building tiny[scale=2]" in first.stderr and "built tiny[scale=2]" in first.stderr
-    second = _run_py(code, cache)
+    second = run_py(code, cache)
     assert second.returncode == 0, second.stderr
     assert "building" not in second.stderr
     assert "RESULT [3.0, 3.0, 3.0]" in second.stdout
@@ -98,9 +92,8 @@ def test_four_processes_racing_a_cold_cache_build_once(tmp_path):
         spec = JitSpec("tiny", ("tiny/add.cpp",), args=(("scale", 2),), exports=("add",), root=Path({str(root)!r}))
         x = torch.arange(4, dtype=torch.float32); get_module(spec).add(x); print("RESULT", x.tolist())
     """
-    env = {**os.environ, "JITKV_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(4)]
+                              stderr=subprocess.PIPE, text=True, env=child_env(cache)) for _ in range(4)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
     assert all("RESULT [2.0, 3.0, 4.0, 5.0]" in o[0] for o in outs)
@@ -111,7 +104,7 @@ def test_four_processes_racing_a_cold_cache_build_once(tmp_path):
 def test_unwritable_cache_dir_falls_back_with_warning(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")  # a dir below a file cannot be created, even by root
-    res = _run_py(
+    res = run_py(
         """
         import warnings, torch
         import jitkv
@@ -122,10 +115,11 @@ def test_unwritable_cache_dir_falls_back_with_warning(tmp_path):
         print("WARN", " | ".join(str(x.message) for x in w))
         """,
         blocker / "cache",
+        TMPDIR=str(tmp_path),
     )
     assert res.returncode == 0, res.stderr
     used = res.stdout.split("DIR ")[1].split()[0]
-    assert used != str(blocker / "cache") and os.path.isdir(used)
+    assert used == str(tmp_path / f"jitkv-{os.geteuid()}") and os.stat(used).st_mode & 0o777 == 0o700
     assert str(blocker / "cache") in res.stdout and used in res.stdout.split("WARN")[1]
 
 
@@ -147,9 +141,9 @@ def test_broken_source_falls_back_and_failure_is_remembered(tmp_path, monkeypatc
         except JitUnavailable as e:
             print("FALLBACK", e.reason)
     """
-    again = _run_py(code, cache)
+    again = run_py(code, cache)
     assert "FALLBACK earlier build failed" in again.stdout and "building" not in again.stderr
-    retried = _run_py(code, cache, JITKV_RETRY_FAILED="1")
+    retried = run_py(code, cache, JITKV_RETRY_FAILED="1")
     assert "building" in retried.stderr and "FALLBACK" in retried.stdout
 
 
@@ -181,7 +175,7 @@ def test_op_falls_back_to_torch_with_one_warning(tmp_path, monkeypatch):
 
 
 def test_import_builds_nothing(tmp_path):
-    res = _run_py(
+    res = run_py(
         """
         import os, sys, jitkv
         print("TVM", "tvm_ffi" in sys.modules, "CACHE", os.path.exists(os.environ["JITKV_CACHE_DIR"]))
@@ -212,7 +206,7 @@ def _need_nvcc():
 
 def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
     """The Hopper kernels (and the benchmark's latency-floor kernel) compile with no GPU present (CI has
-    nvcc, no GPU)."""
+    nvcc, no GPU), and a process without nvcc finds them intact."""
     _need_nvcc()
     from jitkv.prebuild import specs_for  # noqa: PLC0415
 
@@ -224,11 +218,13 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
     assert set(first_per_op) == {"mla_cuda", "store_cache_cuda", "dsv4_cuda"} and generic_store
     from jitkv.benchmark.gpu import latency_floor_spec  # noqa: PLC0415
 
+    built = []
     for spec in [*first_per_op.values(), *generic_store, latency_floor_spec("9.0a")]:
         artifact = ensure_built(spec)
+        built.append(artifact.name)
         manifest = json.loads((artifact / "manifest.json").read_text())
         so = artifact / manifest["lib"]
-        assert so.is_file()
+        assert so.is_file() and "cuda" in manifest["compilers"]["nvcc"]["version"]
         cuobjdump = shutil.which("cuobjdump") or os.path.join(toolchain.cuda_home(), "bin", "cuobjdump")
         if os.path.exists(cuobjdump):
             listing = subprocess.run([cuobjdump, "--list-elf", str(so)], capture_output=True, text=True).stdout
@@ -236,16 +232,27 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
             if spec.op == "mla_cuda":
                 sass = subprocess.run([cuobjdump, "-sass", str(so)], capture_output=True, text=True).stdout
                 assert "UBLKCP" in sass  # the TMA bulk store is really there
+    found = run_py(
+        """
+        from jitkv.benchmark.gpu import latency_floor_spec
+        from jitkv.jit import artifact_dir, is_built
+        from jitkv.jit.build import verify_artifact
+        from jitkv.prebuild import specs_for
+        found = [artifact_dir(s) for s in [*specs_for("9.0a"), latency_floor_spec("9.0a")] if is_built(s)]
+        print("INTACT", sorted(d.name for d in found if verify_artifact(d)))
+        """,
+        tmp_path,
+        **NO_COMPILER,
+    )
+    assert found.returncode == 0, found.stderr
+    assert f"INTACT {sorted(built)}" in found.stdout
 
 
 def test_prebuild_cli_cpu(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "jitkv", "prebuild"], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "JITKV_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
+    res = run_cli("prebuild", cache=tmp_path)
     assert res.returncode == 0, res.stderr
-    info = subprocess.run([sys.executable, "-m", "jitkv", "info"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "JITKV_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
+    info = run_cli("info", cache=tmp_path)
     assert info.returncode == 0, info.stderr
     assert "2 built module(s)" in info.stdout and "not built yet" not in info.stdout.split("backend per op")[1].split("cuda")[0]
-    clear = subprocess.run([sys.executable, "-m", "jitkv", "cache", "clear"], capture_output=True, text=True,
-                           env={**os.environ, "JITKV_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
+    clear = run_cli("cache", "clear", cache=tmp_path)
     assert clear.returncode == 0 and not any((tmp_path / d / "manifest.json").exists() for d in os.listdir(tmp_path))
