@@ -9,7 +9,7 @@ from .. import reference
 from ..jit import JitSpec
 from . import _validate
 from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_error, require_triton
-from ._dispatch import Dispatcher
+from ._dispatch import BackendUnavailable, Dispatcher
 
 WRITE_OP = "quantize_and_insert_k_cache"
 GATHER_OP = "dequantize_and_gather_k_cache"
@@ -125,7 +125,7 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, *, block_size=64, back
     """
     if torch.compiler.is_compiling():
         return torch.ops.jitkv.quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size, backend)
-    _WRITE.get_for_index(device_index(WRITE_OP, "k_cache", k_cache), backend)(k, k_cache, slot_mapping, block_size)
+    _get(_WRITE, device_index(WRITE_OP, "k_cache", k_cache), backend, k)(k, k_cache, slot_mapping, block_size)
 
 
 def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset=0, *, backend=None):
@@ -156,7 +156,7 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
     if torch.compiler.is_compiling():
         return torch.ops.jitkv.dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table,
                                                             block_size, offset, backend)
-    _GATHER.get_for_index(device_index(GATHER_OP, "out", out), backend)(out, k_cache, seq_lens, gather_lens,
+    _get(_GATHER, device_index(GATHER_OP, "out", out), backend, out)(out, k_cache, seq_lens, gather_lens,
                                                                        block_table, block_size, offset)
 
 
@@ -237,25 +237,33 @@ def _vector_aligned(t) -> bool:
     return isinstance(t, torch.Tensor) and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
 
 
-def _jit_factory(op, arg_names, fallback):
+def _get(dispatcher, index, backend, bf16_rows):
+    """The op for a device index; on CUDA the variant is whether the bf16 rows (k or out) suit the
+    CUDA kernels' 16-byte vectors: an unaligned view falls back like any unavailable backend
+    (Triton, then torch), recorded in backend_info and warned about once."""
+    if index < 0:
+        return dispatcher.get_cpu(backend)
+    return dispatcher.get_cuda(index, backend, (_vector_aligned(bf16_rows),))
+
+
+def _jit_factory(op, arg_names):
     """The CUDA binding checks every argument but the layout's semantics (the block size a cache
     holds, its block stride), which ``DSV4_K_CACHE.validate`` checks first; it keeps the guards that
     keep the kernels inside the tensors."""
     block_size_at = arg_names.index("block_size")
+    rows = arg_names[0]
 
     def factory(device, variant):
+        if device.type == "cuda" and variant != (True,):
+            raise BackendUnavailable(f"{rows}: the CUDA kernels need a 16-byte aligned base and row strides that "
+                                     "are multiples of 8 elements")
         fn, info = jit_function(cuda_spec(cuda_target(device)), op)
-        unaligned = []  # the Triton path, built on first use, for views the kernel cannot vectorize
         debug = op == WRITE_OP and debug_checks()
 
         def run(*args):
             DSV4_K_CACHE.validate(args[1], args[block_size_at], op)
             if debug:
                 _host_range_check(*args)
-            if not _vector_aligned(args[0]):
-                if not unaligned:
-                    unaligned.append(fallback(device, variant)[0])
-                return unaligned[0](*args)
             try:
                 fn(*args)
             except (TypeError, RuntimeError) as e:
@@ -314,8 +322,8 @@ def _gather_torch(device, variant):
     return run, {}
 
 
-_WRITE.register("jit")(_jit_factory(WRITE_OP, _WRITE_ARGS, _write_triton))
-_GATHER.register("jit")(_jit_factory(GATHER_OP, _GATHER_ARGS, _gather_triton))
+_WRITE.register("jit")(_jit_factory(WRITE_OP, _WRITE_ARGS))
+_GATHER.register("jit")(_jit_factory(GATHER_OP, _GATHER_ARGS))
 
 
 def jit_specs(target: str) -> list[JitSpec]:

@@ -77,10 +77,17 @@ def store_cache(
         )
     index = device_index(OP, "k_cache", k_cache)
     if index < 0:
-        impl = _DISPATCH.get_cpu(backend)
-    else:
-        impl = _DISPATCH.get_cuda(index, backend, _cuda_variant(k, k_cache, v, v_cache, kv_cache_dtype))
-    impl(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot)
+        _DISPATCH.get_cpu(backend)(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot)
+        return
+    variant = _cuda_variant(k, k_cache, v, v_cache, kv_cache_dtype)
+    try:
+        _DISPATCH.get_cuda(index, backend, variant)(
+            k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot)
+    except _NeedsGenericBuild:
+        # Alignment is known once the binding has read the pointers: the any-alignment variant is
+        # dispatched like any other (its own build, else Triton, else torch; recorded and warned).
+        _DISPATCH.get_cuda(index, backend, (*GENERIC, *variant[2:]))(
+            k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot)
 
 
 def _scale_args(scale, name, kv_cache_dtype):
@@ -163,22 +170,18 @@ CUDA_PREBUILD_VARIANTS = ((128, 128, 0, 0), (256, 256, 0, 0), (512, 512, 0, 0), 
 def _jit(device, variant):
     if device.type == "cpu":
         fn, info = jit_function(cpu_spec(), OP)
-        return _binding_caller(fn, lambda: fn), info
-    arch = cuda_target(device)
-    fn, info = jit_function(cuda_spec(arch, *variant), OP)
-    generic = []  # the any-alignment build, loaded on first use
-
-    def generic_fn():
-        if not generic:
-            generic.append(jit_function(cuda_spec(arch, *GENERIC, *variant[2:]), OP)[0])
-        return generic[0]
-
-    return _binding_caller(fn, generic_fn, debug=debug_checks()), info
+        return _binding_caller(fn), info
+    fn, info = jit_function(cuda_spec(cuda_target(device), *variant), OP)
+    return _binding_caller(fn, debug=debug_checks()), info
 
 
-def _binding_caller(fn, generic_fn, debug=False):
+class _NeedsGenericBuild(Exception):
+    """A 16-byte specialised CUDA build refused a less aligned view (see store_cache)."""
+
+
+def _binding_caller(fn, debug=False):
     """Call a store_cache binding with the public arguments; a 16-byte specialised CUDA build
-    refuses less aligned views ("generic build" in its ValueError) and the generic build takes them."""
+    refuses less aligned views ("generic build" in its ValueError): _NeedsGenericBuild."""
 
     def run(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, skip):
         if kv_dtype == "auto":  # the common case: no scales to look at
@@ -194,7 +197,7 @@ def _binding_caller(fn, generic_fn, debug=False):
         except ValueError as e:
             if "generic build" not in str(e):
                 raise
-            generic_fn()(*args)
+            raise _NeedsGenericBuild from None
         except (TypeError, RuntimeError) as e:
             raise name_ffi_error(OP, e, _BINDING_ARGS, args) from None
 

@@ -228,12 +228,37 @@ def test_round_trip_error_bound(device, backend, block_size, mag):
     assert (err <= 2**-4 * x[src].abs() + 2**-10 * torch.exp2(e[src])[..., None]).all()
 
 
-@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
-def test_unaligned_views(device, backend):
-    """k and out not 16-byte aligned (the jit backend hands these to Triton)."""
-    c = _write(_k(50, device, col=1), _cache(64, "2d", device), slots(512, 50, torch.int32, device), 64, "2d", backend)
-    seq, gl, bt = _requests(64, 2, 100, "short", False, device)
-    _gather(c, 64, "2d", seq, gl, bt, 100, 0, backend, col=1)
+@pytest.mark.parametrize(
+    "device,backend", [(d, b) for d, b in DEV_BACKENDS if (d, b) != ("cuda", "jit")] + [pytest.param("cuda", None, marks=gpu)]
+)
+def test_unaligned_views(device, backend, monkeypatch):
+    """k and out not 16-byte aligned: Triton and torch take them; on CUDA auto falls back from the jit
+    backend to Triton, recorded in backend_info and warned about."""
+    monkeypatch.setattr(jitkv.ops._dispatch, "_WARNED", set())
+    with pytest.warns(jitkv.JitkvFallbackWarning, match="16-byte aligned") if backend is None else _no_warning():
+        c = _write(_k(50, device, col=1), _cache(64, "2d", device), slots(512, 50, torch.int32, device), 64, "2d", backend)
+        seq, gl, bt = _requests(64, 2, 100, "short", False, device)
+        _gather(c, 64, "2d", seq, gl, bt, 100, 0, backend, col=1)
+    if backend is None:
+        for op in (WRITE_OP, GATHER_OP):
+            info = [i for i in jitkv.backend_info(op).values() if "16-byte aligned" in i["reason"]]
+            assert info and info[0]["backend"] == "triton", jitkv.backend_info(op)
+
+
+@gpu
+def test_unaligned_view_forced_jit_raises():
+    """Forcing the jit backend where its kernels cannot run raises with the reason, writing nothing."""
+    c = _cache(64, "2d", "cuda")
+    before = c.clone()
+    with pytest.raises(jitkv.BackendUnavailable, match="k: the CUDA kernels need a 16-byte aligned base"):
+        WRITE(_k(50, "cuda", col=1), c, slots(512, 50, torch.int32, "cuda"), block_size=64, backend="jit")
+    assert_bitwise(c, before)
+
+
+def _no_warning():
+    import contextlib  # noqa: PLC0415
+
+    return contextlib.nullcontext()
 
 
 # -------------------------------------------------------------------------------------- layout

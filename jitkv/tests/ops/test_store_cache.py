@@ -458,3 +458,17 @@ def test_every_backend_same_bytes(kv_dtype, n):
     for got_k, got_v in outs[1:]:
         assert_bitwise(got_k, outs[0][0])
         assert_bitwise(got_v, outs[0][1])
+
+
+@gpu
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_misaligned_view_takes_the_generic_variant(kv_dtype):
+    """Rows of 16-byte multiples but a source only 2-byte aligned: the specialised build refuses it and
+    the any-alignment variant is dispatched (recorded in backend_info under its own variant)."""
+    n, h, d = 37, 8, 128
+    k, v, kc, vc, kw = _kv_case(n, h, d, d, 512, "cuda", kv_dtype)
+    k = rand((n * h * d + 1,), torch.bfloat16, "cuda")[1:].view(n, h, d)  # 2-byte aligned base
+    sm = slots(512, n, torch.int64, "cuda")
+    sm[::5] = -1
+    _run(k, v, kc, vc, sm, None, **kw)
+    _run(k, v, kc, vc, sm, "jit", **kw)
