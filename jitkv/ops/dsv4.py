@@ -243,7 +243,8 @@ def _get(dispatcher, index, backend, bf16_rows):
     (Triton, then torch), recorded in backend_info and warned about once."""
     if index < 0:
         return dispatcher.get_cpu(backend)
-    return dispatcher.get_cuda(index, backend, (_vector_aligned(bf16_rows),))
+    aligned = not isinstance(bf16_rows, torch.Tensor) or _vector_aligned(bf16_rows)  # the binding names a non-tensor
+    return dispatcher.get_cuda(index, backend, (aligned,))
 
 
 def _jit_factory(op, arg_names):

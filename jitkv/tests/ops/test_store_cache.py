@@ -84,8 +84,8 @@ def test_layouts(device, backend, layout, block_size):
     k, v = rand((n, h, d), torch.bfloat16, device), rand((n, h * d), torch.bfloat16, device)
     kc = _cache(layout, nb, block_size, h, d, torch.bfloat16, device)
     vc = _cache(layout, nb, block_size, h, d, torch.bfloat16, device)
-    sm = slots(nb * block_size, n, torch.int32, device)
-    sm[-1] = nb * block_size - 1  # the last slot: the last row of the last block
+    last = nb * block_size - 1  # the last slot (the last row of the last block) always among them
+    sm = torch.cat([slots(last, n - 1, torch.int32, device), torch.tensor([last], dtype=torch.int32, device=device)])
     _run(k, v, kc, vc, sm, backend)
 
 
@@ -383,7 +383,7 @@ def test_latency_and_bulk_kernels(kv_dtype, h, dk, dv, n):
 
 
 @gpu
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
 def test_bulk_kernel_at_large_n(kv_dtype):
     """n x chunks beyond the latency kernel's limit (256 warps per SM for fp8 on a 132-SM GPU:
     32 heads x 128 fp8 = 8 chunks per side, 6000 tokens) runs the bulk kernel; padding and skip_slot
