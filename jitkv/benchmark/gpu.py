@@ -288,12 +288,12 @@ def host_overhead_rows(calls=2000, batches=9) -> list[Row]:
 
     arch = jitkv.jit.toolchain.cuda_arch(torch.device("cuda"))
     raw, _ = jit_function(mla.cuda_spec(arch, 1024, 128), "set_mla_kv_buffer")
-    raw_sc, _ = jit_function(store_cache.cuda_spec(arch, 256, 256, 0, 0), "store_cache")
+    raw_sc, _ = jit_function(store_cache.cuda_spec(arch, 256, 256, 0, 0), store_cache.COPY_ENTRY)
     ops = {
         "set_mla_kv_buffer": lambda: jitkv.set_mla_kv_buffer(buf, loc, nope, rope),
         "set_mla_kv_buffer (bare tvm-ffi binding)": lambda: raw(buf, loc, nope, rope, -1, 0),
         "store_cache": lambda: jitkv.store_cache(k, k, kc, kc, loc),
-        "store_cache (bare tvm-ffi binding)": lambda: raw_sc(k, k, kc, kc, loc, None, -1, 0, None, None, -1.0, -1.0),
+        "store_cache (bare tvm-ffi binding)": lambda: raw_sc(k, k, kc, kc, loc, None, -1),
         "torch index (MLA)": lambda: buf.__setitem__((loc, slice(0, 512)), nope),
     }
     rows = []

@@ -109,24 +109,21 @@ def _cuda_variant(k, k_cache, v, v_cache, kv_cache_dtype) -> tuple:
 
     Head bytes are those of the cache (head_dim * cache element size); rows that are not a multiple
     of 16 bytes use the generic build. Unknown inputs also map to the generic build, whose binding
-    then raises the precise error."""
+    then raises the precise error. Runs on every eager call: caches with a head dim (3-D flat, 4-D
+    paged) give head_dim as their last dim, read once from each shape."""
     try:
         kv = _KV_CODE[kv_cache_dtype]
-        kb, vb = _head_bytes(k, k_cache, v, v_cache)
+        ks, vs = k_cache.shape, v_cache.shape
+        if len(ks) > 2 and len(vs) > 2:
+            kb, vb = ks[-1] * k_cache.element_size(), vs[-1] * v_cache.element_size()
+        else:
+            kb, vb = _head_bytes_any_layout(k, k_cache, v, v_cache)
         src = _SRC_CODE.get(k.dtype, 0) if kv else 0
     except (AttributeError, KeyError, TypeError, ZeroDivisionError):
         return (*GENERIC, 0, 0)
     if kb % 16 or vb % 16 or kb <= 0 or vb <= 0:
         kb, vb = GENERIC
     return (kb, vb, src, kv)
-
-
-def _head_bytes(k, k_cache, v, v_cache) -> tuple[int, int]:
-    """Cache bytes per K and V head. Runs on every eager call: caches with a head dim (3-D flat,
-    4-D paged) give head_dim as their last dim (0.5 us of Python instead of 2 us)."""
-    if k_cache.dim() > 2 and v_cache.dim() > 2:
-        return k_cache.shape[-1] * k_cache.element_size(), v_cache.shape[-1] * v_cache.element_size()
-    return _head_bytes_any_layout(k, k_cache, v, v_cache)
 
 
 def _head_bytes_any_layout(k, k_cache, v, v_cache) -> tuple[int, int]:
@@ -147,8 +144,11 @@ _BINDING_ARGS = ("k", "v", "k_cache", "v_cache", "slot_mapping", "loc_map", "ski
                  "k_scale", "v_scale", "k_scale", "v_scale")
 
 
+COPY_ENTRY = "store_cache_copy"  # the binding's kv_cache_dtype "auto" entry point: 7 arguments instead of 12
+
+
 def cpu_spec() -> JitSpec:
-    return JitSpec("store_cache_cpu", ("store_cache/store_cache_cpu.cpp",), exports=(OP,))
+    return JitSpec("store_cache_cpu", ("store_cache/store_cache_cpu.cpp",), exports=(OP, COPY_ENTRY))
 
 
 def cuda_spec(arch: str, k_head_bytes: int, v_head_bytes: int, src_dtype: int, kv_dtype: int) -> JitSpec:
@@ -158,7 +158,7 @@ def cuda_spec(arch: str, k_head_bytes: int, v_head_bytes: int, src_dtype: int, k
         args=(("k_head_bytes", k_head_bytes), ("v_head_bytes", v_head_bytes), ("src_dtype", src_dtype),
               ("kv_dtype", kv_dtype)),
         target=arch,
-        exports=(OP,),
+        exports=(OP, COPY_ENTRY),
     )
 
 
@@ -169,31 +169,35 @@ CUDA_PREBUILD_VARIANTS = ((128, 128, 0, 0), (256, 256, 0, 0), (512, 512, 0, 0), 
 @_DISPATCH.register("jit")
 def _jit(device, variant):
     if device.type == "cpu":
-        fn, info = jit_function(cpu_spec(), OP)
-        return _binding_caller(fn), info
-    fn, info = jit_function(cuda_spec(cuda_target(device), *variant), OP)
-    return _binding_caller(fn, debug=debug_checks()), info
+        spec = cpu_spec()
+    else:
+        spec = cuda_spec(cuda_target(device), *variant)
+    fn, info = jit_function(spec, OP)
+    copy_fn, _ = jit_function(spec, COPY_ENTRY)
+    return _binding_caller(fn, copy_fn, debug=device.type == "cuda" and debug_checks()), info
 
 
 class _NeedsGenericBuild(Exception):
     """A 16-byte specialised CUDA build refused a less aligned view (see store_cache)."""
 
 
-def _binding_caller(fn, debug=False):
-    """Call a store_cache binding with the public arguments; a 16-byte specialised CUDA build
-    refuses less aligned views ("generic build" in its ValueError): _NeedsGenericBuild."""
+def _binding_caller(fn, copy_fn, debug=False):
+    """Call a store_cache binding with the public arguments ("auto" through its short entry point,
+    ``copy_fn``); a 16-byte specialised CUDA build refuses less aligned views ("generic build" in
+    its ValueError): _NeedsGenericBuild."""
 
     def run(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, skip):
+        call = fn
         if kv_dtype == "auto":  # the common case: no scales to look at
-            scales = (0, None, None, _MISSING_SCALE, _MISSING_SCALE)
+            call, args = copy_fn, (k, v, k_cache, v_cache, slot_mapping, loc_map, -1 if skip is None else skip)
         else:
-            scales = _fp8_scale_args(kv_dtype, k_scale, v_scale)
-        args = (k, v, k_cache, v_cache, slot_mapping, loc_map, -1 if skip is None else skip, *scales)
+            args = (k, v, k_cache, v_cache, slot_mapping, loc_map, -1 if skip is None else skip,
+                    *_fp8_scale_args(kv_dtype, k_scale, v_scale))
         if debug:
             _validate.store_cache(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, debug)
             _host_range_check(k_cache, slot_mapping, loc_map, skip)
         try:
-            fn(*args)
+            call(*args)
         except ValueError as e:
             if "generic build" not in str(e):
                 raise

@@ -309,4 +309,16 @@ inline StoreCacheArgs parse_store_cache_args(const char* op, const TensorView& k
   return a;
 }
 
+// The kv_cache_dtype "auto" entry point of a binding `kFull` (the CPU or CUDA store_cache): its first
+// seven arguments, no fp8 ones. The decode path calls it eagerly; tvm-ffi converts each argument on
+// every call (the benchmark's "bare tvm-ffi binding" row measures it).
+using StoreCacheFn = void (*)(TensorView, TensorView, TensorView, TensorView, TensorView, Optional<TensorView>,
+                              int64_t, int64_t, Optional<TensorView>, Optional<TensorView>, double, double);
+template <StoreCacheFn kFull>
+void store_cache_copy(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache, TensorView slot_mapping,
+                      Optional<TensorView> loc_map, int64_t skip_slot) {
+  kFull(k, v, k_cache, v_cache, slot_mapping, loc_map, skip_slot, static_cast<int64_t>(KVDtype::kAuto),
+        Optional<TensorView>(), Optional<TensorView>(), -1.0, -1.0);
+}
+
 }  // namespace jitkv

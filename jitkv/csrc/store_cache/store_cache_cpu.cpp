@@ -151,3 +151,4 @@ void store_cache_cpu(TensorView k, TensorView v, TensorView k_cache, TensorView 
 }  // namespace jitkv
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(store_cache, jitkv::store_cache_cpu);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(store_cache_copy, jitkv::store_cache_copy<jitkv::store_cache_cpu>);

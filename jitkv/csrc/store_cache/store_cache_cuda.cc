@@ -163,3 +163,4 @@ void store_cache(TensorView k, TensorView v, TensorView k_cache, TensorView v_ca
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(store_cache, store_cache);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(store_cache_copy, jitkv::store_cache_copy<store_cache>);

@@ -108,7 +108,7 @@ def test_k_and_v_block_sizes_differ(device, backend, kv_dtype):
 @pytest.mark.parametrize("src_2d", [False, True])
 def test_cuda_variant_short_path_matches_any_layout(layout, cache_dtype, src_2d):
     """The per-call head-bytes shortcut picks the same CUDA build as the general rule."""
-    from jitkv.ops.store_cache import _head_bytes, _head_bytes_any_layout
+    from jitkv.ops.store_cache import _cuda_variant, _head_bytes_any_layout
 
     h, dk, dv, n = 8, 128, 64, 3
     k, v = torch.empty(n, h, dk), torch.empty(n, h, dv)
@@ -116,7 +116,7 @@ def test_cuda_variant_short_path_matches_any_layout(layout, cache_dtype, src_2d)
         k, v = k.view(n, h * dk), v.view(n, h * dv)
     kc = _cache(layout, 4, 16, h, dk, torch.bfloat16, "cpu").to(cache_dtype)
     vc = _cache(layout, 4, 16, h, dv, torch.bfloat16, "cpu").to(cache_dtype)
-    got = _head_bytes(k, kc, v, vc)
+    got = _cuda_variant(k, kc, v, vc, "auto")[:2]
     assert got == _head_bytes_any_layout(k, kc, v, vc)
     assert got == (dk * kc.element_size(), dv * vc.element_size())
 
