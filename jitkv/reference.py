@@ -191,8 +191,9 @@ def _write_rows(cache, dest, vals, any_kept):
 
 
 def dsv4_block_stride(block_size: int) -> int:
-    """jitkv's default bytes per block: token data, then scales, padded to a multiple of 576."""
-    return -(-block_size * DSV4_TOKEN_BYTES // DSV4_DATA_BYTES) * DSV4_DATA_BYTES
+    """The default bytes per block: token data, then scales, rounded up to the kernels' 16-byte
+    alignment (block_size * 584 for even block sizes: vLLM's allocation)."""
+    return -(-block_size * DSV4_TOKEN_BYTES // 16) * 16
 
 
 def _dsv4_rows(k_cache, block_size):

@@ -17,7 +17,7 @@ DEV_BACKENDS = [(d, b) for d in DEVICES for b in BACKENDS[d]]
 WRITE_OP, GATHER_OP = "quantize_and_insert_k_cache", "dequantize_and_gather_k_cache"
 WRITE, GATHER = jitkv.quantize_and_insert_k_cache, jitkv.dequantize_and_gather_k_cache
 NUM_BLOCKS = {64: 8, 2: 128}  # 512 / 256 slots
-LAYOUTS = ["2d", "3d", "wide", "unpadded"]
+LAYOUTS = ["2d", "3d", "wide", "padded"]
 SPECIAL = [  # (row, dims, value): amax exactly 448 and just above it, amax below the 1e-4 floor, a zero
     # group, ±inf, NaN, bf16 denormals, near the bf16 maximum
     (0, slice(0, 64), 448.0), (0, 70, -450.0), (1, slice(64, 128), 1e-30), (2, slice(128, 192), 0.0),
@@ -43,10 +43,10 @@ def _k(rows, device, mags=(1e-3, 1.0, 100.0), special=True, col=0):
 
 
 def _stride(block_size, layout):
-    """jitkv's padded block stride; "unpadded": block_size * 584 (vLLM's allocation; a multiple of 16
-    at block sizes 64 and 2); "wide": more than a block uses."""
-    if layout == "unpadded":
-        return block_size * 584
+    """The default block stride (block_size * 584, vLLM's allocation, at block sizes 64 and 2);
+    "padded": rounded up to a multiple of 576; "wide": more than a block uses."""
+    if layout == "padded":
+        return -(-block_size * 584 // 576) * 576
     return L.block_stride(block_size) + (576 if layout == "wide" else 0)
 
 
@@ -267,28 +267,28 @@ def _no_warning():
 def test_layout_numbers():
     assert (L.head_dim, L.nope_dim, L.rope_dim, L.group_size) == (512, 448, 64, 64)
     assert (L.token_bytes, L.data_bytes, L.scale_bytes, L.data_offset) == (584, 576, 8, 0)
-    assert (L.block_stride(64), L.block_stride(2), L.block_stride(1)) == (37440, 1728, 1152)
+    assert (L.block_stride(64), L.block_stride(2), L.block_stride(1)) == (37376, 1168, 592)
     assert (L.scale_offset(64), L.scale_offset(2)) == (36864, 1152)
     c = L.allocate(3, device="cpu")
-    assert c.shape == (3, 37440) and c.dtype == torch.uint8 and c.device.type == "cpu" and not c.any()
+    assert c.shape == (3, 37376) and c.dtype == torch.uint8 and c.device.type == "cpu" and not c.any()
     c = L.allocate(4, 2, device="cpu")
-    assert c.shape == (4, 1728)
+    assert c.shape == (4, 1168)
     L.validate(c, 2)
-    L.validate(c.as_strided((4, 2, 584), (1728, 584, 1)), 2)
+    L.validate(c.as_strided((4, 2, 584), (1168, 584, 1)), 2)
     L.validate(c[:, : 2 * 584], 2)  # the used bytes only: stride(0) is still the block stride
 
 
-LAYOUT_BAD = [  # (case, cache from a good [4, 1728] block_size-2 cache, exception)
+LAYOUT_BAD = [  # (case, cache from a good [4, 1168] block_size-2 cache, exception)
     ("int8", lambda c: c.view(torch.int8), TypeError),
     ("not a tensor", lambda c: c.tolist(), TypeError),
     ("stride short", lambda c: torch.zeros(4 * 1152 + 16, dtype=torch.uint8).as_strided((4, 1168), (1152, 1)), ValueError),
     ("stride not a multiple of 16", lambda c: torch.zeros(4, 1736, dtype=torch.uint8), ValueError),
     ("narrower than 2 * 584", lambda c: c[:, :1000], ValueError),
-    ("3-D wrong shape", lambda c: c.view(4, 3, 576), ValueError),
-    ("3-D tokens not 584 apart", lambda c: c.as_strided((4, 2, 584), (1728, 576, 1)), ValueError),
+    ("3-D wrong shape", lambda c: c.view(4, 1, 1168), ValueError),
+    ("3-D tokens not 584 apart", lambda c: c.as_strided((4, 2, 584), (1168, 576, 1)), ValueError),
     ("wider than 2 tokens", lambda c: torch.zeros(4, 1760, dtype=torch.uint8), ValueError),
     ("1-D", lambda c: c.view(-1), ValueError),
-    ("misaligned", lambda c: c.view(-1)[1 : 1 + 3 * 1728].view(3, 1728), ValueError),
+    ("misaligned", lambda c: c.view(-1)[1 : 1 + 3 * 1168].view(3, 1168), ValueError),
 ]
 
 
@@ -327,7 +327,7 @@ def test_unpadded_cache_holds_the_padded_caches_records(device, backend, block_s
     """vLLM's unpadded cache (block stride block_size * 584: 37,376 bytes at 64) gets, block for block,
     the bytes jitkv's padded cache gets, and gathers the same rows, 2-D and as the 3-D view."""
     bs, nb = block_size, NUM_BLOCKS[block_size]
-    padded = _cache(bs, "2d", device)
+    padded = _cache(bs, "padded", device)
     unpadded = L.allocate(nb, bs, device, block_stride=bs * 584)
     unpadded.copy_(padded[:, : bs * 584])  # the same poison in the bytes a block uses
     k, sm = _k(100, device), slots(nb * bs, 100, torch.int32, device)
@@ -380,7 +380,7 @@ BAD = [  # (op, case, mutate(args), exception, argument named in the message)
     (WRITE_OP, "slot_mapping float", lambda a: a.update(slot_mapping=a["slot_mapping"].float()), TypeError, "slot_mapping"),
     (WRITE_OP, "k_cache int8", lambda a: a.update(k_cache=a["k_cache"].view(torch.int8)), TypeError, "k_cache"),
     (WRITE_OP, "k_cache stride short", _short_stride, ValueError, "k_cache"),
-    (WRITE_OP, "k_cache 3-D wrong shape", lambda a: a.update(k_cache=a["k_cache"].view(4, 3, 576)), ValueError, "k_cache"),
+    (WRITE_OP, "k_cache 3-D wrong shape", lambda a: a.update(k_cache=a["k_cache"].view(4, 1, 1168)), ValueError, "k_cache"),
     (WRITE_OP, "block_size 0", lambda a: a.update(block_size=0), ValueError, "block_size"),
     (WRITE_OP, "block_size 1 on a block_size-2 cache", lambda a: a.update(block_size=1), ValueError, "k_cache"),
     (GATHER_OP, "out float32", lambda a: a.update(out=a["out"].float()), TypeError, "out"),
