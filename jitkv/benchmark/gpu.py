@@ -13,9 +13,10 @@ LAYERS = 8
 MLA_NS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 768, 2048, 4096, 16384, 65536, 262144)
 
 
-def graph_us(step_for_layer, *, replays=20) -> float:
-    """µs per op: capture one op per layer into a graph, replay it, time with CUDA events (median of
-    9 batches, after 2 ms of untimed replays so that the clocks have left idle)."""
+def graph_us(step_for_layer, *, batches=15, batch_seconds=5e-4) -> float:
+    """µs per op: capture one op per layer into a graph, replay it, time with CUDA events: the median
+    of ``batches`` batches of about ``batch_seconds`` each, after 2 ms of untimed replays so that the
+    clocks have left idle (a median over ~8 ms rides out a short disturbance of a shared GPU)."""
     for layer in range(LAYERS):  # compile / build outside capture
         step_for_layer(layer)
     torch.cuda.synchronize()
@@ -23,9 +24,9 @@ def graph_us(step_for_layer, *, replays=20) -> float:
     with torch.cuda.graph(graph):
         for layer in range(LAYERS):
             step_for_layer(layer)
-    _warm_replays(graph)
+    replays = max(1, int(batch_seconds / _warm_replays(graph)))
     times = []
-    for _ in range(9):
+    for _ in range(batches):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(replays):
@@ -36,7 +37,8 @@ def graph_us(step_for_layer, *, replays=20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _warm_replays(graph, seconds=2e-3) -> None:
+def _warm_replays(graph, seconds=2e-3) -> float:
+    """Replays ``graph`` for about ``seconds``; returns the seconds of one replay."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     graph.replay()
@@ -46,6 +48,7 @@ def _warm_replays(graph, seconds=2e-3) -> None:
     for _ in range(int(seconds / once) + 1):
         graph.replay()
     torch.cuda.synchronize()
+    return once
 
 
 def copy_gbps(nbytes=2 << 30) -> float:
