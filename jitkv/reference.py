@@ -1,4 +1,4 @@
-"""Pure-torch reference of every jitkv op (DESIGN §2-§5).
+"""Pure-torch reference of every jitkv op (docs/design.md §2-§5).
 
 Used by the tests as ground truth and as the last-resort ``torch`` backend. Arguments are assumed
 valid (the op wrappers validate first). Copies go through same-width integer views so they are
@@ -19,7 +19,7 @@ import torch
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
-# DeepSeek-V4 FP8 K cache record (DESIGN §5).
+# DeepSeek-V4 FP8 K cache record (docs/design.md §5).
 DSV4_HEAD_DIM = 512
 DSV4_NOPE = 448  # dims stored as e4m3, one UE8M0 scale per 64
 DSV4_ROPE = 64  # dims stored as bf16
@@ -53,7 +53,7 @@ def _refuse_capture(index, name, op):
 
 
 def _slots(index, num_slots, skip_slot, loc_map, name):
-    """The padding rules of DESIGN §3 on the index's device, without a host sync.
+    """The padding rules of docs/design.md §3 on the index's device, without a host sync.
 
     Returns (keep [n] bool, slot [n] int64, checks): checks are (out of range [n] bool, value [n],
     message) in the order a strict caller reports them; out-of-range rows are not kept."""
@@ -155,7 +155,7 @@ def store_cache(
     k, v, k_cache, v_cache, slot_mapping, *, kv_cache_dtype="auto", k_scale=None, v_scale=None, loc_map=None,
     skip_slot=None, strict=None,
 ):
-    """k_cache[slot'] = k[i], v_cache[slot'] = v[i] (quantized to fp8 when asked), DESIGN §2-§4."""
+    """k_cache[slot'] = k[i], v_cache[slot'] = v[i] (quantized to fp8 when asked), docs/design.md §2-§4."""
     num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
     plan = _plan(slot_mapping, num_slots, op="store_cache", skip_slot=skip_slot, loc_map=loc_map, strict=strict)
     if plan is None:
@@ -179,7 +179,7 @@ def _write_rows(cache, dest, vals, any_kept):
 
 
 # ---------------------------------------------------------------------------------------------
-# DeepSeek-V4 FP8 K cache (DESIGN §5)
+# DeepSeek-V4 FP8 K cache (docs/design.md §5)
 #
 # Per group of 64 nope dims: amax = max |x| (NaN propagates); e = the smallest integer with
 # 448 * 2^e >= max(amax, 1e-4), exactly via frexp: for m = f * 2^E (f in [0.5, 1)) and
@@ -258,7 +258,7 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, *, block_size=64, stri
 
 
 def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset=0):
-    """out[r, offset + i] = dequant(token seq_len - gather_len + i of request r), DESIGN §5.
+    """out[r, offset + i] = dequant(token seq_len - gather_len + i of request r), docs/design.md §5.
 
     Positions whose block-table entry is < 0, >= num_blocks or past the table yield zero rows; rows
     at or past out.shape[1] are not written. No host sync (graph-safe on CUDA)."""

@@ -1,4 +1,4 @@
-"""CPU cases (issue 2 / DESIGN §8): jit kernels against torch indexing, timed in the same process."""
+"""CPU cases (docs/design.md §8): jit kernels against torch indexing, timed in the same process."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GPU cases (DESIGN §8): CUDA-graph replay over 8 layers of caches far larger than L2, random
+"""GPU cases (docs/design.md §8): CUDA-graph replay over 8 layers of caches far larger than L2, random
 unique slots; each row's bandwidth against a device-to-device copy measured in the same run."""
 
 from __future__ import annotations

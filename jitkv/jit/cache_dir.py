@@ -1,4 +1,4 @@
-"""Where artifacts live (DESIGN §6): one or more cache layers.
+"""Where artifacts live (docs/design.md §6): one or more cache layers.
 
 ``JITKV_CACHE_DIR`` lists layers separated by ``os.pathsep``; unset, the one layer is
 $XDG_CACHE_HOME/jitkv, else ~/.cache/jitkv (never inside the installed package). Published artifacts

@@ -1,4 +1,4 @@
-"""What a JIT module is made of, and its content-hash cache key (DESIGN §6)."""
+"""What a JIT module is made of, and its content-hash cache key (docs/design.md §6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Backend choice per op (DESIGN §7): jit (C++/CUDA) -> triton (CUDA only) -> torch reference.
+"""Backend choice per op (docs/design.md §7): jit (C++/CUDA) -> triton (CUDA only) -> torch reference.
 
 ``backend=`` or ``JITKV_BACKEND`` forces one (forcing one that cannot run raises with the reason);
 an automatic fallback warns once per (op, reason). Each decision is memoized per (device, forced

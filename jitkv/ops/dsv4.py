@@ -1,4 +1,4 @@
-"""DeepSeek-V4 FP8 K cache (DESIGN §5): the layout descriptor, the quantize-and-insert writer and
+"""DeepSeek-V4 FP8 K cache (docs/design.md §5): the layout descriptor, the quantize-and-insert writer and
 the dequantize-and-gather reader."""
 
 from __future__ import annotations

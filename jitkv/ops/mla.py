@@ -1,4 +1,4 @@
-"""set_mla_kv_buffer: the MLA ``[nope | rope]`` row scatter (DESIGN §2, §3)."""
+"""set_mla_kv_buffer: the MLA ``[nope | rope]`` row scatter (docs/design.md §2, §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""store_cache: MHA/GQA K and V row scatter with optional FP8 quantize-on-write (DESIGN §2-§4)."""
+"""store_cache: MHA/GQA K and V row scatter with optional FP8 quantize-on-write (docs/design.md §2-§4)."""
 
 from __future__ import annotations
 

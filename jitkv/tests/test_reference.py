@@ -1,5 +1,5 @@
 """The torch reference's writers scatter without a host sync (so the torch backend is graph-safe on
-CUDA). Here, on CPU tensors, against a row-by-row loop of the contract (DESIGN §3): padding (< 0),
+CUDA). Here, on CPU tensors, against a row-by-row loop of the contract (docs/design.md §3): padding (< 0),
 skip_slot, loc_map, out-of-range slots skipped (``strict=False``, the CUDA semantics) or raising before
 any write (``strict=True``), rows that are all skipped, duplicates. Whole destinations, bitwise."""
 

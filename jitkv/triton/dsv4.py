@@ -1,4 +1,4 @@
-"""Triton fallbacks of the DeepSeek-V4 FP8 K cache ops (DESIGN §5), bit-exact with the CUDA kernels.
+"""Triton fallbacks of the DeepSeek-V4 FP8 K cache ops (docs/design.md §5), bit-exact with the CUDA kernels.
 
 The fp8 and bf16 conversions are done in integer arithmetic on the raw bits (round to nearest even,
 saturating e4m3 at ±448), so the result does not depend on the GPU's fp8 support or on the interpreter.

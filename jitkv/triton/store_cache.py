@@ -1,4 +1,4 @@
-"""Triton fallback of store_cache (same contract as the CUDA kernel, DESIGN §3/§4).
+"""Triton fallback of store_cache (same contract as the CUDA kernel, docs/design.md §3/§4).
 
 One program per (token, block of heads): it reads the slot, skips padding (< 0), ``skip_slot``, slots
 outside ``loc_map`` or mapped below 0, and slots >= num_slots, then moves a [heads, head_dim] tile of K

@@ -1,4 +1,4 @@
-// DeepSeek-V4 FP8 K cache kernels (DESIGN §5). No tvm-ffi includes: the binding is dsv4_cuda.cc.
+// DeepSeek-V4 FP8 K cache kernels (docs/design.md §5). No tvm-ffi includes: the binding is dsv4_cuda.cc.
 //
 // Writer (quantize_and_insert_k_cache): one warp per token, kWriteTok tokens per warp. Lane l holds dims
 // [8l, 8l+8) and [256+8l, 256+8l+8) (two coalesced 16-byte loads), so each 64-dim group lives in 8 lanes
@@ -23,7 +23,7 @@
 //
 // Both kernels launch with programmatic dependent launch on SM90+ (jitkv/cuda/launch.cuh).
 // JITKV_DSV4_{WRITE_TOK,GATHER_WARPS,GATHER_TOK,GATHER_WAVES} are tuning knobs; the defaults measured best on an H200
-// (1/2/4 tokens per warp were within 3 % of each other at the sizes of issue 5; 4 and 64 waves gave the
+// (1/2/4 tokens per warp were within 3 % of each other at the benchmark's gather sizes; 4 and 64 waves gave the
 // same times; 4 warps per CTA at 32 registers (16 CTAs per SM) beat 8 warps at 40 registers (6 CTAs
 // per SM) by 1-3 %: 1 x 32768 in 16.5 us instead of 16.7 us).
 #include <cuda_runtime.h>
@@ -291,7 +291,8 @@ __global__ void __launch_bounds__(kWriteWarps * 32) dsv4_quant_insert_kernel(con
     row = static_cast<int>(slot - blk * p.block_size);
     // The 8-byte scale write is a partial 32-byte sector: with the sector already in L2 it is
     // written back whole, instead of as a masked write the memory controller must merge
-    // (read-modify-write in DRAM). H200, 65,536 random token slots: 38.5 -> 34.6 us.
+    // (read-modify-write in DRAM). H200, 65,536 random token slots: 34.6 us with the prefetch, 38.5
+    // without (python -m jitkv.benchmark --op dsv4).
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p.cache + base + scale_offset(p.block_size) + row * kScaleBytes));
   }
 #pragma unroll

@@ -1,4 +1,4 @@
-// DeepSeek-V4 FP8 K cache layout (DESIGN §5), shared by the CUDA kernels and the tvm-ffi binding.
+// DeepSeek-V4 FP8 K cache layout (docs/design.md §5), shared by the CUDA kernels and the tvm-ffi binding.
 // One head of 512 dims per token: dims 0..447 as e4m3 (448 B) + dims 448..511 as bf16 (128 B) = 576 B of
 // data, plus 8 B of UE8M0 scales (7 groups of 64 dims, 8th byte 0). A block of block_size tokens holds all
 // token data first (token t at t*576), then all scales (token t at block_size*576 + t*8): block_size*584

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 FP8 K cache (DESIGN §5): writer and gather byte for byte against the torch reference over
+"""DeepSeek-V4 FP8 K cache (docs/design.md §5): writer and gather byte for byte against the torch reference over
 whole buffers, on every backend of every device present (CPU: torch only; CUDA: jit, triton, torch);
 the round-trip error bound; the layout descriptor; bad inputs."""
 

@@ -32,7 +32,8 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // them (their XOR goes to a shared-memory word, so the loads cannot be dropped). Called before
 // pdl_wait(), so under PDL it overlaps the previous kernel; otherwise the first use of each line
 // after the slot load would be a constant-cache miss on the critical path (slot -> source -> store):
-// H200, store_cache n = 1 (a 256-byte block) 1.66 -> 1.59 us; no change for the 80-byte MLA block.
+// H200, store_cache n = 1 (a 256-byte block): 1.59 us warmed, 1.66 not; H100 DSv4 writer n = 1: 1.32
+// warmed, 1.54 not (python -m jitkv.benchmark).
 // Params must be a __grid_constant__ kernel parameter (taking the address of any other parameter
 // makes a local copy).
 template <typename Params>
