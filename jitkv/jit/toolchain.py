@@ -116,11 +116,6 @@ def cpu_target() -> str:
     return "+".join([platform.machine(), *sorted(flags)])
 
 
-def has_avx512() -> bool:
-    t = cpu_target().split("+")
-    return "avx512f" in t and "avx512bw" in t
-
-
 def normalize_cuda_arch(arch: str) -> str:
     """'9.0a', '90a', 'sm_90a', '9.0' -> '9.0a' (Hopper and newer get the arch-specific 'a' suffix)."""
     m = re.fullmatch(r"(?:sm_|compute_)?(\d+)\.?(\d)([af]?)", arch.strip())

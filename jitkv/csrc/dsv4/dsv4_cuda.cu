@@ -22,10 +22,10 @@
 // resident CTAs) ran 3 rounds where 2.6 were needed, 17.3 us against 16.7 us with the 4-wave cap (H200).
 //
 // Both kernels launch with programmatic dependent launch on SM90+ (jitkv/cuda/launch.cuh).
-// JITKV_DSV4_{WRITE_TOK,GATHER_WARPS,GATHER_TOK,GATHER_WAVES} are tuning knobs; the defaults measured best on an H200
-// (1/2/4 tokens per warp were within 3 % of each other at the benchmark's gather sizes; 4 and 64 waves gave the
-// same times; 4 warps per CTA at 32 registers (16 CTAs per SM) beat 8 warps at 40 registers (6 CTAs
-// per SM) by 1-3 %: 1 x 32768 in 16.5 us instead of 16.7 us).
+// Launch constants below, measured on an H200: 1/2/4 tokens per warp were within 3 % of each other at
+// the benchmark's gather sizes; 4 and 64 waves gave the same times; 4 warps per CTA at 32 registers
+// (16 CTAs per SM) beat 8 warps at 40 registers (6 CTAs per SM) by 1-3 %: 1 x 32768 in 16.5 us
+// instead of 16.7 us.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -34,32 +34,16 @@
 #include "dsv4/dsv4_layout.h"
 #include "jitkv/cuda/launch.cuh"
 
-#ifndef JITKV_PDL  // 0: launch without programmatic dependent launch (for measurements)
-#define JITKV_PDL 1
-#endif
-#ifndef JITKV_DSV4_WRITE_TOK
-#define JITKV_DSV4_WRITE_TOK 1
-#endif
-#ifndef JITKV_DSV4_GATHER_WARPS
-#define JITKV_DSV4_GATHER_WARPS 4
-#endif
-#ifndef JITKV_DSV4_GATHER_TOK
-#define JITKV_DSV4_GATHER_TOK 2
-#endif
-#ifndef JITKV_DSV4_GATHER_WAVES  // grid cap, in resident-CTA waves
-#define JITKV_DSV4_GATHER_WAVES 4
-#endif
-
 namespace {
 
 using namespace jitkv::dsv4;
 
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kWriteWarps = 8;
-constexpr int kWriteTok = JITKV_DSV4_WRITE_TOK;
-constexpr int kGatherWarps = JITKV_DSV4_GATHER_WARPS;
-constexpr int kGatherTok = JITKV_DSV4_GATHER_TOK;
-constexpr int64_t kGatherWaves = JITKV_DSV4_GATHER_WAVES;
+constexpr int kWriteTok = 1;            // tokens per writer warp
+constexpr int kGatherWarps = 4;         // warps per gather CTA
+constexpr int kGatherTok = 2;           // tokens per gather warp
+constexpr int64_t kGatherWaves = 4;     // gather grid cap, in resident-CTA waves
 // Registers capped for a full SM (2048 threads, so 32 per thread): more warps, more loads in flight.
 constexpr int kGatherMinCtas = 2048 / (kGatherWarps * 32);
 constexpr uint32_t kMinAmaxBits = 0x38D1B717u;  // bits of 1e-4f
@@ -449,7 +433,7 @@ DeviceInfo device_info(int device) {
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dsv4_gather_kernel, kGatherWarps * 32, 0);
-    v = (sms * per_sm > 0 ? sms * per_sm : 1) * 2 + (JITKV_PDL && major >= 9 ? 1 : 0);
+    v = (sms * per_sm > 0 ? sms * per_sm : 1) * 2 + (major >= 9 ? 1 : 0);
     if (cache) cached[device].store(v, std::memory_order_relaxed);
   }
   return DeviceInfo{v >> 1, (v & 1) != 0};

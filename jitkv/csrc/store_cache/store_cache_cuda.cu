@@ -9,8 +9,7 @@
 //   JITKV_SRC_DTYPE  0: plain byte copy (kv_cache_dtype "auto", any dtype); 1 bf16, 2 fp16, 3 fp32
 //       (sources quantized to fp8).
 //   JITKV_KV_DTYPE   0 auto, 1 fp8_e4m3, 2 fp8_e5m2 (jitkv::KVDtype values).
-//   JITKV_PDL (optional, default 1): launch with programmatic dependent launch on SM90+, so the
-//       launch overlaps the tail of the previous kernel (the kernel waits for it before any read).
+// Kernels launch with programmatic dependent launch on SM90+ (jitkv/cuda/launch.cuh).
 // Launch shape: one warp per (token, chunk[, side]); 1, 2, 4 or 8 warps per block so that small n
 // spreads over SMs and large n fills them. Each build holds two kernels (store_cache.cuh): the latency
 // kernel while its warps per token side fit in kLatencyWarpsPerSM per SM, the bulk kernel beyond.
@@ -21,10 +20,6 @@
 #include <mutex>
 
 #include "store_cache/store_cache.cuh"
-
-#ifndef JITKV_PDL
-#define JITKV_PDL 1
-#endif
 
 namespace {
 
@@ -87,7 +82,7 @@ cudaError_t launch(const Params& p, const DeviceInfo& info, cudaStream_t stream)
   return jitkv::cuda::launch(store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, kBulk>,
                              dim3(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks),
                                   split_sides(kFp8, kKHeadBytes, kVHeadBytes, kBulk) ? 2u : 1u),
-                             dim3(32 * wpb), stream, JITKV_PDL && info.major >= 9, p);
+                             dim3(32 * wpb), stream, info.major >= 9, p);
 }
 
 template <int kVec>
