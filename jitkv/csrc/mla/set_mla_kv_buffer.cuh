@@ -180,7 +180,8 @@ __device__ __forceinline__ bool load_slot(const MlaKernelParams& p, int64_t row,
   return slot >= 0 && slot != p.skip_slot && slot < p.num_slots;
 }
 
-// Latency kernel (small n): one warp per row and a grid of exactly n warps. After the PDL wait a warp
+// Latency kernel (the default for 16-byte aligned rows that fit in registers, at every n): one warp
+// per row and a grid of exactly n warps. After the PDL wait a warp
 // issues its slot load and all of its row's 16-byte source loads at once (the sources of every row
 // < n exist, padding rows included, so reading them is safe; they are written only when the slot is
 // kept), lets the next kernel launch, and stores: one memory round trip from wait to store.
