@@ -37,10 +37,12 @@ def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, skip_slot=N
         written then.
 
     Algorithm: CPU — one pass over rows with AVX-512 copies, OpenMP above a payload threshold,
-    non-temporal stores when the buffer dwarfs the LLC. CUDA — one warp per row, all 16-byte loads
-    of the row before its stores, programmatic dependent launch on SM90+; a TMA bulk-store variant
-    (row staged in shared memory, one cp.async.bulk per row) is built for sm_90a but auto does not
-    pick it, as it measured no faster on an H200. Triton (one program per row) as the fallback.
+    non-temporal stores when the buffer dwarfs the LLC. CUDA — for 16-byte aligned rows a latency
+    kernel: one warp per row issues the slot load and the row's 16-byte loads together after the
+    programmatic-dependent-launch wait (SM90+), lets the next kernel launch, then stores if the slot
+    is kept (padding rows' sources are read, never written); other views take a bulk kernel that
+    reads the slot first. A TMA bulk-store variant (sm_90a) is built but only runs when forced: it
+    measured no faster. Triton (one program per row) as the fallback.
     """
     if is_compiling():
         return torch.ops.jitkv.set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot, backend)
@@ -100,8 +102,8 @@ def _jit(device, variant):
 
         return run_cpu, info
     fn, info = jit_function(cuda_spec(cuda_target(device), *variant), OP)
-    info["path"] = "vector warp-per-row (auto; the TMA bulk store measured no faster on H200)"
-    auto = 0  # path chosen by the launcher: the vector path (see set_mla_kv_buffer_cuda.cu)
+    info["path"] = "latency kernel for 16-byte aligned rows, else the bulk vector kernel (set_mla_kv_buffer_cuda.cu)"
+    auto = 0  # path chosen by the launcher (see set_mla_kv_buffer_cuda.cu)
     debug = debug_checks()
 
     def run(buf, loc, nope, rope, skip):

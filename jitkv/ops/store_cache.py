@@ -77,13 +77,13 @@ def store_cache(
         )
     index = device_index(OP, "k_cache", k_cache)
     if index < 0:
-        _DISPATCH.get_cpu(backend)(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot)
-        return
-    variant = _cuda_variant(k, k_cache, v, v_cache, kv_cache_dtype)
+        impl = _DISPATCH.get_cpu(backend)
+    else:
+        variant = _cuda_variant(k, k_cache, v, v_cache, kv_cache_dtype)
+        impl = _DISPATCH.get_cuda(index, backend, variant)
     try:
-        _DISPATCH.get_cuda(index, backend, variant)(
-            k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot)
-    except _NeedsGenericBuild:
+        impl(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot)
+    except _NeedsGenericBuild:  # raised by CUDA bindings only
         # Alignment is known once the binding has read the pointers: the any-alignment variant is
         # dispatched like any other (its own build, else Triton, else torch; recorded and warned).
         _DISPATCH.get_cuda(index, backend, (*GENERIC, *variant[2:]))(
