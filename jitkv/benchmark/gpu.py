@@ -81,9 +81,7 @@ def latency_floor_us(bufs) -> float:
     slot and 16-byte source loads together -> trigger dependents -> store
     (csrc/benchmark/latency_floor_cuda.cu), into ``bufs[layer]`` (one [rows, >= 16 bytes] cache per
     layer)."""
-    from jitkv.ops._common import jit_function  # noqa: PLC0415
-
-    fn, _ = jit_function(latency_floor_spec(jitkv.jit.toolchain.cuda_arch(torch.device("cuda"))), "latency_floor")
+    fn = jitkv.jit.get_function(latency_floor_spec(jitkv.jit.cuda_arch(torch.device("cuda"))), "latency_floor")
     srcs = [torch.randn(1, 576, device="cuda").bfloat16() for _ in range(LAYERS)]
     locs = [torch.randint(0, b.shape[0], (1,), device="cuda") for b in bufs]
     return graph_us(lambda i: fn(bufs[i], locs[i], srcs[i]))
@@ -163,12 +161,12 @@ def floor_rows(bw: float, empty_us: float) -> tuple[float, list[Row]]:
 
 def mla_rows(bw: float, floor_us: float, ns=MLA_NS) -> list[Row]:
     from jitkv.ops import mla  # noqa: PLC0415
-    from jitkv.ops._common import jit_function  # noqa: PLC0415
 
     rows_per_layer = 1 << 19  # 8 layers x 2^19 slots x 1152 B = 4.8 GB of caches
     bufs = [torch.empty(rows_per_layer, 576, dtype=torch.bfloat16, device="cuda").normal_() for _ in range(LAYERS)]
-    spec = mla.cuda_spec(jitkv.jit.toolchain.cuda_arch(torch.device("cuda")), 1024, 128)
-    fn, _ = jit_function(spec, "set_mla_kv_buffer")
+    arch = jitkv.jit.cuda_arch(torch.device("cuda"))
+    kernel = {k: jitkv.jit.get_function(mla.cuda_spec(arch, 1024, 128, kernel=k), "set_mla_kv_buffer")
+              for k in ("latency", "vector", "tma")}
     rows = []
     for n in ns:
         # Fresh sources per layer (read from DRAM), and one shared source (L2-warm, as when the
@@ -184,9 +182,9 @@ def mla_rows(bw: float, floor_us: float, ns=MLA_NS) -> list[Row]:
         cases = [
             ("torch index", torch_index),
             ("jitkv auto", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i])),
-            ("jit latency", lambda i: fn(bufs[i], locs[i], nope[i], rope[i], -1, 3)),
-            ("jit vector (bulk)", lambda i: fn(bufs[i], locs[i], nope[i], rope[i], -1, 2)),
-            ("jit TMA", lambda i: fn(bufs[i], locs[i], nope[i], rope[i], -1, 1)),
+            ("jit latency", lambda i: kernel["latency"](bufs[i], locs[i], nope[i], rope[i], -1)),
+            ("jit vector (bulk)", lambda i: kernel["vector"](bufs[i], locs[i], nope[i], rope[i], -1)),
+            ("jit TMA", lambda i: kernel["tma"](bufs[i], locs[i], nope[i], rope[i], -1)),
             ("triton", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i], backend="triton")),
             ("jitkv auto, L2-warm source", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[0], rope[0])),
             ("triton, L2-warm source", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[0], rope[0], backend="triton")),
@@ -287,14 +285,13 @@ def host_overhead_rows(calls=2000, batches=9) -> list[Row]:
     k = torch.randn(1, 8, 128, device="cuda").bfloat16()
     loc = torch.tensor([7], device="cuda")
     from jitkv.ops import mla, store_cache  # noqa: PLC0415
-    from jitkv.ops._common import jit_function  # noqa: PLC0415
 
-    arch = jitkv.jit.toolchain.cuda_arch(torch.device("cuda"))
-    raw, _ = jit_function(mla.cuda_spec(arch, 1024, 128), "set_mla_kv_buffer")
-    raw_sc, _ = jit_function(store_cache.cuda_spec(arch, 256, 256, 0, 0), store_cache.COPY_ENTRY)
+    arch = jitkv.jit.cuda_arch(torch.device("cuda"))
+    raw = jitkv.jit.get_function(mla.cuda_spec(arch, 1024, 128), "set_mla_kv_buffer")
+    raw_sc = jitkv.jit.get_function(store_cache.cuda_spec(arch, 256, 256, 0, 0), store_cache.COPY_ENTRY)
     ops = {
         "set_mla_kv_buffer": lambda: jitkv.set_mla_kv_buffer(buf, loc, nope, rope),
-        "set_mla_kv_buffer (bare tvm-ffi binding)": lambda: raw(buf, loc, nope, rope, -1, 0),
+        "set_mla_kv_buffer (bare tvm-ffi binding)": lambda: raw(buf, loc, nope, rope, -1),
         "store_cache": lambda: jitkv.store_cache(k, k, kc, kc, loc),
         "store_cache (bare tvm-ffi binding)": lambda: raw_sc(k, k, kc, kc, loc, None, -1),
         "torch index (MLA)": lambda: buf.__setitem__((loc, slice(0, 512)), nope),

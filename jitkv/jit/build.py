@@ -101,6 +101,12 @@ def get_module(spec: JitSpec):
     return mod
 
 
+def get_function(spec: JitSpec, name: str):
+    """Function ``name`` of the loaded module for ``spec`` (the benchmark's and tests' way to call a
+    kernel variant the ops do not dispatch to). Raises what get_module raises."""
+    return getattr(get_module(spec), name)
+
+
 def verify_artifact(final: Path) -> dict:
     """The manifest of a trusted artifact whose library matches its recorded size and sha256.
 

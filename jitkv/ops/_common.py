@@ -6,16 +6,14 @@ import re
 
 import torch
 
-from ..jit import JitSpec, artifact_dir, env_flag, get_module
-from ..jit.toolchain import cuda_arch
+from ..jit import JitSpec, artifact_dir, cuda_arch, env_flag, get_function
 from ._dispatch import BackendUnavailable
 from ._validate import unsupported_device
 
 
 def jit_function(spec: JitSpec, name: str):
     """(function, backend_info fields) of a built module; JitUnavailable propagates."""
-    mod = get_module(spec)
-    return getattr(mod, name), {"key": artifact_dir(spec).name, "artifact": str(artifact_dir(spec))}
+    return get_function(spec, name), {"key": artifact_dir(spec).name, "artifact": str(artifact_dir(spec))}
 
 
 def cuda_target(device: torch.device) -> str:

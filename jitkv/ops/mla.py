@@ -67,11 +67,18 @@ def cpu_spec() -> JitSpec:
     return JitSpec("mla_cpu", ("mla/set_mla_kv_buffer_cpu.cpp",), exports=(OP,))
 
 
-def cuda_spec(arch: str, nope_bytes: int, rope_bytes: int) -> JitSpec:
+# Kernels a module can be built to run (set_mla_kv_buffer_cuda.cu): "auto" is the measured choice the op
+# uses; the others exist for the tests and the benchmark's per-kernel rows.
+KERNELS = {"auto": 0, "tma": 1, "vector": 2, "latency": 3}
+
+
+def cuda_spec(arch: str, nope_bytes: int, rope_bytes: int, *, kernel: str = "auto", pdl: bool = True) -> JitSpec:
+    """The CUDA module for rows of ``nope_bytes + rope_bytes``; ``kernel`` in KERNELS forces one kernel
+    (a call it cannot run raises ValueError), ``pdl=False`` launches without programmatic dependent launch."""
     return JitSpec(
         "mla_cuda",
-        ("mla/set_mla_kv_buffer_cuda.cu", "mla/set_mla_kv_buffer_cuda.cc"),
-        args=(("nope_bytes", nope_bytes), ("rope_bytes", rope_bytes)),
+        ("mla/set_mla_kv_buffer_cuda.cu",),
+        args=(("nope_bytes", nope_bytes), ("rope_bytes", rope_bytes), ("kernel", KERNELS[kernel]), ("pdl", int(pdl))),
         target=arch,
         exports=(OP,),
     )
@@ -81,7 +88,7 @@ def cuda_spec(arch: str, nope_bytes: int, rope_bytes: int) -> JitSpec:
 CUDA_PREBUILD_VARIANTS = ((1024, 128), (656, 0), (528, 128), (512, 64))
 
 
-_BINDING_ARGS = ("kv_buffer", "loc", "k_nope", "k_rope", "skip_slot", "path")
+_BINDING_ARGS = ("kv_buffer", "loc", "k_nope", "k_rope", "skip_slot")
 
 
 def _skip(skip_slot) -> int:
@@ -103,13 +110,12 @@ def _jit(device, variant):
         return run_cpu, info
     fn, info = jit_function(cuda_spec(cuda_target(device), *variant), OP)
     info["path"] = "latency kernel for 16-byte aligned rows, else the bulk vector kernel (set_mla_kv_buffer_cuda.cu)"
-    auto = 0  # path chosen by the launcher (see set_mla_kv_buffer_cuda.cu)
     debug = debug_checks()
 
     def run(buf, loc, nope, rope, skip):
         if debug:
             _host_range_check(buf, loc, skip)
-        args = (buf, loc, nope, rope, _skip(skip), auto)
+        args = (buf, loc, nope, rope, _skip(skip))
         try:
             fn(*args)
         except (TypeError, RuntimeError) as e:

@@ -1,4 +1,8 @@
-// set_mla_kv_buffer kernels: kv_buffer[loc[i], :nope] = k_nope[i], kv_buffer[loc[i], nope:] = k_rope[i].
+// set_mla_kv_buffer: kv_buffer[loc[i], :nope] = k_nope[i], kv_buffer[loc[i], nope:] = k_rope[i].
+//
+// The family's one parameter block (MlaParams) and its argument parser, shared by the CUDA binding
+// (set_mla_kv_buffer_cuda.cu) and the CPU binding (set_mla_kv_buffer_cpu.cpp, which sees only this
+// host part), then the CUDA kernels (compiled by nvcc only).
 //
 // A pure row scatter: the kernels only move bytes; a row whose slot is < 0, == skip_slot or
 // >= num_slots is never written.
@@ -15,21 +19,91 @@
 // Programmatic dependent launch: see jitkv/cuda/launch.cuh.
 #pragma once
 
-#include <cuda_runtime.h>
-
 #include <cstdint>
 
+#include "jitkv/check.h"
+
+#if defined(__CUDACC__)
+#include <cuda_runtime.h>
+
 #include "jitkv/cuda/launch.cuh"
+#endif
 
 namespace jitkv::mla {
 
-struct MlaKernelParams {
+// Shapes: kv_buffer [S, W] or [S, 1, W]; k_nope [n', nope] or [n', 1, nope]; k_rope likewise;
+// W >= nope + rope; n' >= n = loc.numel(). One dtype everywhere (bf16, fp16, fp32, uint8, float8).
+// Only the innermost dim must be contiguous: row strides are arbitrary and kept in bytes. The
+// binding checks the device type (CPU vs CUDA); the parser checks that all tensors share one.
+// The kernels read the fields up to skip_slot; the rest is for the host.
+struct MlaParams {
   char* dst;
   const char* nope;
   const char* rope;
   const void* loc;
   int64_t n, num_slots, dst_row_stride, nope_row_stride, rope_row_stride, skip_slot;  // strides: bytes
+  int64_t nope_bytes, rope_bytes;
+  DLDevice device;
+  bool loc_i64;
 };
+
+// A 2-D [rows, width] or 3-D [rows, 1, width] tensor: returns width.
+inline int64_t row_width(const char* op, const char* name, const TensorView& t, const char* want) {
+  if (t.ndim() == 2 || (t.ndim() == 3 && t.size(1) == 1)) return t.size(t.ndim() - 1);
+  TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected shape " << want << ", got " << shape_str(t);
+  return 0;
+}
+
+inline MlaParams parse_params(const char* op, const TensorView& kv_buffer, const TensorView& loc,
+                              const TensorView& k_nope, const TensorView& k_rope, int64_t skip_slot) {
+  const DLDataType dt = kv_buffer.dtype();
+  if (!is_copy_dtype(dt)) {
+    TVM_FFI_THROW(TypeError) << op << ": kv_buffer: expected dtype bfloat16, float16, float32, uint8, "
+                             << "float8_e4m3fn or float8_e5m2, got " << dt;
+  }
+  const DLDevice dev = kv_buffer.device();
+  check_device(op, "k_nope", k_nope, dev, "kv_buffer");
+  check_device(op, "k_rope", k_rope, dev, "kv_buffer");
+  check_device(op, "loc", loc, dev, "kv_buffer");
+  check_same_dtype(op, "k_nope", k_nope, dt, "kv_buffer");
+  check_same_dtype(op, "k_rope", k_rope, dt, "kv_buffer");
+
+  const int64_t width = row_width(op, "kv_buffer", kv_buffer, "[num_slots, W] or [num_slots, 1, W]");
+  const int64_t nope = row_width(op, "k_nope", k_nope, "[n, nope] or [n, 1, nope]");
+  const int64_t rope = row_width(op, "k_rope", k_rope, "[n, rope] or [n, 1, rope]");
+  check_last_dim_contiguous(op, "kv_buffer", kv_buffer);
+  check_last_dim_contiguous(op, "k_nope", k_nope);
+  check_last_dim_contiguous(op, "k_rope", k_rope);
+  if (width < nope + rope) {
+    TVM_FFI_THROW(ValueError) << op << ": kv_buffer: row width " << width << " is smaller than nope + rope = "
+                              << nope << " + " << rope;
+  }
+  const bool loc_i64 = check_index(op, "loc", loc);
+  const int64_t n = loc.numel();
+  check_rows_at_least(op, "k_nope", k_nope, n, "loc");
+  check_rows_at_least(op, "k_rope", k_rope, n, "loc");
+
+  const int64_t es = elem_bytes(dt);
+  MlaParams p;
+  p.dst = data_ptr(kv_buffer);
+  p.nope = data_ptr(k_nope);
+  p.rope = data_ptr(k_rope);
+  p.loc = data_ptr(loc);
+  p.n = n;
+  p.num_slots = kv_buffer.size(0);
+  p.dst_row_stride = kv_buffer.stride(0) * es;
+  p.nope_row_stride = k_nope.stride(0) * es;
+  p.rope_row_stride = k_rope.stride(0) * es;
+  p.skip_slot = skip_slot;
+  p.nope_bytes = nope * es;
+  p.rope_bytes = rope * es;
+  p.device = dev;
+  p.loc_i64 = loc_i64;
+  return p;
+}
+
+#if defined(__CUDACC__)
+
 
 template <int V> struct VecOf;
 template <> struct VecOf<16> { using T = uint4; };
@@ -175,7 +249,7 @@ __device__ __forceinline__ void bulk_store_rows(char* const (&dst)[kRows], const
 }
 
 template <typename TLoc>
-__device__ __forceinline__ bool load_slot(const MlaKernelParams& p, int64_t row, int64_t& slot) {
+__device__ __forceinline__ bool load_slot(const MlaParams& p, int64_t row, int64_t& slot) {
   slot = static_cast<int64_t>(__ldg(static_cast<const TLoc*>(p.loc) + row));
   return slot >= 0 && slot != p.skip_slot && slot < p.num_slots;
 }
@@ -187,7 +261,7 @@ __device__ __forceinline__ bool load_slot(const MlaKernelParams& p, int64_t row,
 // kept), lets the next kernel launch, and stores: one memory round trip from wait to store.
 template <int kNope, int kRope, typename TLoc>
 __global__ void __launch_bounds__(32 * 8)
-    set_mla_kv_buffer_latency_kernel(const __grid_constant__ MlaKernelParams p) {
+    set_mla_kv_buffer_latency_kernel(const __grid_constant__ MlaParams p) {
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   cuda::warm_params(p);
@@ -207,7 +281,7 @@ __global__ void __launch_bounds__(32 * 8)
 
 template <int kNope, int kRope, int V, int kWarps, int kRows, bool kTma, typename TLoc>
 __global__ void __launch_bounds__(kWarps * 32)
-    set_mla_kv_buffer_kernel(const __grid_constant__ MlaKernelParams p) {
+    set_mla_kv_buffer_kernel(const __grid_constant__ MlaParams p) {
   using S = RowShape<kNope, kRope, V>;
   using Smem = WarpSmem<kTma, kWarps, kRows, S::kBytes>;
   static_assert(kRows == 1 || S::kInRegisters, "several rows per step only when a row fits in registers");
@@ -267,5 +341,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (lane == 0) bulk_wait_smem_read();  // shared memory must outlive the bulk reads of it
   }
 }
+
+#endif  // __CUDACC__
 
 }  // namespace jitkv::mla

@@ -1,6 +1,6 @@
 // set_mla_kv_buffer on CPU: kv_buffer[loc[i], :nope] = k_nope[i]; kv_buffer[loc[i], nope:nope+rope] = k_rope[i].
 //
-// Algorithm: parse + validate (mla_args.h); resolve every slot serially (skip rules, IndexError before
+// Algorithm: parse + validate (set_mla_kv_buffer.cuh, its host part); resolve every slot serially (skip rules, IndexError before
 // any write); then one pass over the kept rows writes both segments of each row with AVX-512
 // (row_copy.h copy_two). Bytes beyond nope+rope are never touched. OpenMP above a payload threshold;
 // when the buffer dwarfs the LLC and rows start on 64-byte lines, whole lines are assembled from
@@ -9,14 +9,14 @@
 
 #include "jitkv/cpu/row_copy.h"
 #include "jitkv/cpu/scatter.h"
-#include "mla/mla_args.h"
+#include "mla/set_mla_kv_buffer.cuh"
 
 namespace jitkv {
 namespace {
 
 constexpr const char* kOp = "set_mla_kv_buffer";
 
-void write_rows(const MlaArgs& a, const cpu::RowSlot* rows, int64_t m) {
+void write_rows(const mla::MlaParams& a, const cpu::RowSlot* rows, int64_t m) {
   int64_t payload = m * (a.nope_bytes + a.rope_bytes);
   int threads = cpu::threads_for(payload);
   bool nt = cpu::want_streaming(a.num_slots * cpu::abs64(a.dst_row_stride), payload, threads) &&
@@ -37,7 +37,7 @@ void set_mla_kv_buffer_cpu(TensorView kv_buffer, TensorView loc, TensorView k_no
     TVM_FFI_THROW(ValueError) << kOp << ": kv_buffer: expected a CPU tensor for the CPU kernel, got device_type "
                               << kv_buffer.device().device_type;
   }
-  MlaArgs a = parse_mla_args(kOp, kv_buffer, loc, k_nope, k_rope, skip_slot);
+  const mla::MlaParams a = mla::parse_params(kOp, kv_buffer, loc, k_nope, k_rope, skip_slot);
   if (a.n == 0) return;
 
   cpu::RowSlotBuffer buf(a.n);

@@ -1,7 +1,12 @@
-// Launcher for the set_mla_kv_buffer kernels (set_mla_kv_buffer.cuh), one module per (nope, rope) byte
-// sizes given as -DJITKV_NOPE_BYTES / -DJITKV_ROPE_BYTES. Picks the kernel, the widest vector the
-// alignments allow and the launch shape, and launches (with programmatic dependent launch unless told
-// not to) with the tensors' device current.
+// tvm-ffi binding of set_mla_kv_buffer on CUDA: parses and checks the arguments (set_mla_kv_buffer.cuh),
+// picks the kernel, the widest vector the alignments allow and the launch shape, and launches on the
+// caller's current stream (jitkv/cuda/launch.cuh: PDL from sm_90, device guard).
+//
+// Template arguments (JitSpec args): JITKV_NOPE_BYTES / JITKV_ROPE_BYTES, the row parts this module
+// copies; JITKV_KERNEL, 0 = auto (the measured choice below), 1 = TMA bulk store (ValueError where not
+// possible: below sm_90, destination not 16-byte aligned), 2 = vector (bulk) kernel, 3 = latency kernel
+// (ValueError for rows it cannot take); JITKV_PDL, 0 launches without programmatic dependent launch.
+// The forced kernels and PDL off exist for the tests and the benchmark's per-kernel rows.
 //
 // Path choice, measured on an NVIDIA H100 (132 SMs), CUDA-graph replay, 8 layers of 2^19-row bf16
 // 512+64 caches, random unique slots, n = 1 ... 262,144 (python -m jitkv.benchmark --op
@@ -17,22 +22,30 @@
 //    memory), so it is only there when forced;
 //  - the vector (bulk) kernel, 2 warps per block and 2 rows per warp step above 16 rows per SM,
 //    takes unaligned views and rows too long for registers.
-#include "mla/set_mla_kv_buffer.cuh"
-#include "mla/set_mla_kv_buffer_launch.h"
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/function.h>
 
 #include <algorithm>
 
-#if !defined(JITKV_NOPE_BYTES) || !defined(JITKV_ROPE_BYTES)
-#error "set_mla_kv_buffer_cuda.cu needs -DJITKV_NOPE_BYTES=<bytes> -DJITKV_ROPE_BYTES=<bytes>"
+#include "mla/set_mla_kv_buffer.cuh"
+
+#if !defined(JITKV_NOPE_BYTES) || !defined(JITKV_ROPE_BYTES) || !defined(JITKV_KERNEL) || !defined(JITKV_PDL)
+#error "set_mla_kv_buffer_cuda.cu needs -DJITKV_NOPE_BYTES, -DJITKV_ROPE_BYTES, -DJITKV_KERNEL and -DJITKV_PDL"
 #endif
 
 namespace {
 
 using namespace jitkv::mla;
+using jitkv::cuda::DeviceInfo;
+using tvm::ffi::TensorView;
 
+constexpr const char* kOp = "set_mla_kv_buffer";
 constexpr int kNope = JITKV_NOPE_BYTES;
 constexpr int kRope = JITKV_ROPE_BYTES;
 static_assert(kNope >= 0 && kRope >= 0 && kNope + kRope > 0, "empty row");
+enum class Kernel { kAuto = 0, kTma = 1, kVector = 2, kLatency = 3 };
+constexpr Kernel kKernel = static_cast<Kernel>(JITKV_KERNEL);
+static_assert(JITKV_KERNEL >= 0 && JITKV_KERNEL <= 3, "JITKV_KERNEL: 0 auto, 1 TMA, 2 vector, 3 latency");
 
 // TMA kernels are only built when every architecture this module targets has cp.async.bulk.
 constexpr int min_target_arch() {
@@ -41,24 +54,8 @@ constexpr int min_target_arch() {
   for (int a : archs) m = a < m ? a : m;
   return m;
 }
+constexpr bool kPdl = JITKV_PDL != 0;
 constexpr bool kTmaBuilt = min_target_arch() >= 900 && (kNope + kRope) % 16 == 0;
-
-struct DeviceInfo {
-  int sms = 0;
-  int major = 0;
-};
-
-// Queried once per device: launches must stay cheap. Racing first calls store the same values.
-DeviceInfo device_info(int dev) {
-  static DeviceInfo cache[64];
-  DeviceInfo info = (dev >= 0 && dev < 64) ? cache[dev] : DeviceInfo{};
-  if (info.sms == 0) {
-    cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, dev);
-    if (info.sms > 0 && dev >= 0 && dev < 64) cache[dev] = info;
-  }
-  return info;
-}
 
 // Largest power of two <= 16 dividing every value: the lowest set bit of their OR.
 int common_pow2(uint64_t bits) {
@@ -70,21 +67,15 @@ uint64_t u(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr); }
 uint64_t u(int64_t x) { return static_cast<uint64_t>(x); }
 
 // Widest vector for the loads of k_nope / k_rope (and, on the vector path, for the destination).
-int source_vec_bytes(const JitkvMlaLaunchParams& p) {
+int source_vec_bytes(const MlaParams& p) {
   return common_pow2(kNope | kRope | u(p.nope) | u(p.nope_row_stride) | u(p.rope) | u(p.rope_row_stride));
 }
-int vector_path_vec_bytes(const JitkvMlaLaunchParams& p) {
+int vector_path_vec_bytes(const MlaParams& p) {
   return common_pow2(source_vec_bytes(p) | u(p.dst) | u(p.dst_row_stride));
 }
 
-// Launch shape: warps per block, rows per warp step.
-struct Shape {
-  int warps;
-  int rows;
-};
-
 // Tuned shapes exist for 16-byte vectors on rows that fit in registers; anything else (misaligned
-// tensors, very long rows) runs one fixed shape.
+// tensors, very long rows) runs one row per warp step.
 // (RowShape is named through V so that it is only instantiated for widths that divide the parts.)
 template <int V>
 constexpr bool tunable() {
@@ -95,7 +86,7 @@ constexpr bool tunable() {
   }
 }
 // Two rows per step only while both fit in 24 registers per lane (no spills; 1152-byte rows do).
-template <int V = 16>
+template <int V>
 constexpr bool two_rows() {
   if constexpr (tunable<V>()) {
     return 2 * RowShape<kNope, kRope, V>::kIters <= 6;
@@ -103,141 +94,120 @@ constexpr bool two_rows() {
     return false;
   }
 }
-constexpr int kTunedWarps = 2;  // best or within noise at every n (see the top of this file)
-constexpr Shape kFixedShape{2, 1};
-
-Shape pick_shape(const JitkvMlaLaunchParams& p, int vec, int sms) {
-  if (vec != 16 || !tunable<16>()) return kFixedShape;
-  return Shape{kTunedWarps, p.n > 16 * static_cast<int64_t>(sms) && two_rows() ? 2 : 1};
-}
+constexpr int kBulkWarps = 2;     // warps per block of the bulk kernels: best or within noise at every n
+constexpr int kTwoRowsPerSm = 16;  // above this many rows per SM a bulk warp takes two rows per step
 
 // The latency kernel takes 16-byte aligned rows that fit in registers, at every n, in blocks of 4 warps
 // up to 8 rows per SM and 8 warps beyond (see the top of this file).
-bool latency_fits(const JitkvMlaLaunchParams& p) { return tunable<16>() && vector_path_vec_bytes(p) == 16; }
+bool latency_fits(const MlaParams& p) { return tunable<16>() && vector_path_vec_bytes(p) == 16; }
 int latency_warps(int64_t n, int sms) { return n <= 8 * static_cast<int64_t>(sms) ? 4 : 8; }
 
 template <typename TLoc>
-cudaError_t launch_latency_kernel(const MlaKernelParams& k, int warps, bool pdl, cudaStream_t stream) {
+cudaError_t launch_latency(const MlaParams& p, const DeviceInfo& info, cudaStream_t stream) {
   if constexpr (tunable<16>()) {
-    const unsigned blocks = static_cast<unsigned>((k.n + warps - 1) / warps);
+    const int warps = latency_warps(p.n, info.sms);
+    const unsigned blocks = static_cast<unsigned>((p.n + warps - 1) / warps);
     return jitkv::cuda::launch(set_mla_kv_buffer_latency_kernel<kNope, kRope, TLoc>, dim3(blocks), dim3(32 * warps),
-                                stream, pdl, k);
+                               stream, kPdl && info.pdl(), p);
   } else {
     return cudaErrorInvalidValue;
   }
 }
 
-struct Launch {
-  MlaKernelParams k;
-  Shape shape;
-  unsigned blocks;
-  bool pdl;
-  cudaStream_t stream;
-};
-
-template <bool kTma, int V, int W, int R, typename TLoc>
-cudaError_t launch_kernel(const Launch& l) {
-  return jitkv::cuda::launch(set_mla_kv_buffer_kernel<kNope, kRope, V, W, R, kTma, TLoc>, dim3(l.blocks),
-                              dim3(W * 32), l.stream, l.pdl, l.k);
+template <bool kTma, int V, int R, typename TLoc>
+cudaError_t launch_bulk(const MlaParams& p, const DeviceInfo& info, cudaStream_t stream) {
+  const int64_t rows_per_block = static_cast<int64_t>(kBulkWarps) * R;
+  // Rows past a full grid are taken by the grid-stride loop.
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>((p.n + rows_per_block - 1) / rows_per_block, 0x7fffffff));
+  return jitkv::cuda::launch(set_mla_kv_buffer_kernel<kNope, kRope, V, kBulkWarps, R, kTma, TLoc>, dim3(blocks),
+                             dim3(kBulkWarps * 32), stream, kPdl && info.pdl(), p);
 }
 
-template <bool kTma, int V, typename TLoc, int W>
-cudaError_t dispatch_rows(const Launch& l) {
-  if constexpr (two_rows()) {
-    if (l.shape.rows == 2) return launch_kernel<kTma, V, W, 2, TLoc>(l);
-  }
-  return l.shape.rows == 1 ? launch_kernel<kTma, V, W, 1, TLoc>(l) : cudaErrorInvalidValue;
-}
-
+// The widest vector V <= vec dividing both parts (widths that don't are never instantiated), then the
+// rows per warp step.
 template <bool kTma, int V, typename TLoc>
-cudaError_t dispatch_shape(const Launch& l) {
-  if constexpr (tunable<V>()) {
-    return dispatch_rows<kTma, V, TLoc, kTunedWarps>(l);
-  } else {
-    return launch_kernel<kTma, V, kFixedShape.warps, kFixedShape.rows, TLoc>(l);
-  }
-}
-
-// V must divide both part sizes; widths that don't are never instantiated.
-template <bool kTma, int V, typename TLoc>
-cudaError_t dispatch_vec(const Launch& l, int vec) {
+cudaError_t launch_bulk_vec(const MlaParams& p, int vec, const DeviceInfo& info, cudaStream_t stream) {
   if constexpr (kNope % V != 0 || kRope % V != 0) {
-    return dispatch_vec<kTma, V / 2, TLoc>(l, vec);
+    return launch_bulk_vec<kTma, V / 2, TLoc>(p, vec, info, stream);
   } else {
     if constexpr (V > 1) {
-      if (vec < V) return dispatch_vec<kTma, V / 2, TLoc>(l, vec);
+      if (vec < V) return launch_bulk_vec<kTma, V / 2, TLoc>(p, vec, info, stream);
     }
-    return dispatch_shape<kTma, V, TLoc>(l);
+    if constexpr (two_rows<V>()) {
+      if (p.n > kTwoRowsPerSm * static_cast<int64_t>(info.sms)) return launch_bulk<kTma, V, 2, TLoc>(p, info, stream);
+    }
+    return launch_bulk<kTma, V, 1, TLoc>(p, info, stream);
   }
 }
 
-MlaKernelParams kernel_params(const JitkvMlaLaunchParams& p) {
-  return MlaKernelParams{static_cast<char*>(p.dst), static_cast<const char*>(p.nope), static_cast<const char*>(p.rope),
-                         p.loc, p.n, p.num_slots, p.dst_row_stride, p.nope_row_stride, p.rope_row_stride, p.skip_slot};
-}
-
-bool use_pdl(const JitkvMlaLaunchParams& p) { return p.pdl != 0 && device_info(p.device).major >= 9; }
-
-cudaError_t dispatch_latency(const JitkvMlaLaunchParams& p, cudaStream_t stream) {
-  const MlaKernelParams k = kernel_params(p);
-  const int w = latency_warps(p.n, device_info(p.device).sms);
-  return p.loc_i64 ? launch_latency_kernel<int64_t>(k, w, use_pdl(p), stream)
-                   : launch_latency_kernel<int32_t>(k, w, use_pdl(p), stream);
-}
-
+// The TMA kernels exist only in modules whose every target has cp.async.bulk.
 template <bool kTma>
-cudaError_t dispatch(const JitkvMlaLaunchParams& p, int vec, int sms, cudaStream_t stream) {
-  Launch l;
-  l.k = kernel_params(p);
-  l.shape = pick_shape(p, vec, sms);
-  const int64_t rows_per_block = static_cast<int64_t>(l.shape.warps) * l.shape.rows;
-  // Rows past a full grid are taken by the grid-stride loop.
-  l.blocks = static_cast<unsigned>(std::min<int64_t>((p.n + rows_per_block - 1) / rows_per_block, 0x7fffffff));
-  l.pdl = use_pdl(p);
-  l.stream = stream;
-  return p.loc_i64 ? dispatch_vec<kTma, 16, int64_t>(l, vec) : dispatch_vec<kTma, 16, int32_t>(l, vec);
+cudaError_t launch_bulk_kernel(const MlaParams& p, const DeviceInfo& info, cudaStream_t stream) {
+  if constexpr (kTma && !kTmaBuilt) {
+    return cudaErrorInvalidValue;
+  } else {
+    const int vec = kTma ? source_vec_bytes(p) : vector_path_vec_bytes(p);
+    return p.loc_i64 ? launch_bulk_vec<kTma, 16, int64_t>(p, vec, info, stream)
+                     : launch_bulk_vec<kTma, 16, int32_t>(p, vec, info, stream);
+  }
 }
 
-// Discarded (not instantiated) when the module carries no TMA kernels.
-template <bool kBuilt>
-cudaError_t dispatch_tma(const JitkvMlaLaunchParams& p, int sms, cudaStream_t s) {
-  if constexpr (kBuilt) {
-    return dispatch<true>(p, source_vec_bytes(p), sms, s);
-  } else {
-    return cudaErrorInvalidValue;
+// nullptr when the TMA kernel can run these arguments, else the reason it cannot.
+const char* tma_blocker(const MlaParams& p, const DeviceInfo& info) {
+  if ((kNope + kRope) % 16 != 0) return "row bytes (nope + rope) are not a multiple of 16";
+  if (!kTmaBuilt) return "module not compiled for sm_90 or newer";
+  if (info.major < 9) return "device is below sm_90 (no TMA bulk copy)";
+  if (u(p.dst) % 16 != 0) return "kv_buffer data pointer is not 16-byte aligned";
+  if (u(p.dst_row_stride) % 16 != 0) return "kv_buffer row stride is not a multiple of 16 bytes";
+  return nullptr;
+}
+
+// The module's kernel for these arguments: auto takes the latency kernel whenever it fits (see the top
+// of this file); a forced kernel that cannot run them raises ValueError.
+Kernel pick_kernel(const MlaParams& p, const DeviceInfo& info) {
+  if (kKernel == Kernel::kAuto) return latency_fits(p) ? Kernel::kLatency : Kernel::kVector;
+  if (kKernel == Kernel::kLatency && !latency_fits(p)) {
+    TVM_FFI_THROW(ValueError) << kOp << ": the latency kernel needs 16-byte aligned rows that fit in registers";
   }
+  if (kKernel == Kernel::kTma) {
+    if (const char* why = tma_blocker(p, info)) {
+      TVM_FFI_THROW(ValueError) << kOp << ": the TMA bulk-store kernel is not possible: " << why;
+    }
+  }
+  return kKernel;
+}
+
+void check_module(const MlaParams& p) {
+  if (p.device.device_type != kDLCUDA) {
+    TVM_FFI_THROW(ValueError) << kOp << ": kv_buffer: expected a CUDA tensor, got " << jitkv::device_str(p.device);
+  }
+  if (p.nope_bytes != kNope || p.rope_bytes != kRope) {
+    TVM_FFI_THROW(ValueError) << kOp << ": k_nope/k_rope: this module was compiled for " << kNope << " + " << kRope
+                              << " bytes per row, got " << p.nope_bytes << " + " << p.rope_bytes;
+  }
+}
+
+void set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView k_nope, TensorView k_rope,
+                       int64_t skip_slot) {
+  const MlaParams p = parse_params(kOp, kv_buffer, loc, k_nope, k_rope, skip_slot);
+  check_module(p);
+  if (p.n == 0) return;
+  const int device = p.device.device_id;
+  const DeviceInfo info = jitkv::cuda::device_info(device);
+  const Kernel kernel = pick_kernel(p, info);
+  jitkv::cuda::DeviceGuard guard(device);
+  const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
+  cudaError_t err;
+  if constexpr (kKernel == Kernel::kTma) {  // only TMA modules carry the TMA kernels
+    err = launch_bulk_kernel<true>(p, info, stream);
+  } else if (kernel == Kernel::kLatency) {
+    err = p.loc_i64 ? launch_latency<int64_t>(p, info, stream) : launch_latency<int32_t>(p, info, stream);
+  } else {
+    err = launch_bulk_kernel<false>(p, info, stream);
+  }
+  jitkv::cuda::check_launch(kOp, err);
 }
 
 }  // namespace
 
-extern "C" const char* jitkv_set_mla_kv_buffer_tma_blocker(const JitkvMlaLaunchParams* p) {
-  if ((kNope + kRope) % 16 != 0) return "row bytes (nope + rope) are not a multiple of 16";
-  if (!kTmaBuilt) return "module not compiled for sm_90 or newer";
-  if (device_info(p->device).major < 9) return "device is below sm_90 (no TMA bulk copy)";
-  if (u(p->dst) % 16 != 0) return "kv_buffer data pointer is not 16-byte aligned";
-  if (u(p->dst_row_stride) % 16 != 0) return "kv_buffer row stride is not a multiple of 16 bytes";
-  return nullptr;
-}
-
-extern "C" int jitkv_set_mla_kv_buffer_launch(const JitkvMlaLaunchParams* p, void* stream) {
-  if (p->n <= 0) return cudaSuccess;
-  const int sms = device_info(p->device).sms;
-  int path = p->path;
-  if (path == JITKV_MLA_PATH_AUTO) {  // see the top of this file
-    path = latency_fits(*p) ? JITKV_MLA_PATH_LATENCY : JITKV_MLA_PATH_VEC;
-  }
-  auto s = static_cast<cudaStream_t>(stream);
-  jitkv::cuda::DeviceGuard guard(p->device);
-  if (path == JITKV_MLA_PATH_LATENCY) {
-    return latency_fits(*p) ? dispatch_latency(*p, s) : cudaErrorInvalidValue;
-  }
-  if (path == JITKV_MLA_PATH_TMA) {
-    if (jitkv_set_mla_kv_buffer_tma_blocker(p) != nullptr) return cudaErrorInvalidValue;
-    return dispatch_tma<kTmaBuilt>(*p, sms, s);
-  }
-  return dispatch<false>(*p, vector_path_vec_bytes(*p), sms, s);
-}
-
-extern "C" const char* jitkv_set_mla_kv_buffer_error_string(int err) {
-  return cudaGetErrorString(static_cast<cudaError_t>(err));
-}
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(set_mla_kv_buffer, set_mla_kv_buffer);

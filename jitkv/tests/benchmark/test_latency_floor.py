@@ -11,10 +11,8 @@ from jitkv.tests.conftest import assert_bitwise, gpu, rand
 
 def _floor_fn():
     from jitkv.benchmark.gpu import latency_floor_spec  # noqa: PLC0415
-    from jitkv.ops._common import jit_function  # noqa: PLC0415
 
-    arch = jitkv.jit.toolchain.cuda_arch(torch.device("cuda"))
-    return jit_function(latency_floor_spec(arch), "latency_floor")[0]
+    return jitkv.jit.get_function(latency_floor_spec(jitkv.jit.cuda_arch(torch.device("cuda"))), "latency_floor")
 
 
 @gpu

@@ -219,7 +219,10 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
     from jitkv.benchmark.gpu import latency_floor_spec  # noqa: PLC0415
 
     built = []
-    for spec in [*first_per_op.values(), *generic_store, latency_floor_spec("9.0a")]:
+    from jitkv.ops.mla import cuda_spec as mla_spec  # noqa: PLC0415
+
+    tma = mla_spec("9.0a", 1024, 128, kernel="tma")
+    for spec in [*first_per_op.values(), *generic_store, tma, latency_floor_spec("9.0a")]:
         artifact = ensure_built(spec)
         built.append(artifact.name)
         manifest = json.loads((artifact / "manifest.json").read_text())
@@ -229,7 +232,7 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
         if os.path.exists(cuobjdump):
             listing = subprocess.run([cuobjdump, "--list-elf", str(so)], capture_output=True, text=True).stdout
             assert "sm_90a" in listing
-            if spec.op == "mla_cuda":
+            if spec is tma:
                 sass = subprocess.run([cuobjdump, "-sass", str(so)], capture_output=True, text=True).stdout
                 assert "UBLKCP" in sass  # the TMA bulk store is really there
     found = run_py(
@@ -238,7 +241,9 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
         from jitkv.jit import artifact_dir, is_built
         from jitkv.jit.build import verify_artifact
         from jitkv.prebuild import specs_for
-        found = [artifact_dir(s) for s in [*specs_for("9.0a"), latency_floor_spec("9.0a")] if is_built(s)]
+        from jitkv.ops.mla import cuda_spec
+        extra = [cuda_spec("9.0a", 1024, 128, kernel="tma"), latency_floor_spec("9.0a")]
+        found = [artifact_dir(s) for s in [*specs_for("9.0a"), *extra] if is_built(s)]
         print("INTACT", sorted(d.name for d in found if verify_artifact(d)))
         """,
         tmp_path,

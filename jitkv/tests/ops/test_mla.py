@@ -235,18 +235,20 @@ def test_torch_compile_fullgraph():
 
 
 @gpu
-@pytest.mark.parametrize("path", [0, 1, 2, 3])  # auto, TMA bulk store, vector (bulk), latency
+@pytest.mark.parametrize(
+    "kernel, pdl", [("auto", True), ("auto", False), ("tma", True), ("vector", True), ("latency", True)]
+)
 @pytest.mark.parametrize("n", [1, 5, 133, 3000])
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
-def test_every_cuda_kernel_keeps_the_contract(path, n, idx_dtype):
-    """Each CUDA kernel, forced through the binding's path argument, writes exactly the reference's
-    rows: padding (-1), skip_slot and out-of-range slots are never written, extra source rows never
-    read into the buffer, strided sources, PDL on and off (path + 4)."""
-    from jitkv.jit.toolchain import cuda_arch  # noqa: PLC0415
-    from jitkv.ops._common import jit_function  # noqa: PLC0415
+def test_every_cuda_kernel_keeps_the_contract(kernel, pdl, n, idx_dtype):
+    """Each CUDA kernel, forced by its module's build arguments, writes exactly the reference's rows:
+    padding (-1), skip_slot and out-of-range slots are never written, extra source rows never read
+    into the buffer, strided sources; PDL on and off."""
+    from jitkv.jit import cuda_arch, get_function  # noqa: PLC0415
     from jitkv.ops.mla import cuda_spec  # noqa: PLC0415
 
-    fn, _ = jit_function(cuda_spec(cuda_arch(torch.device("cuda")), 1024, 128), "set_mla_kv_buffer")
+    spec = cuda_spec(cuda_arch(torch.device("cuda")), 1024, 128, kernel=kernel, pdl=pdl)
+    fn = get_function(spec, "set_mla_kv_buffer")
     num_slots = 4096
     buf = rand((num_slots, 576), torch.bfloat16, "cuda")
     src = rand((n + 3, 1200), torch.bfloat16, "cuda")  # strided views, extra rows
@@ -256,8 +258,25 @@ def test_every_cuda_kernel_keeps_the_contract(path, n, idx_dtype):
     loc[3::11] = 17
     loc[5::13] = num_slots + 5
     keep = (loc >= 0) & (loc < num_slots) & (loc != 17)
-    for pdl_bit in (0, 4):
-        ref, got = buf.clone(), buf.clone()
-        reference.set_mla_kv_buffer(ref, loc[keep], k_nope[:n][keep], k_rope[:n][keep])
-        fn(got, loc, k_nope, k_rope, 17, path + pdl_bit)
-        assert_bitwise(got, ref)
+    ref, got = buf.clone(), buf.clone()
+    reference.set_mla_kv_buffer(ref, loc[keep], k_nope[:n][keep], k_rope[:n][keep])
+    fn(got, loc, k_nope, k_rope, 17)
+    assert_bitwise(got, ref)
+
+
+@gpu
+def test_forced_kernel_that_cannot_run_raises():
+    """A module forced to the TMA or latency kernel refuses a destination it cannot write (rows not
+    16-byte aligned) with a ValueError naming the reason, before writing anything."""
+    from jitkv.jit import cuda_arch, get_function  # noqa: PLC0415
+    from jitkv.ops.mla import cuda_spec  # noqa: PLC0415
+
+    buf = rand((64, 577), torch.bfloat16, "cuda")[:, 1:]  # 2-byte aligned rows
+    k_nope, k_rope = rand((4, 512), torch.bfloat16, "cuda"), rand((4, 64), torch.bfloat16, "cuda")
+    loc = slots(64, 4, torch.int64, "cuda")
+    before = buf.clone()
+    for kernel, why in (("tma", "not 16-byte aligned"), ("latency", "16-byte aligned rows")):
+        fn = get_function(cuda_spec(cuda_arch(torch.device("cuda")), 1024, 128, kernel=kernel), "set_mla_kv_buffer")
+        with pytest.raises(ValueError, match=why):
+            fn(buf, loc, k_nope, k_rope, -1)
+    assert_bitwise(buf, before)

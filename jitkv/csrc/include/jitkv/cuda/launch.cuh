@@ -1,4 +1,5 @@
-// Launch helpers shared by every jitkv CUDA module: programmatic dependent launch and a device guard.
+// Launch helpers shared by every jitkv CUDA module: programmatic dependent launch, the launch call and
+// its error check, the per-device info cache and the device guard.
 //
 // A kernel launched with the attribute may start while the previous kernel on its stream is still
 // running; it must not touch memory that kernel may write until griddepcontrol.wait returns (which is
@@ -9,6 +10,7 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <tvm/ffi/error.h>
 
 #include <atomic>
 #include <cstdint>
@@ -66,17 +68,31 @@ cudaError_t launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<Args&&>(args)...);
 }
 
-// Multiprocessor count of `device`, queried once per device (an attribute query costs about a
-// microsecond of the launch path); 0 if the query fails.
-inline int sm_count(int device) {
+// What launches need to know about a device, queried once per device (an attribute query costs about
+// a microsecond of the launch path). Racing first calls store the same values.
+struct DeviceInfo {
+  int sms = 0;    // multiprocessors; 0 if the query failed
+  int major = 0;  // compute capability major
+  bool pdl() const { return major >= 9; }  // programmatic dependent launch exists from sm_90
+};
+
+inline DeviceInfo device_info(int device) {
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> cached[kMaxDevices];
+  static std::atomic<int> sms_of[kMaxDevices];
+  static std::atomic<int> major_of[kMaxDevices];
   const bool cache = device >= 0 && device < kMaxDevices;
-  int sms = cache ? cached[device].load(std::memory_order_relaxed) : 0;
-  if (sms == 0 && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess && cache) {
-    cached[device].store(sms, std::memory_order_relaxed);
+  DeviceInfo info;
+  if (cache) {
+    info.sms = sms_of[device].load(std::memory_order_relaxed);
+    info.major = major_of[device].load(std::memory_order_relaxed);
   }
-  return sms;
+  if (info.sms == 0 &&
+      cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && cache) {
+    major_of[device].store(info.major, std::memory_order_relaxed);
+    sms_of[device].store(info.sms, std::memory_order_relaxed);
+  }
+  return info;
 }
 
 // Warps per block for a grid of `warps` independent latency-bound warps: one per block while every
@@ -86,6 +102,13 @@ inline int spread_warps_per_block(int64_t warps, int sms, int max_warps = 8) {
   int w = 1;
   while (w < max_warps && warps > static_cast<int64_t>(w) * sms) w *= 2;
   return w;
+}
+
+// Raises RuntimeError "<op>: kernel launch failed: <CUDA's reason>" when a launch failed.
+inline void check_launch(const char* op, cudaError_t err) {
+  if (err != cudaSuccess) {
+    TVM_FFI_THROW(RuntimeError) << op << ": kernel launch failed: " << cudaGetErrorString(err);
+  }
 }
 
 // Makes `device` current for a launch and restores the caller's device afterwards.
