@@ -72,7 +72,7 @@ def latency_floor_spec(arch: str):
     """The benchmark-only CUDA module of ``latency_floor_us``."""
     from jitkv.jit import JitSpec  # noqa: PLC0415
 
-    return JitSpec("latency_floor_cuda", ("benchmark/latency_floor_cuda.cu", "benchmark/latency_floor_cuda.cc"),
+    return JitSpec("latency_floor_cuda", ("benchmark/latency_floor_cuda.cu",),
                    target=arch, exports=("latency_floor",))
 
 

@@ -1,8 +1,9 @@
 """Argument checks for the Python backends (triton, torch).
 
-The jit backend runs the same rules in C++ (``csrc/mla/mla_args.h``,
-``csrc/store_cache/store_cache_args.h``, ``csrc/dsv4/dsv4_cuda.cc``) so its eager path costs few
-Python-side checks; the tests run every bad input through every backend and expect the same
+The jit backend runs the same rules in C++ (each family's argument parser: ``parse_params`` in
+``csrc/mla/set_mla_kv_buffer.cuh``, the store_cache parser, the checks of ``csrc/dsv4/dsv4_cuda.cu``),
+once per call, so its eager path makes no Python-side shape checks (C++ checks cost a fraction of a
+microsecond where these cost microseconds); the tests run every bad input through every backend and expect the same
 exception type and argument name. Checks C++ cannot make, or that only Python makes, run here for
 the jit backend too: a tensor's device type (``unsupported_device``), a CPU scale tensor's value
 (``scale_tensor_value``) and the DSv4 cache layout's semantics (``DSV4_K_CACHE.validate``).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import reference
+from .. import layouts, reference
 from ..jit import JitSpec
 from . import _validate
 from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_error, require_triton
@@ -31,13 +31,13 @@ class DSv4KCacheLayout:
     16 bytes (the kernels' vector alignment) from ``block_size * 584`` up; kernels use ``stride(0)``
     and ``scale_offset(block_size)`` and touch only the first ``block_size * 584`` bytes of a block."""
 
-    head_dim = reference.DSV4_HEAD_DIM
-    nope_dim = reference.DSV4_NOPE
-    rope_dim = reference.DSV4_ROPE
-    group_size = reference.DSV4_GROUP
-    data_bytes = reference.DSV4_DATA_BYTES
-    scale_bytes = reference.DSV4_SCALE_BYTES
-    token_bytes = reference.DSV4_TOKEN_BYTES
+    head_dim = layouts.DSV4_HEAD_DIM
+    nope_dim = layouts.DSV4_NOPE
+    rope_dim = layouts.DSV4_ROPE
+    group_size = layouts.DSV4_GROUP
+    data_bytes = layouts.DSV4_DATA_BYTES
+    scale_bytes = layouts.DSV4_SCALE_BYTES
+    token_bytes = layouts.DSV4_TOKEN_BYTES
     data_offset = 0
     alignment = 16  # bytes: base pointer and block stride
 
@@ -227,7 +227,10 @@ def _flat(k_cache):
 
 
 def cuda_spec(arch: str) -> JitSpec:
-    return JitSpec("dsv4_cuda", ("dsv4/dsv4_cuda.cu", "dsv4/dsv4_cuda.cc"), target=arch, exports=(WRITE_OP, GATHER_OP))
+    """The CUDA module of both ops, built for the record of jitkv/layouts.py."""
+    record = (("dsv4_head_dim", layouts.DSV4_HEAD_DIM), ("dsv4_nope", layouts.DSV4_NOPE),
+              ("dsv4_group", layouts.DSV4_GROUP), ("dsv4_scale_bytes", layouts.DSV4_SCALE_BYTES))
+    return JitSpec("dsv4_cuda", ("dsv4/dsv4_cuda.cu",), args=record, target=arch, exports=(WRITE_OP, GATHER_OP))
 
 
 _WRITE_ARGS = ("k", "k_cache", "slot_mapping", "block_size")

@@ -9,7 +9,18 @@ import torch
 import triton
 import triton.language as tl
 
-_NOPE, _DATA_BYTES, _SCALE_BYTES, _TOKEN_BYTES = 448, 576, 8, 584
+from .. import layouts
+
+# The record (jitkv/layouts.py) as the kernels' constexpr arguments: e4m3 dims, bf16 dims, scale
+# groups, bytes of data and of scales per token.
+_RECORD = {
+    "NOPE": layouts.DSV4_NOPE,
+    "ROPE": layouts.DSV4_ROPE,
+    "GROUP": layouts.DSV4_GROUP,
+    "GROUPS": layouts.DSV4_NOPE // layouts.DSV4_GROUP,
+    "DATA_BYTES": layouts.DSV4_DATA_BYTES,
+    "SCALE_BYTES": layouts.DSV4_SCALE_BYTES,
+}
 _WRITE_BLOCK_T, _WRITE_WARPS = 8, 4
 _GATHER_BLOCK_T, _GATHER_WARPS = 16, 4
 
@@ -50,20 +61,23 @@ def _bf16_bits(x):
 
 @triton.jit
 def _quant_insert_kernel(k_ptr, k_stride, cache_u8, cache_i16, slot_ptr, n, num_slots, block_size,
-                         block_stride, BLOCK_T: tl.constexpr):
+                         block_stride, BLOCK_T: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                         GROUP: tl.constexpr, GROUPS: tl.constexpr, DATA_BYTES: tl.constexpr,
+                         SCALE_BYTES: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + t, mask=t < n, other=-1).to(tl.int64)
     ok = (slot >= 0) & (slot < num_slots)  # skipped before the row is loaded
     blk = tl.where(ok, slot // block_size, 0)
     row = tl.where(ok, slot % block_size, 0)
     base = blk * block_stride
-    data = base + row * 576
-    scale_at = base + block_size * 576 + row * 8
+    data = base + row * DATA_BYTES
+    scale_at = base + block_size * DATA_BYTES + row * SCALE_BYTES
     src = t.to(tl.int64) * k_stride
-    d = tl.arange(0, 64)
+    d = tl.arange(0, GROUP)
+    dr = tl.arange(0, ROPE)
     ok2 = ok[:, None]
-    for g in tl.static_range(7):
-        x = tl.load(k_ptr + src[:, None] + (g * 64 + d)[None, :], mask=ok2, other=0).to(tl.int32) & 0xFFFF
+    for g in tl.static_range(GROUPS):
+        x = tl.load(k_ptr + src[:, None] + (g * GROUP + d)[None, :], mask=ok2, other=0).to(tl.int32) & 0xFFFF
         mag = x & 0x7FFF
         amax = tl.max(mag, axis=1)  # integer max: NaN > inf > finite
         mb = tl.maximum(amax << 16, 0x38D1B717)  # max(amax, 1e-4) as float bits
@@ -74,17 +88,19 @@ def _quant_insert_kernel(k_ptr, k_stride, cache_u8, cache_i16, slot_ptr, n, num_
         y = (x << 16).to(tl.float32, bitcast=True) * inv[:, None]
         q = _e4m3_encode(y.to(tl.int32, bitcast=True))
         q = tl.where(mag > 0x7F80, 0x7F | ((x >> 8) & 0x80), q)  # NaN keeps its sign
-        tl.store(cache_u8 + data[:, None] + (g * 64 + d)[None, :], q.to(tl.uint8), mask=ok2)
+        tl.store(cache_u8 + data[:, None] + (g * GROUP + d)[None, :], q.to(tl.uint8), mask=ok2)
         tl.store(cache_u8 + scale_at + g, (e + 127).to(tl.uint8), mask=ok)
-    tl.store(cache_u8 + scale_at + 7, tl.zeros_like(row).to(tl.uint8), mask=ok)
-    rope = tl.load(k_ptr + src[:, None] + (448 + d)[None, :], mask=ok2, other=0)
-    tl.store(cache_i16 + (data // 2 + 224)[:, None] + d[None, :], rope, mask=ok2)
+    tl.store(cache_u8 + scale_at + GROUPS, tl.zeros_like(row).to(tl.uint8), mask=ok)
+    rope = tl.load(k_ptr + src[:, None] + (NOPE + dr)[None, :], mask=ok2, other=0)
+    tl.store(cache_i16 + (data // 2 + NOPE // 2)[:, None] + dr[None, :], rope, mask=ok2)
 
 
 @triton.jit
 def _gather_kernel(out_ptr, out_s0, out_s1, n_rows, offset, cache_u8, cache_i16, block_stride,
                    num_blocks, seq_ptr, gl_ptr, bt_ptr, bt_stride, max_blocks, block_size,
-                   HAS_GL: tl.constexpr, BLOCK_T: tl.constexpr):
+                   HAS_GL: tl.constexpr, BLOCK_T: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                   GROUP: tl.constexpr, GROUPS: tl.constexpr, DATA_BYTES: tl.constexpr,
+                   SCALE_BYTES: tl.constexpr):
     r = tl.program_id(0)
     i = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     seq = tl.load(seq_ptr + r).to(tl.int64)
@@ -100,19 +116,20 @@ def _gather_kernel(out_ptr, out_s0, out_s1, n_rows, offset, cache_u8, cache_i16,
     valid = valid & (phys >= 0) & (phys < num_blocks)
     row = tl.where(valid, pos - blk * block_size, 0)
     base = tl.where(valid, phys, 0) * block_stride
-    data = base + row * 576
-    scale_at = base + block_size * 576 + row * 8
+    data = base + row * DATA_BYTES
+    scale_at = base + block_size * DATA_BYTES + row * SCALE_BYTES
     dst = r.to(tl.int64) * out_s0 + (offset + i.to(tl.int64)) * out_s1
-    d = tl.arange(0, 64)
+    d = tl.arange(0, GROUP)
+    dr = tl.arange(0, ROPE)
     v2, w2 = valid[:, None], write[:, None]
-    for g in tl.static_range(7):
-        q = tl.load(cache_u8 + data[:, None] + (g * 64 + d)[None, :], mask=v2, other=0).to(tl.int32)
+    for g in tl.static_range(GROUPS):
+        q = tl.load(cache_u8 + data[:, None] + (g * GROUP + d)[None, :], mask=v2, other=0).to(tl.int32)
         sb = tl.load(cache_u8 + scale_at + g, mask=valid, other=0).to(tl.int32)
         scale = tl.where(sb == 0, 0x00400000, sb << 23).to(tl.float32, bitcast=True)
         val = _bf16_bits(_e4m3_decode(q) * scale[:, None])
-        tl.store(out_ptr + dst[:, None] + (g * 64 + d)[None, :], val.to(tl.int16), mask=w2)
-    rope = tl.load(cache_i16 + (data // 2 + 224)[:, None] + d[None, :], mask=v2, other=0)
-    tl.store(out_ptr + dst[:, None] + (448 + d)[None, :], rope, mask=w2)
+        tl.store(out_ptr + dst[:, None] + (g * GROUP + d)[None, :], val.to(tl.int16), mask=w2)
+    rope = tl.load(cache_i16 + (data // 2 + NOPE // 2)[:, None] + dr[None, :], mask=v2, other=0)
+    tl.store(out_ptr + dst[:, None] + (NOPE + dr)[None, :], rope, mask=w2)
 
 
 def _cache_views(k_cache):
@@ -130,7 +147,7 @@ def quantize_and_insert_k_cache_triton(k, k_cache, slot_mapping, block_size):
     _quant_insert_kernel[grid](
         k.view(torch.int16), k.stride(0), cache_u8, cache_i16, slot_mapping.reshape(-1), n,
         k_cache.shape[0] * block_size, block_size, k_cache.stride(0),
-        BLOCK_T=_WRITE_BLOCK_T, num_warps=_WRITE_WARPS)
+        BLOCK_T=_WRITE_BLOCK_T, num_warps=_WRITE_WARPS, **_RECORD)
 
 
 def dequantize_and_gather_k_cache_triton(out, k_cache, seq_lens, gather_lens, block_table, block_size,
@@ -146,4 +163,4 @@ def dequantize_and_gather_k_cache_triton(out, k_cache, seq_lens, gather_lens, bl
         out.view(torch.int16), out.stride(0), out.stride(1), n_rows, offset, cache_u8, cache_i16,
         k_cache.stride(0), k_cache.shape[0], seq_lens, gather_lens if has_gl else seq_lens,
         block_table, block_table.stride(0), block_table.shape[1], block_size,
-        HAS_GL=has_gl, BLOCK_T=_GATHER_BLOCK_T, num_warps=_GATHER_WARPS)
+        HAS_GL=has_gl, BLOCK_T=_GATHER_BLOCK_T, num_warps=_GATHER_WARPS, **_RECORD)
