@@ -62,7 +62,17 @@ def _plot(report, path) -> int:
 def _describe(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    return f"{_cpu_model()}, {torch.get_num_threads()} threads"
+
+
+def _cpu_model() -> str:
+    """The CPU's marketing name where Linux gives one (platform.processor() is empty there)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def _cpu(ops, report):
