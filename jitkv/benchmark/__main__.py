@@ -1,10 +1,14 @@
-"""python -m jitkv.benchmark [--device cpu|cuda] [--op NAME] [--json FILE] [--quick]"""
+"""python -m jitkv.benchmark [--device cpu|cuda] [--op NAME] [--json FILE] [--plot FILE.png]
+
+A saved report plots anywhere: python -m jitkv.benchmark.plot REPORT.json OUT.png
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import platform
+import sys
 
 import torch
 
@@ -12,26 +16,63 @@ from .common import print_table
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jitkv.benchmark", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m jitkv.benchmark", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present, else cpu")
     p.add_argument("--op", choices=["store_cache", "set_mla_kv_buffer", "dsv4", "build"], action="append", default=None)
     p.add_argument("--json", metavar="FILE", help="write every row and the machine description here")
+    p.add_argument("--plot", metavar="FILE.png", help="plot GB/s and µs against n per op (needs matplotlib)")
     args = p.parse_args(argv)
+    if args.plot:
+        _require_matplotlib(p)  # before minutes of benchmarking, not after
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     ops = set(args.op or ["store_cache", "set_mla_kv_buffer", "dsv4", "build"])
     report = {"device": _describe(device), "torch": torch.__version__, "rows": [], "build": {}}
-    rows = _cpu(ops, report) if device == "cpu" else _gpu(ops)
+    rows = _cpu(ops, report) if device == "cpu" else _gpu(ops, report)
     report["rows"] = [r.as_dict() for r in rows]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+    if args.plot:
+        return _plot(report, args.plot)
+    return 0
+
+
+def _require_matplotlib(parser) -> None:
+    from . import plot  # noqa: PLC0415
+
+    try:
+        plot.require_matplotlib()
+    except ImportError as e:
+        parser.error(str(e))
+
+
+def _plot(report, path) -> int:
+    from . import plot  # noqa: PLC0415
+
+    try:
+        plot.save(report, path)
+    except ValueError as e:
+        print(f"no plot: {e}", file=sys.stderr)
+        return 1
+    print(f"\nplot: {path}")
     return 0
 
 
 def _describe(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    return f"{_cpu_model()}, {torch.get_num_threads()} threads"
+
+
+def _cpu_model() -> str:
+    """The CPU's marketing name where Linux gives one (platform.processor() is empty there)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def _cpu(ops, report):
@@ -39,6 +80,9 @@ def _cpu(ops, report):
 
     print(f"# jitkv CPU benchmark ({_describe('cpu')}, torch {torch.__version__})")
     rows = []
+    if ops & {"store_cache", "set_mla_kv_buffer"}:
+        report["copy_gbps"] = cpu.copy_gbps()
+        print(f"memory copy: {report['copy_gbps']:.1f} GB/s (read + write, a copy_ far larger than the LLC)")
     if "store_cache" in ops:
         part = cpu.store_cache_rows() + cpu.store_cache_fp8_rows()
         print_table("store_cache", part)
@@ -57,11 +101,12 @@ def _cpu(ops, report):
     return rows
 
 
-def _gpu(ops):
+def _gpu(ops, report):
     from . import gpu  # noqa: PLC0415
 
     bw = gpu.copy_gbps()
     floor, rows = gpu.floor_rows(bw, gpu.empty_kernel_us())
+    report["copy_gbps"], report["floor_us"] = bw, floor
     print(f"# jitkv GPU benchmark ({torch.cuda.get_device_name()}, torch {torch.__version__})")
     print(f"device-to-device copy: {bw:.0f} GB/s (read + write); latency floor under graph replay: {floor:.2f} µs")
     print_table("floor (CUDA graph, 8 layers)", rows)

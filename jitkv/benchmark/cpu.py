@@ -8,6 +8,7 @@ import sys
 import tempfile
 import json
 import textwrap
+import time
 
 import torch
 
@@ -19,6 +20,22 @@ from .common import Row, median_us
 
 def _rand(shape, dtype):
     return torch.randn(shape).to(dtype)
+
+
+def copy_gbps(nbytes=256 << 20) -> float:
+    """Host memory copy bandwidth, bytes read + written, of a copy_ far larger than the LLC: the best
+    of 5, so that a fraction of it is conservative (the GPU benchmark's rule)."""
+    src = torch.full((nbytes,), 7, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in before timing
+    best = min(_seconds(lambda: dst.copy_(src)) for _ in range(5))
+    return 2 * nbytes / best / 1e9
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def store_cache_rows(ns=(1, 7, 133, 4096)) -> list[Row]:

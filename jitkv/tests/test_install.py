@@ -36,6 +36,12 @@ def test_triton_is_an_extra_not_a_dependency():
     assert {"pytest", "numpy"} <= _names(extras["test"]) and "jitkv[triton]" in extras["test"]
 
 
+def test_plot_is_an_extra_the_tests_bring():
+    extras = _project()["optional-dependencies"]
+    assert "matplotlib" not in _names(_project()["dependencies"]) and _names(extras["plot"]) == {"matplotlib"}
+    assert "jitkv[plot]" in extras["test"]
+
+
 WITHOUT_TRITON = """
 import sys
 sys.modules["triton"] = None  # import triton raises ImportError, as on an install without it
