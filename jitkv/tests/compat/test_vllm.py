@@ -58,8 +58,11 @@ def _wide_range(shape, dtype, device):
 
 
 def _slot_mapping(num_slots, n, idx_dtype, device):
-    """n unique slots with every fifth one -1 (vLLM's padding)."""
+    """n unique slots with every fifth one -1 (vLLM's padding) and slot 0 at position 1: vLLM reserves
+    no slot, so block 0, row 0 is written like any other."""
     sm = slots(num_slots, n, idx_dtype)
+    sm[sm == 0] = sm[1]
+    sm[1] = 0
     sm[::5] = -1
     return sm.to(device)
 
