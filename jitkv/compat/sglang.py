@@ -122,8 +122,8 @@ def _slots(index, name, op):
 
 def _refuse_negative(index, name, op):
     """IndexError at the first negative slot, where jitkv checks slots on the host (CPU, or
-    JITKV_DEBUG=1). During CUDA-graph capture the check is left to jitkv, which refuses to read
-    slots on the host then, with its own error."""
+    JITKV_DEBUG=1). Not while a CUDA graph is captured: the host read would invalidate the capture
+    (jitkv's own debug check refuses capture with its error)."""
     if is_compiling() or not reference.default_strict(index):
         return
     if index.is_cuda and torch.cuda.is_current_stream_capturing():
