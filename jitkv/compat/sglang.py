@@ -1,0 +1,148 @@
+"""sglang's KV-cache writers on jitkv: ``store_cache`` and ``set_mla_kv_buffer``.
+
+Same names, signatures (tuning keywords included) and results as sglang's JIT kernels
+``sglang.jit_kernel.kvcache.store_cache`` and ``sglang.jit_kernel.set_mla_kv_buffer.set_mla_kv_buffer``,
+as read in sglang's main branch in 2026, together with how its memory pools call them.
+
+sglang's slot conventions differ from jitkv's (docs/design.md §3), and these shims follow sglang:
+
+- Slot 0 is an ordinary row. sglang's pools allocate one extra row and send padded or dummy tokens
+  there, so it must be written, not skipped (jitkv's ``skip_slot`` stays off).
+- There is no padding value. A negative slot is out of range: sglang's ``store_cache`` fails with a
+  device assert (earlier versions wrote out of bounds) and its MLA kernel writes out of bounds. Here
+  a negative slot raises IndexError on CPU, and on CUDA under ``JITKV_DEBUG=1`` (a host check, before
+  anything is written); without it the CUDA kernels skip the row, since a device assert would take
+  down the whole CUDA context and a device-side check costs extra launches on every call.
+- A slot at or past the cache's rows (or ``size_limit``) raises IndexError on CPU before anything is
+  written; CUDA skips the row, or raises on the host under ``JITKV_DEBUG=1``.
+
+Errors otherwise come from jitkv's ops and name their arguments (k, v, k_cache, v_cache,
+slot_mapping; kv_buffer, loc, k_nope, k_rope).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.compiler import is_compiling
+
+from .. import reference
+from .. import set_mla_kv_buffer as _set_mla_kv_buffer
+from .. import store_cache as _store_cache
+
+__all__ = ["set_mla_kv_buffer", "store_cache"]
+
+
+def store_cache(k, v, k_cache, v_cache, indices, *, row_bytes=0, num_split=0, size_limit=0):
+    """Copy K and V rows into their caches: ``k_cache[indices[i]] = k[i]``, ``v_cache[indices[i]] = v[i]``.
+
+    Args:
+        k, v: ``[batch, H*D]`` as sglang passes them (``[batch, H, D]`` works too), batch >= n =
+            ``indices.numel()``; any row stride, last dim contiguous. One dtype for all four tensors:
+            bf16, fp16, fp32, or a 1-byte type (uint8, float8_e4m3fn, float8_e5m2).
+        k_cache, v_cache: ``[num_rows, H*D]`` (or ``[num_rows, H, D]``); written in place.
+        indices: ``[n]`` int32 or int64 row per token; row 0 is written like any other (sglang's
+            reserved padding row). A strided 1-D index is accepted, as sglang does (made contiguous
+            first).
+        row_bytes: bytes per row as sglang's kernel is specialised for; 0 (default) or exactly the
+            row size of k.
+        num_split: sglang's warps-per-row knob; accepted and ignored (jitkv picks its own launch).
+        size_limit: rows ``[0, size_limit)`` are valid (sglang's pools pass real slots + the padding
+            row); 0 (default) means all rows of k_cache.
+
+    FP8 caches: sglang's MHA pool quantizes before calling this (``x.div_(scale)`` in the source
+    dtype, then ``.to(float8)``, unclamped) and passes byte views, so this is a bitwise copy for every
+    dtype, as sglang's kernel is. jitkv's own quantize-on-write
+    (``jitkv.store_cache(kv_cache_dtype="fp8_e4m3", ...)``) divides in fp32 and saturates instead, so
+    its bytes can differ from sglang's pool.
+
+    Raises:
+        ValueError: row_bytes that is neither 0 nor the row size of k; and the TypeError/ValueError
+            of ``jitkv.store_cache`` (dtype, shape, device, layout).
+        IndexError: a negative index or one >= size_limit (or the row count), on CPU, and on CUDA
+            with ``JITKV_DEBUG=1``; nothing is written then (see the module docstring).
+    """
+    _check_row_bytes(k, row_bytes)
+    indices = _slots(indices, "indices", "store_cache")
+    k_cache, v_cache = _first_rows(k_cache, size_limit), _first_rows(v_cache, size_limit)
+    _store_cache(k, v, k_cache, v_cache, indices)
+
+
+def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, k_split=0, num_warps=0, items_per_warp=0):
+    """Write MLA rows: ``kv_buffer[loc[i], :nope] = cache_k_nope[i]``, ``[nope:nope+rope] = cache_k_rope[i]``.
+
+    Args:
+        kv_buffer: ``[num_rows, W]`` or ``[num_rows, 1, W]`` (trailing dims are viewed as one row, as
+            sglang does), W >= nope + rope; columns past nope + rope are untouched. Written in place.
+        loc: ``[n]`` int32 or int64; row 0 is written like any other (sglang's padding row). A
+            strided 1-D index is made contiguous first.
+        cache_k_nope: ``[n', nope]`` or ``[n', 1, nope]``, cache_k_rope: ``[n', rope]`` or
+            ``[n', 1, rope]``, n' >= n; any row stride, last dim contiguous. One dtype everywhere:
+            bf16, fp16, fp32, or a 1-byte type. sglang's MLA pool casts fp8 rows with ``.to(float8)``
+            (no scale) and passes uint8 views before this call; this is a bitwise copy.
+        k_split, num_warps, items_per_warp: sglang's launch knobs; accepted and ignored.
+
+    Raises:
+        ValueError: trailing dims that cannot be viewed as one row; and the TypeError/ValueError of
+            ``jitkv.set_mla_kv_buffer``.
+        IndexError: a negative loc or one >= num_rows, on CPU, and on CUDA with ``JITKV_DEBUG=1``;
+            nothing is written then (sglang's kernel does not check).
+    """
+    loc = _slots(loc, "loc", "set_mla_kv_buffer")
+    kv_buffer = _as_rows(kv_buffer, "kv_buffer")
+    _set_mla_kv_buffer(kv_buffer, loc, _as_rows(cache_k_nope, "cache_k_nope"), _as_rows(cache_k_rope, "cache_k_rope"))
+
+
+def _check_row_bytes(k, row_bytes):
+    """sglang's kernel is built for ``row_bytes`` and refuses rows of another size."""
+    if not row_bytes or not isinstance(k, torch.Tensor) or k.dim() < 2:
+        return
+    actual = math.prod(k.shape[1:]) * k.element_size()
+    if row_bytes != actual:
+        raise ValueError(f"store_cache: row_bytes: expected 0 or the row size of k ({actual} bytes), got {row_bytes}")
+
+
+def _first_rows(cache, size_limit):
+    """The cache's rows below ``size_limit`` (a view): jitkv then treats higher slots as out of range."""
+    if size_limit > 0 and isinstance(cache, torch.Tensor) and cache.dim() >= 1:
+        return cache[:size_limit]
+    return cache
+
+
+def _slots(index, name, op):
+    """``index`` as jitkv takes it: contiguous, and with no negative slot (sglang has no padding value)."""
+    if not isinstance(index, torch.Tensor) or index.dtype not in (torch.int32, torch.int64) or index.dim() != 1:
+        return index  # jitkv raises the TypeError/ValueError
+    if not index.is_contiguous():
+        index = index.contiguous()
+    _refuse_negative(index, name, op)
+    return index
+
+
+def _refuse_negative(index, name, op):
+    """IndexError at the first negative slot, where jitkv checks slots on the host (CPU, or
+    JITKV_DEBUG=1). Not while a CUDA graph is captured: the host read would invalidate the capture
+    (jitkv's own debug check refuses capture with its error)."""
+    if is_compiling() or not reference.default_strict(index):
+        return
+    if index.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    negative = (index < 0).nonzero()
+    if negative.numel():
+        i = int(negative[0, 0])
+        raise IndexError(f"{op}: {name}: position {i} has slot {int(index[i])}; sglang has no padding slot value, "
+                         "a negative slot is out of range")
+
+
+def _as_rows(t, name):
+    """``[rows, ...]`` as the ``[rows, row]`` view sglang's MLA wrapper makes (never a copy)."""
+    if not isinstance(t, torch.Tensor) or t.dim() <= 2:
+        return t
+    try:
+        return t.view(t.shape[0], math.prod(t.shape[1:]))
+    except RuntimeError:
+        raise ValueError(
+            f"set_mla_kv_buffer: {name}: trailing dims of shape {list(t.shape)} (strides {t.stride()}) cannot be "
+            "viewed as one row"
+        ) from None

@@ -1,0 +1,172 @@
+"""vLLM's KV-cache writers on jitkv: ``reshape_and_cache_flash`` and ``concat_and_cache_mla``.
+
+Same names, argument order and results as the CUDA ops vLLM registers under
+``torch.ops._C_cache_ops`` (and wraps in ``vllm._custom_ops``), as read in vLLM's main branch in
+2026: paged NHD or HND caches given as strided views, float32 tensor scales of one element or one
+per KV head, stored = fp8(satfinite(x / scale)), slot < 0 skipped. Older vLLM releases passed
+Python-float scales; those are accepted too.
+
+Where vLLM and jitkv's own contract (docs/design.md §3) differ, the docstrings say which applies.
+Errors come from jitkv's ops and name their arguments (k, v, k_cache, v_cache, slot_mapping for
+``reshape_and_cache_flash``; kv_buffer, loc, k_nope, k_rope for ``concat_and_cache_mla``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import set_mla_kv_buffer, store_cache
+
+__all__ = ["concat_and_cache_mla", "reshape_and_cache_flash"]
+
+# vLLM's MLA cache formats that quantize on write; jitkv's MLA writer copies only (for now).
+MLA_FP8_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
+
+
+def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
+    """Write K and V rows into paged caches, as vLLM's ``reshape_and_cache_flash``.
+
+    ``key_cache[s // block_size, s % block_size] = quant(key[i])`` for ``s = slot_mapping[i]``, same
+    for V, where ``quant`` is a bitwise copy ("auto") or ``fp8(satfinite(x / scale))``.
+
+    Args:
+        key, value: ``[n', num_heads, head_size]`` bf16/fp16/fp32, n' >= n = ``slot_mapping.numel()``
+            (vLLM pads sources for CUDA graphs; rows past n are never read). Any token stride (views
+            of a fused qkv tensor); head and element dims contiguous.
+        key_cache, value_cache: ``[num_blocks, block_size, num_heads, head_size]`` in vLLM's logical
+            NHD shape. vLLM allocates HND caches physically as ``[num_blocks, num_heads, block_size,
+            head_size]`` and passes the permuted view, and takes K and V as ``unbind`` views of one
+            ``[num_blocks, 2, ...]`` or ``[2, num_blocks, ...]`` allocation: any such strided view is
+            written in place, never copied. dtype: the source dtype for "auto"; float8_e4m3fn,
+            float8_e5m2 or uint8 (vLLM's byte storage) for fp8.
+        slot_mapping: ``[n]`` int64 (vLLM's type) or int32 (also accepted). Slot < 0 is padding and is
+            skipped, as in vLLM.
+        kv_cache_dtype: "auto", "fp8" or "fp8_e4m3" (e4m3fn, max 448), "fp8_e5m2" (max 57344).
+        k_scale, v_scale: float32 tensors on the cache's device, 1 element (any shape) or
+            ``[num_heads]`` (one scale per KV head), or Python floats; ignored for "auto". vLLM
+            divides by the scale (stored = fp8(satfinite(x / scale)), dequantized = stored * scale),
+            which is jitkv's convention too, so scales pass through unchanged.
+
+    Raises:
+        TypeError, ValueError: from ``jitkv.store_cache`` (wrong dtype, shape, device or layout,
+            unknown kv_cache_dtype, a scale that is not finite and > 0); ValueError here when
+            k_scale and v_scale differ in size or have neither 1 nor num_heads elements.
+        IndexError: a slot >= num_blocks * block_size, on CPU (nothing is written then). vLLM does
+            not check (an out-of-bounds write); jitkv's CUDA kernels skip such rows instead, or raise
+            on the host under ``JITKV_DEBUG=1``.
+
+    Per-head scales run one jitkv launch per head (jitkv's op takes one scale per cache); one-element
+    scales run one launch for K and V together.
+    """
+    if kv_cache_dtype == "auto":
+        store_cache(key, value, key_cache, value_cache, slot_mapping)
+        return
+    heads = _per_head_scales(key, k_scale, v_scale)
+    if heads is None:
+        store_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype=kv_cache_dtype,
+                    k_scale=k_scale, v_scale=v_scale)
+        return
+    _require_paged(key_cache, value_cache)
+    k_scales, v_scales = k_scale.reshape(heads), v_scale.reshape(heads)
+    for h in range(heads):
+        one = slice(h, h + 1)
+        store_cache(key[:, one], value[:, one], key_cache[:, :, one], value_cache[:, :, one], slot_mapping,
+                    kv_cache_dtype=kv_cache_dtype, k_scale=k_scales[one], v_scale=v_scales[one])
+
+
+def _per_head_scales(key, k_scale, v_scale):
+    """num_heads when the scales hold one value per KV head, None for one-element scales; vLLM's
+    rule: both the same size, 1 or num_heads."""
+    sizes = [s.numel() if isinstance(s, torch.Tensor) else 1 for s in (k_scale, v_scale)]
+    if sizes == [1, 1]:
+        return None
+    heads = key.shape[1] if isinstance(key, torch.Tensor) and key.dim() == 3 else None
+    if sizes[0] != sizes[1] or sizes[0] != heads:
+        raise ValueError(
+            f"reshape_and_cache_flash: k_scale: expected k_scale and v_scale of 1 or num_heads = {heads} elements "
+            f"each, got {sizes[0]} and {sizes[1]}"
+        )
+    return heads
+
+
+def _require_paged(key_cache, value_cache):
+    """Per-head scales slice the caches' head dim, which only the 4-D paged shape vLLM uses has."""
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not (isinstance(cache, torch.Tensor) and cache.dim() == 4):
+            got = list(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+            raise ValueError(
+                f"reshape_and_cache_flash: {name}: per-head scales need [num_blocks, block_size, num_heads, "
+                f"head_size], got {got}"
+            )
+
+
+def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale):
+    """Write MLA rows ``[kv_c | k_pe]`` into a paged cache, as vLLM's ``concat_and_cache_mla``.
+
+    ``kv_cache[s // block_size, s % block_size] = cat(kv_c[i], k_pe[i])`` for ``s = slot_mapping[i]``.
+
+    Args:
+        kv_c: ``[n', kv_lora_rank]``, k_pe: ``[n', pe_dim]`` (or ``[n', 1, pe_dim]``), n' >= n =
+            ``slot_mapping.numel()``; any row stride, last dim contiguous; the cache's dtype.
+        kv_cache: ``[num_blocks, block_size, kv_lora_rank + pe_dim]``, the row width exactly
+            ``kv_lora_rank + pe_dim`` as vLLM requires; blocks packed (``stride(0) == block_size *
+            stride(1)``), so the cache is one ``[num_blocks * block_size, W]`` row view. Written in
+            place.
+        slot_mapping: ``[n]`` int64 (vLLM's type) or int32. Slot < 0 is padding and is skipped.
+        kv_cache_dtype: "auto" (a bitwise copy).
+        scale: ignored for "auto" (vLLM passes its float32 ``_k_scale`` tensor).
+
+    Raises:
+        NotImplementedError: an fp8 kv_cache_dtype ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla"):
+            jitkv's MLA writer has no quantize-on-write yet.
+        ValueError: any other kv_cache_dtype; a cache that is not 3-D, whose row width is not
+            kv_lora_rank + pe_dim, or whose blocks are not packed; and the ValueError/TypeError of
+            ``jitkv.set_mla_kv_buffer`` (dtype, device, shape, layout).
+        IndexError: a slot >= num_blocks * block_size, on CPU (nothing is written); vLLM does not
+            check, jitkv's CUDA kernels skip the row (``JITKV_DEBUG=1``: raise on the host).
+    """
+    if kv_cache_dtype in MLA_FP8_DTYPES:
+        raise NotImplementedError(
+            f"concat_and_cache_mla: kv_cache_dtype={kv_cache_dtype!r} is not supported yet (jitkv's MLA writer "
+            "has no fp8 quantize-on-write); use kv_cache_dtype='auto'"
+        )
+    if kv_cache_dtype != "auto":
+        raise ValueError(
+            f"concat_and_cache_mla: kv_cache_dtype: expected 'auto' (fp8 formats are not supported yet), "
+            f"got {kv_cache_dtype!r}"
+        )
+    rows = _paged_rows(kv_cache)
+    _require_full_width(rows, kv_c, k_pe)
+    set_mla_kv_buffer(rows, slot_mapping, kv_c, k_pe)
+
+
+def _paged_rows(kv_cache):
+    """``[num_blocks, block_size, W]`` as the ``[num_blocks * block_size, W]`` view jitkv writes:
+    slot s is row s."""
+    if not isinstance(kv_cache, torch.Tensor):
+        raise TypeError(f"concat_and_cache_mla: kv_cache: expected a torch.Tensor, got {type(kv_cache).__name__}")
+    if kv_cache.dim() != 3:
+        raise ValueError(
+            "concat_and_cache_mla: kv_cache: expected shape [num_blocks, block_size, kv_lora_rank + pe_dim], "
+            f"got {list(kv_cache.shape)}"
+        )
+    num_blocks, block_size, width = kv_cache.shape
+    try:
+        return kv_cache.view(num_blocks * block_size, width)
+    except RuntimeError:
+        raise ValueError(
+            f"concat_and_cache_mla: kv_cache: blocks must be packed (stride(0) == block_size * stride(1)), "
+            f"got strides {kv_cache.stride()} for shape {list(kv_cache.shape)}"
+        ) from None
+
+
+def _require_full_width(rows, kv_c, k_pe):
+    """vLLM writes exactly kv_lora_rank + pe_dim columns and refuses a wider cache row."""
+    if not (isinstance(kv_c, torch.Tensor) and isinstance(k_pe, torch.Tensor)):
+        return  # set_mla_kv_buffer raises the TypeError
+    width = kv_c.shape[-1] + k_pe.shape[-1]
+    if rows.shape[1] != width:
+        raise ValueError(
+            f"concat_and_cache_mla: kv_cache: expected a row width of kv_lora_rank + pe_dim = {kv_c.shape[-1]} + "
+            f"{k_pe.shape[-1]} = {width}, got {rows.shape[1]}"
+        )

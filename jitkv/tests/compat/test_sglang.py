@@ -1,0 +1,245 @@
+"""jitkv.compat.sglang: each shim against sglang's rule written out with torch indexing, bitwise over
+the whole destination, on caches poisoned with random bytes; row 0 (sglang's padding row) is a
+real row, negative and out-of-range rows are errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jitkv.compat import sglang
+from jitkv.tests.conftest import assert_bitwise, gpu, rand, slots
+
+DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
+COPY_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2]
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _bits(t):
+    """Same-width integer view: assignments through it copy bytes (float8 and NaN payloads included)."""
+    return t.view(_INT[t.element_size()])
+
+
+def _rows_with_zero(num_rows, n, idx_dtype, device):
+    """n unique rows, row 0 (the padding row sglang's pools send dummy tokens to) among them."""
+    idx = slots(num_rows, n, idx_dtype)
+    if not (idx == 0).any():
+        idx[n // 2] = 0
+    return idx.to(device)
+
+
+# ------------------------------------------------------------------------------------- store_cache
+
+
+def _pool_buffers(size, heads, head_dim, dtype, device):
+    """K and V buffers as sglang's MHA pool holds them ([size + 1, H, D], row 0 the padding row) and
+    hands them to store_cache ([rows, H*D] views)."""
+    row = heads * head_dim
+    return [rand((size + 1, heads, head_dim), dtype, device).view(-1, row) for _ in range(2)]
+
+
+def _pool_sources(n, heads, head_dim, dtype, device, rank):
+    """k and v as row-strided views (slices of one wider tensor), [n, H*D] as sglang passes them or
+    [n, H, D]."""
+    row = heads * head_dim
+    fused = rand((n, 3 * row), dtype, device)
+    k, v = fused[:, row:2 * row], fused[:, 2 * row:]
+    return (k, v) if rank == 2 else (k.view(n, heads, head_dim), v.view(n, heads, head_dim))
+
+
+def _expected_store(k, v, k_cache, v_cache, indices):
+    """sglang's rule with torch indexing: cache[indices[i]] = row i (every index is a real row)."""
+    n = indices.numel()
+    for src, cache in ((k, k_cache), (v, v_cache)):
+        _bits(cache)[indices.long()] = _bits(src[:n]).reshape(n, -1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", COPY_DTYPES)
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("rank", [2, 3])
+def test_store_cache(device, dtype, idx_dtype, rank):
+    heads, head_dim, size, n = 8, 128, 500, 77
+    k, v = _pool_sources(n, heads, head_dim, dtype, device, rank)
+    k_cache, v_cache = _pool_buffers(size, heads, head_dim, dtype, device)
+    indices = _rows_with_zero(size + 1, n, idx_dtype, device)
+    got, want = [k_cache.clone(), v_cache.clone()], [k_cache.clone(), v_cache.clone()]
+    sglang.store_cache(k, v, *got, indices)
+    _expected_store(k, v, *want, indices)
+    assert not torch.equal(_bits(want[0][0]), _bits(k_cache[0]))  # row 0 is written
+    for g, w in zip(got, want):
+        assert_bitwise(g, w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_store_cache_keywords(device):
+    """row_bytes equal to the row size, a num_split and size_limit = all rows change nothing."""
+    k, v = _pool_sources(20, 4, 64, torch.bfloat16, device, 2)
+    k_cache, v_cache = _pool_buffers(100, 4, 64, torch.bfloat16, device)
+    indices = _rows_with_zero(101, 20, torch.int64, device)
+    got, want = [k_cache.clone(), v_cache.clone()], [k_cache.clone(), v_cache.clone()]
+    sglang.store_cache(k, v, *got, indices, row_bytes=4 * 64 * 2, num_split=2, size_limit=101)
+    _expected_store(k, v, *want, indices)
+    for g, w in zip(got, want):
+        assert_bitwise(g, w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_store_cache_strided_indices(device):
+    """sglang's kernel takes a strided 1-D index."""
+    k, v = _pool_sources(16, 2, 64, torch.float16, device, 2)
+    k_cache, v_cache = _pool_buffers(64, 2, 64, torch.float16, device)
+    indices = _rows_with_zero(65, 32, torch.int32, device)[::2]
+    got, want = [k_cache.clone(), v_cache.clone()], [k_cache.clone(), v_cache.clone()]
+    sglang.store_cache(k, v, *got, indices)
+    _expected_store(k, v, *want, indices)
+    for g, w in zip(got, want):
+        assert_bitwise(g, w)
+
+
+def _small_store(device):
+    k, v = _pool_sources(8, 2, 64, torch.bfloat16, device, 2)
+    k_cache, v_cache = _pool_buffers(31, 2, 64, torch.bfloat16, device)
+    return [k, v, k_cache, v_cache, _rows_with_zero(28, 8, torch.int64, device)]  # 32 rows; below any size_limit used
+
+
+@pytest.mark.parametrize("bad_slot,size_limit", [(-1, 0), (32, 0), (28, 28)])
+def test_store_cache_out_of_range_raises_cpu(bad_slot, size_limit):
+    """A negative index (sglang has no padding value), one past the rows, or one at size_limit:
+    IndexError before anything is written (sglang's kernel device-asserts)."""
+    args = _small_store("cpu")
+    args[4][5] = bad_slot
+    before = [args[2].clone(), args[3].clone()]
+    with pytest.raises(IndexError, match=rf"position 5 has slot {bad_slot}\b"):
+        sglang.store_cache(*args, size_limit=size_limit)
+    assert_bitwise(args[2], before[0])
+    assert_bitwise(args[3], before[1])
+
+
+@gpu
+@pytest.mark.parametrize("bad_slot,size_limit", [(-1, 0), (32, 0), (28, 28)])
+def test_store_cache_out_of_range_skipped_cuda(bad_slot, size_limit):
+    """On CUDA jitkv skips such a row instead of sglang's device assert; the others are written."""
+    args = _small_store("cuda")
+    args[4][5] = bad_slot
+    got, want = [args[2].clone(), args[3].clone()], [args[2].clone(), args[3].clone()]
+    sglang.store_cache(*args[:2], *got, args[4], size_limit=size_limit)
+    keep = torch.arange(8, device="cuda") != 5
+    _expected_store(args[0][keep], args[1][keep], *want, args[4][keep])
+    for g, w in zip(got, want):
+        assert_bitwise(g, w)
+
+
+@gpu
+def test_store_cache_negative_raises_cuda_under_debug(monkeypatch):
+    monkeypatch.setenv("JITKV_DEBUG", "1")
+    args = _small_store("cuda")
+    args[4][3] = -2
+    before = args[2].clone()
+    with pytest.raises(IndexError, match=r"store_cache: indices: position 3 has slot -2\b"):
+        sglang.store_cache(*args)
+    assert_bitwise(args[2], before)
+
+
+BAD = [
+    # (name, call(args), exception, message)
+    ("row_bytes", lambda a: sglang.store_cache(*a, row_bytes=512), ValueError, r"store_cache: row_bytes\b"),
+    ("cache dtype", lambda a: sglang.store_cache(*a[:2], a[2].half(), *a[3:]), TypeError, r"store_cache: k_cache\b"),
+    ("index float", lambda a: sglang.store_cache(*a[:4], a[4].float()), TypeError, r"store_cache: slot_mapping\b"),
+    ("v row size", lambda a: sglang.store_cache(a[0], a[1][:, :64], *a[2:]), ValueError, r"store_cache: v_cache\b"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_store_cache_bad_input(device, case):
+    _, call, exc, message = case
+    args = _small_store(device)
+    before = [args[2].clone(), args[3].clone()]
+    with pytest.raises(exc, match=message):
+        call(args)
+    assert_bitwise(args[2], before[0])
+    assert_bitwise(args[3], before[1])
+
+
+# ------------------------------------------------------------------------------- set_mla_kv_buffer
+
+MLA_SHAPES = [(torch.bfloat16, 512, 64), (torch.float16, 512, 64), (torch.uint8, 528, 128),
+              (torch.float8_e4m3fn, 512, 64)]
+
+
+def _mla_case(dtype, nope, rope, n, num_rows, device, three_d, tail=0):
+    """kv_buffer [num_rows, (1,) nope + rope + tail] and [n, (1,) nope] / [n, (1,) rope] sources."""
+    mid = (1,) if three_d else ()
+    buf = rand((num_rows, *mid, nope + rope + tail), dtype, device)
+    return buf, rand((n, *mid, nope), dtype, device), rand((n, *mid, rope), dtype, device)
+
+
+def _expected_mla(buf, loc, k_nope, k_rope):
+    """sglang's rule with torch indexing: buf[loc[i], :nope + rope] = [k_nope[i] | k_rope[i]]."""
+    n = loc.numel()
+    rows = torch.cat([k_nope.reshape(n, -1), k_rope.reshape(n, -1)], dim=1)
+    _bits(buf).reshape(buf.shape[0], -1)[loc.long(), : rows.shape[1]] = _bits(rows)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,nope,rope", MLA_SHAPES)
+@pytest.mark.parametrize("three_d", [True, False])
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("tail", [0, 40])
+def test_set_mla_kv_buffer(device, dtype, nope, rope, three_d, idx_dtype, tail):
+    n, num_rows = 133, 1025
+    buf, k_nope, k_rope = _mla_case(dtype, nope, rope, n, num_rows, device, three_d, tail)
+    loc = _rows_with_zero(num_rows, n, idx_dtype, device)
+    got, want = buf.clone(), buf.clone()
+    sglang.set_mla_kv_buffer(got, loc, k_nope, k_rope)
+    _expected_mla(want, loc, k_nope, k_rope)
+    assert not torch.equal(_bits(want[0]), _bits(buf[0]))  # row 0 is written
+    assert_bitwise(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_set_mla_kv_buffer_knobs_ignored(device):
+    buf, k_nope, k_rope = _mla_case(torch.bfloat16, 512, 64, 9, 64, device, True)
+    loc = _rows_with_zero(64, 9, torch.int64, device)
+    got, want = buf.clone(), buf.clone()
+    sglang.set_mla_kv_buffer(got, loc, k_nope, k_rope, 5, 1, 1)
+    _expected_mla(want, loc, k_nope, k_rope)
+    assert_bitwise(got, want)
+
+
+@pytest.mark.parametrize("bad_slot", [-1, 64])
+def test_set_mla_kv_buffer_out_of_range_raises_cpu(bad_slot):
+    """sglang's kernel writes out of bounds for these; jitkv raises before writing anything."""
+    buf, k_nope, k_rope = _mla_case(torch.bfloat16, 512, 64, 9, 64, "cpu", False)
+    loc = _rows_with_zero(64, 9, torch.int64, "cpu")
+    loc[7] = bad_slot
+    before = buf.clone()
+    with pytest.raises(IndexError, match=rf"position 7 has slot {bad_slot}\b"):
+        sglang.set_mla_kv_buffer(buf, loc, k_nope, k_rope)
+    assert_bitwise(buf, before)
+
+
+@gpu
+@pytest.mark.parametrize("bad_slot", [-1, 64])
+def test_set_mla_kv_buffer_out_of_range_skipped_cuda(bad_slot):
+    buf, k_nope, k_rope = _mla_case(torch.bfloat16, 512, 64, 9, 64, "cuda", False)
+    loc = _rows_with_zero(64, 9, torch.int64, "cuda")
+    loc[7] = bad_slot
+    got, want = buf.clone(), buf.clone()
+    sglang.set_mla_kv_buffer(got, loc, k_nope, k_rope)
+    keep = torch.arange(9, device="cuda") != 7
+    _expected_mla(want, loc[keep], k_nope[keep], k_rope[keep])
+    assert_bitwise(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_set_mla_kv_buffer_bad_input(device):
+    buf, k_nope, k_rope = _mla_case(torch.bfloat16, 512, 64, 9, 64, device, False)
+    loc = _rows_with_zero(64, 9, torch.int64, device)
+    before = buf.clone()
+    with pytest.raises(TypeError, match=r"set_mla_kv_buffer: k_rope\b"):
+        sglang.set_mla_kv_buffer(buf, loc, k_nope, k_rope.half())
+    with pytest.raises(ValueError, match=r"set_mla_kv_buffer: kv_buffer: row width 560 is smaller"):
+        sglang.set_mla_kv_buffer(buf[:, :560], loc, k_nope, k_rope)
+    assert_bitwise(buf, before)
