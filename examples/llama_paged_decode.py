@@ -64,8 +64,11 @@ class LlamaPagedEngine(PagedEngine):
         gen = torch.Generator().manual_seed(seed)
         # The pool starts as random garbage, not zeros: a read of a slot nobody wrote (a wrong
         # block or offset) then changes the tokens instead of passing unnoticed.
-        self.k_cache = [torch.randn(shape, generator=gen).to(model.device, model.dtype) for _ in range(cfg.num_hidden_layers)]
-        self.v_cache = [torch.randn(shape, generator=gen).to(model.device, model.dtype) for _ in range(cfg.num_hidden_layers)]
+        def garbage():
+            return torch.randn(shape, generator=gen).to(model.device, model.dtype)
+
+        self.k_cache = [garbage() for _ in range(cfg.num_hidden_layers)]
+        self.v_cache = [garbage() for _ in range(cfg.num_hidden_layers)]
 
     def attention(self, layer, attn, x, cos, sin, batch):
         t = x.shape[0]

@@ -37,8 +37,7 @@ class BlockTable:
     a request's length crosses a block boundary, so a request's pages are scattered over the pool
     and only the table says where its position p lives: slot = table[req, p // bs] * bs + p % bs."""
 
-    def __init__(self, num_requests: int, num_blocks: int, block_size: int, seed: int):
-        gen = torch.Generator().manual_seed(seed)
+    def __init__(self, num_requests: int, num_blocks: int, block_size: int, gen: torch.Generator):
         self.free = torch.randperm(num_blocks, generator=gen).tolist()
         self.block_size = block_size
         self.table = torch.full((num_requests, num_blocks), -1, dtype=torch.int64)
@@ -147,7 +146,9 @@ class PagedEngine:
         self.device = model.device
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.seed = seed
+        # Each generate() draws a fresh block order, so a run never finds the previous run's rows
+        # at the slots it reads.
+        self._block_order = torch.Generator().manual_seed(seed)
         self.timer = JitkvTimer(self.device)
 
     def attention(self, layer: int, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch):
@@ -172,7 +173,7 @@ class PagedEngine:
     def generate(self, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], DecodeStats]:
         """``steps`` greedy tokens for each prompt: one prefill of all prompts in one ragged batch,
         then ``steps - 1`` batched decode forwards. Each call starts with an empty pool."""
-        pages = BlockTable(len(prompts), self.num_blocks, self.block_size, self.seed)
+        pages = BlockTable(len(prompts), self.num_blocks, self.block_size, self._block_order)
         nxt = self.forward(pages.batch(prompts, self.device)).tolist()
         out = [[t] for t in nxt]
         self.timer.reset()
@@ -222,10 +223,16 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-lens", default="5,12,3,9", help="comma-separated prompt lengths, one batch")
     p.add_argument("--block-size", type=int, default=4, help="tokens per KV block (default 4)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and block order")
+    # A model this small gains nothing from intra-op threads, and on a busy machine the thread
+    # pool's barriers make the step time depend on other processes (measured: up to 100x slower
+    # with 2 threads on 2 shared cores, steady with 1).
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device")
     args.prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
-    if args.steps < 1 or min(args.prompt_lens) < 1 or args.block_size < 1:
-        p.error("--steps, --prompt-lens and --block-size must be positive")
+    if min(args.steps, *args.prompt_lens, args.block_size, args.threads) < 1:
+        p.error("--steps, --prompt-lens, --block-size and --threads must be positive")
     return args
 
 
@@ -233,6 +240,15 @@ def run(build_model, engine_cls, ops: tuple[str, ...], description: str, argv=No
     """The examples' main: build the model, decode with the engine, compare with HF, report.
     Returns the exit status: 0 if every prompt's tokens equal HF's, 1 otherwise."""
     args = parse_args(description, argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(build_model, engine_cls, ops, args)
+    finally:  # main() may be called from a longer-lived process (the tests)
+        torch.set_num_threads(threads)
+
+
+def _run(build_model, engine_cls, ops, args) -> int:
     device = torch.device(args.device)
     model = build_model(args.seed).to(device)
     prompts = random_prompts(args.prompt_lens, model.config.vocab_size, args.seed)
