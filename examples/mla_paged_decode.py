@@ -93,7 +93,10 @@ class MlaPagedEngine(PagedEngine):
         kv_c, k_pe = attn.kv_a_proj_with_mqa(x).split([attn.kv_lora_rank, rope], dim=-1)
         kv_c = attn.kv_a_layernorm(kv_c)
         rotary = apply_rotary_pos_emb_interleave if attn.config.rope_interleave else apply_rotary_pos_emb
-        q_pe, k_pe = rotary(q_pe, k_pe[:, None], cos, sin, unsqueeze_dim=1)  # k_pe: one head shared by all
+        # HF's rotary helpers want 4-D tensors (some 5.x versions reshape them as [b, h, s, d]): one
+        # batch of T tokens, heads at dim 2 (k_pe has one, shared by all query heads).
+        q_pe, k_pe = rotary(q_pe[None], k_pe[None, :, None], cos[None], sin[None], unsqueeze_dim=2)
+        q_pe, k_pe = q_pe[0], k_pe[0]
         self.timer(jitkv.set_mla_kv_buffer, self.kv_buffer[layer], batch.slots, kv_c, k_pe)
         out = paged_mla_attention(
             q_nope, q_pe, self.kv_buffer[layer], self.w_uk[layer], self.w_uv[layer], batch, attn.scaling)
