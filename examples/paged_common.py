@@ -270,7 +270,9 @@ def _run(build_model, engine_cls, ops, args) -> int:
         verdict = "matches HF generate" if got == ref else f"MISMATCH, HF generate gives {ref}"
         print(f"  prompt of {len(prompt):3d} tokens -> {got}  {verdict}")
     if stats.tokens:
-        backends = ", ".join(f"{op}: {jitkv.backend_info()[op][device.type]['backend']}" for op in ops)
+        # backend_info is keyed by the device as the op saw it: "cpu" or "cuda:<index>".
+        key = "cpu" if device.type == "cpu" else f"cuda:{torch.cuda.current_device() if device.index is None else device.index}"
+        backends = ", ".join(f"{op}: {jitkv.backend_info()[op][key]['backend']}" for op in ops)
         print(f"decode loop: {stats.tokens} tokens in {stats.seconds * 1e3:.1f} ms = "
               f"{stats.tokens / stats.seconds:.0f} tokens/s; jitkv ops {stats.jitkv_seconds / stats.seconds:.1%} "
               f"of step time ({stats.jitkv_calls} calls, {stats.jitkv_seconds / stats.jitkv_calls * 1e6:.1f} us "
