@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from . import dsv4, mla, store_cache
+from . import dsv4, indexer, mla, store_cache
 
 
 @torch.library.custom_op("jitkv::set_mla_kv_buffer", mutates_args=("kv_buffer",))
@@ -87,4 +87,32 @@ def _dequantize_and_gather_k_cache(
 
 @_dequantize_and_gather_k_cache.register_fake
 def _(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset, backend) -> None:
+    return None
+
+
+@torch.library.custom_op("jitkv::indexer_k_quant_and_cache", mutates_args=("kv_cache",))
+def _indexer_k_quant_and_cache(
+    k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, block_size: int, scale_fmt: Optional[str],
+    backend: Optional[str],
+) -> None:
+    indexer.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, block_size=block_size, scale_fmt=scale_fmt,
+                                      backend=backend)
+
+
+@_indexer_k_quant_and_cache.register_fake
+def _(k, kv_cache, slot_mapping, block_size, scale_fmt, backend) -> None:
+    return None
+
+
+@torch.library.custom_op("jitkv::gather_indexer_k_quant_cache", mutates_args=("dst_k", "dst_scale"))
+def _gather_indexer_k_quant_cache(
+    kv_cache: torch.Tensor, dst_k: torch.Tensor, dst_scale: torch.Tensor, block_table: torch.Tensor,
+    cu_seq_lens: torch.Tensor, block_size: int, backend: Optional[str],
+) -> None:
+    indexer.gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size=block_size,
+                                         backend=backend)
+
+
+@_gather_indexer_k_quant_cache.register_fake
+def _(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size, backend) -> None:
     return None
