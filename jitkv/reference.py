@@ -331,7 +331,8 @@ def indexer_quantize_tokens(x, ue8m0=False):
     xf = x.float()
     mag = xf.abs()
     amax = torch.where(torch.isnan(mag), torch.zeros_like(mag), mag).amax(-1)
-    scale = amax.clamp(min=INDEXER_AMAX_MIN) / INDEXER_FP8_MAX
+    # A 0-dim device tensor, not a Python float: CUDA divides by a CPU scalar as a * (1 / b).
+    scale = amax.clamp(min=INDEXER_AMAX_MIN) / torch.full((), INDEXER_FP8_MAX, device=x.device)
     if ue8m0:  # scale > 0, at most inf: no carry into the sign bit
         scale = ((scale.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
     q = (xf / scale.unsqueeze(1)).clamp(-INDEXER_FP8_MAX, INDEXER_FP8_MAX).to(torch.float8_e4m3fn)
