@@ -215,7 +215,7 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
     for spec in specs_for("9.0a"):
         first_per_op.setdefault(spec.op, spec)
     generic_store = [s for s in specs_for("9.0a") if s.op == "store_cache_cuda" and s.args[0][1] == 0]
-    assert set(first_per_op) == {"mla_cuda", "store_cache_cuda", "dsv4_cuda"} and generic_store
+    assert set(first_per_op) == {"mla_cuda", "store_cache_cuda", "dsv4_cuda", "indexer_cuda"} and generic_store
     from jitkv.benchmark.gpu import latency_floor_spec  # noqa: PLC0415
 
     built = []
