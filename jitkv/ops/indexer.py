@@ -52,7 +52,6 @@ class IndexerKCacheLayout:
     token_bytes = INDEXER_TOKEN_BYTES
     data_offset = 0
     alignment = INDEXER_SCALE_BYTES  # bytes: base pointer and block stride (fp32 scales)
-    kernel_alignment = 16  # bytes: what the CUDA kernels need
 
     def scale_offset(self, block_size: int) -> int:
         """Bytes from a block's start to its scales."""

@@ -321,6 +321,7 @@ def test_round_trip_error_bound(device, backend, fmt, dtype):
 
 def test_layout_numbers():
     assert (L.head_dim, L.quant_block_size, L.data_bytes, L.scale_bytes, L.token_bytes) == (128, 128, 128, 4, 132)
+    assert (L.data_offset, L.alignment) == (0, 4)
     assert (L.block_stride(64), L.block_stride(3), L.block_stride(1)) == (8448, 400, 144)
     assert (L.scale_offset(64), L.scale_offset(3)) == (8192, 384)
     c = L.allocate(3, device="cpu")
