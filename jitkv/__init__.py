@@ -11,6 +11,7 @@ from ._version import __version__
 from .ops import _custom_ops  # noqa: F401  (registers torch.ops.jitkv.* for torch.compile)
 from .ops._dispatch import BackendUnavailable, JitkvFallbackWarning, backend_info
 from .ops.dsv4 import DSV4_K_CACHE, dequantize_and_gather_k_cache, quantize_and_insert_k_cache
+from .ops.indexer import INDEXER_K_CACHE, gather_indexer_k_quant_cache, indexer_k_quant_and_cache
 from .ops.mla import set_mla_kv_buffer
 from .ops.store_cache import store_cache
 from .prebuild import prebuild, warmup
@@ -46,10 +47,13 @@ _setup_logging()
 __all__ = [
     "BackendUnavailable",
     "DSV4_K_CACHE",
+    "INDEXER_K_CACHE",
     "JitkvFallbackWarning",
     "__version__",
     "backend_info",
     "dequantize_and_gather_k_cache",
+    "gather_indexer_k_quant_cache",
+    "indexer_k_quant_and_cache",
     "prebuild",
     "quantize_and_insert_k_cache",
     "set_mla_kv_buffer",

@@ -36,3 +36,14 @@ DS_MLA_TILES = DS_MLA_NOPE // DS_MLA_TILE  # 4
 DS_MLA_SCALE_OFFSET = DS_MLA_NOPE  # 512
 DS_MLA_ROPE_OFFSET = DS_MLA_SCALE_OFFSET + 4 * DS_MLA_TILES  # 528
 DS_MLA_RECORD_BYTES = DS_MLA_ROPE_OFFSET + 2 * DS_MLA_ROPE  # 656
+
+# DeepSeek-V3.2 sparse-attention indexer K cache (vLLM's indexer_k_quant_and_cache /
+# cp_gather_indexer_k_quant_cache, sglang's NSA index_k pool), 132 bytes per token: the 128-dim key
+# as e4m3 and one fp32 scale per token (one quant block of 128 values). A block holds all its tokens'
+# values, then all their scales: [block_size * 128 B e4m3 | block_size * 4 B fp32].
+INDEXER_HEAD_DIM = 128  # e4m3 bytes per token
+INDEXER_QUANT_BLOCK = 128  # values per scale: one scale per token
+INDEXER_SCALE_BYTES = 4  # one fp32 scale
+INDEXER_TOKEN_BYTES = INDEXER_HEAD_DIM + INDEXER_SCALE_BYTES  # 132
+INDEXER_FP8_MAX = 448.0  # e4m3: scale = max(amax, INDEXER_AMAX_MIN) / 448
+INDEXER_AMAX_MIN = 1e-4

@@ -26,6 +26,11 @@ from .layouts import (  # noqa: F401  (re-exported: the tests and the Python bac
     DSV4_TOKEN_BYTES,
     FP8_DTYPES,
     FP8_MAX,
+    INDEXER_AMAX_MIN,
+    INDEXER_FP8_MAX,
+    INDEXER_HEAD_DIM,
+    INDEXER_SCALE_BYTES,
+    INDEXER_TOKEN_BYTES,
 )
 
 
@@ -290,3 +295,104 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
         val = torch.where(valid.unsqueeze(-1), val, torch.zeros_like(val))
     dst = out[:, offset:]
     dst.copy_(torch.where(write.unsqueeze(-1), val, dst))
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V3.2 indexer K cache (docs/design.md §5.1)
+#
+# Per token: amax = max |x| over the 128 dims, NaN elements ignored (vLLM's fmaxf reduction); scale =
+# max(amax, 1e-4) / 448 as a true fp32 division; with scale_fmt "ue8m0" rounded up to a power of two
+# exactly (the float's exponent, plus one when its mantissa is not zero). Stored = e4m3(clamp(x /
+# scale, ±448)) rounded to nearest even, and the fp32 scale's 4 bytes. The gather copies bytes.
+
+
+def indexer_block_stride(block_size: int) -> int:
+    """The default bytes per block: values, then scales, rounded up to the CUDA kernels' 16-byte
+    alignment (block_size * 132 for block sizes that are multiples of 4: vLLM's allocation)."""
+    return -(-block_size * INDEXER_TOKEN_BYTES // 16) * 16
+
+
+def _indexer_rows(kv_cache, block_size):
+    """[num_blocks, block_size * 132] uint8 view of the bytes each block uses (2-D or 3-D cache)."""
+    return kv_cache.as_strided((kv_cache.shape[0], block_size * INDEXER_TOKEN_BYTES), (kv_cache.stride(0), 1))
+
+
+def _indexer_columns(pos, block_size):
+    """Byte columns, within a block row of ``_indexer_rows``, of the values [m, 128] and the scale
+    [m, 4] of tokens at positions ``pos`` [m, 1] of their blocks."""
+    dev = pos.device
+    data = pos * INDEXER_HEAD_DIM + torch.arange(INDEXER_HEAD_DIM, device=dev)
+    scale = block_size * INDEXER_HEAD_DIM + pos * INDEXER_SCALE_BYTES + torch.arange(INDEXER_SCALE_BYTES, device=dev)
+    return data, scale
+
+
+def indexer_quantize_tokens(x, ue8m0=False):
+    """x bf16/fp16 [m, 128] -> (e4m3 bytes uint8 [m, 128], fp32 scale bytes uint8 [m, 4])."""
+    xf = x.float()
+    mag = xf.abs()
+    amax = torch.where(torch.isnan(mag), torch.zeros_like(mag), mag).amax(-1)
+    # A 0-dim device tensor, not a Python float: CUDA divides by a CPU scalar as a * (1 / b).
+    scale = amax.clamp(min=INDEXER_AMAX_MIN) / torch.full((), INDEXER_FP8_MAX, device=x.device)
+    if ue8m0:  # scale > 0, at most inf: no carry into the sign bit
+        scale = ((scale.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
+    q = (xf / scale.unsqueeze(1)).clamp(-INDEXER_FP8_MAX, INDEXER_FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8), scale.view(torch.uint8).view(-1, INDEXER_SCALE_BYTES)
+
+
+def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, *, block_size, scale_fmt=None, strict=None):
+    """Quantize k [n', 128] into the indexer K cache at slot_mapping (slot < 0 skipped)."""
+    rows = _indexer_rows(kv_cache, block_size)
+    plan = _plan(slot_mapping, rows.shape[0] * block_size, op="indexer_k_quant_and_cache", strict=strict)
+    if plan is None:
+        return
+    dest, src, any_kept = plan
+    data, scale = indexer_quantize_tokens(k.index_select(0, src), scale_fmt == "ue8m0")
+    blk = (dest // block_size).unsqueeze(1)
+    data_cols, scale_cols = _indexer_columns((dest % block_size).unsqueeze(1), block_size)
+    for cols, new in ((data_cols, data), (scale_cols, scale)):  # slot 0 is at cols[0] when none is kept
+        rows.index_put_((blk, cols), torch.where(any_kept, new, rows[0].index_select(0, cols[0])))
+
+
+def indexer_scale_bytes(dst_scale):
+    """The [T, 4] uint8 view of a gather's scale output (float32 [T] or [T, 1], or uint8 [T, 4])."""
+    if dst_scale.dtype == torch.uint8:
+        return dst_scale
+    return (dst_scale if dst_scale.dim() == 2 else dst_scale.unsqueeze(1)).view(torch.uint8)
+
+
+def gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, *, block_size):
+    """dst_k[t], dst_scale[t] = the bytes of token t - cu_seq_lens[b] of request b, for the b with
+    cu_seq_lens[b] <= t < cu_seq_lens[b + 1] (docs/design.md §5.1); rows no request covers are not
+    written; a block-table entry < 0, >= num_blocks or past the table gives zero bytes. No host sync."""
+    num_tokens, batch = dst_k.shape[0], block_table.shape[0]
+    if num_tokens == 0 or batch == 0:
+        return
+    dev = dst_k.device
+    rows = _indexer_rows(kv_cache, block_size)
+    cu = cu_seq_lens.to(torch.int64)
+    t = torch.arange(num_tokens, device=dev)
+    after = torch.searchsorted(cu, t, right=True)  # the first entry > t: request after - 1 covers t
+    write = (after >= 1) & (after <= batch)
+    b = (after - 1).clamp(0, batch - 1)
+    i = t - cu.index_select(0, b)
+    j = torch.div(i, block_size, rounding_mode="floor")
+    max_blocks = block_table.shape[1]
+    valid = write & (j < max_blocks)
+    if max_blocks > 0:
+        phys = block_table.to(torch.int64)[b, j.clamp(0, max_blocks - 1)]
+    else:
+        phys = torch.full_like(j, -1)
+    valid &= (phys >= 0) & (phys < rows.shape[0])
+    if rows.shape[0] == 0:  # an empty cache: every token reads as zero bytes
+        data = torch.zeros(num_tokens, INDEXER_HEAD_DIM, dtype=torch.uint8, device=dev)
+        scale = torch.zeros(num_tokens, INDEXER_SCALE_BYTES, dtype=torch.uint8, device=dev)
+    else:
+        phys = torch.where(valid, phys, torch.zeros_like(phys)).unsqueeze(1)
+        pos = torch.where(valid, i % block_size, torch.zeros_like(i)).unsqueeze(1)
+        data_cols, scale_cols = _indexer_columns(pos, block_size)
+        keep = valid.unsqueeze(1)
+        data = torch.where(keep, rows[phys, data_cols], 0)
+        scale = torch.where(keep, rows[phys, scale_cols], 0)
+    write = write.unsqueeze(1)
+    for dst, new in ((dst_k.view(torch.uint8), data), (indexer_scale_bytes(dst_scale), scale)):
+        dst.copy_(torch.where(write, new, dst))

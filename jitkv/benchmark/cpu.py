@@ -114,6 +114,32 @@ def mla_rows(ns=(1, 133, 4096)) -> list[Row]:
     return rows
 
 
+def indexer_rows(ns=(1, 133, 4096)) -> list[Row]:
+    """The indexer K cache writer (ue8m0) and the gather of one request, against the torch reference."""
+    bs, nb = 64, 1024
+    cache = jitkv.INDEXER_K_CACHE.allocate(nb, bs, "cpu").random_(0, 256)
+    rows = []
+    for n in ns:
+        k, sm = _rand((n, 128), torch.bfloat16), torch.randperm(nb * bs)[:n]
+        kw = dict(block_size=bs, scale_fmt="ue8m0")
+        moved = n * (2 * 128 + 132)
+        base = median_us(lambda: reference.indexer_k_quant_and_cache(k, cache, sm, **kw))
+        rows.append(Row("indexer_k_quant_and_cache", "bf16, block_size 64, ue8m0", n, "torch reference", base, moved, base))
+        us = median_us(lambda: jitkv.indexer_k_quant_and_cache(k, cache, sm, **kw))
+        rows.append(Row("indexer_k_quant_and_cache", "bf16, block_size 64, ue8m0", n, "jitkv jit", us, moved, base))
+    for n in (2048, 16384):
+        table = torch.randperm(nb)[: n // bs].int()[None]
+        cu = torch.tensor([0, n], dtype=torch.int32)
+        dst_k, dst_scale = torch.empty(n, 128, dtype=torch.uint8), torch.empty(n, dtype=torch.float32)
+        moved = n * 2 * 132
+        args = (cache, dst_k, dst_scale, table, cu)
+        base = median_us(lambda: reference.gather_indexer_k_quant_cache(*args, block_size=bs))
+        rows.append(Row("gather_indexer_k_quant_cache", "1 request", n, "torch reference", base, moved, base))
+        us = median_us(lambda: jitkv.gather_indexer_k_quant_cache(*args, block_size=bs))
+        rows.append(Row("gather_indexer_k_quant_cache", "1 request", n, "jitkv jit", us, moved, base))
+    return rows
+
+
 _BUILD_PROBE = """
 import time, torch
 t0 = time.perf_counter()

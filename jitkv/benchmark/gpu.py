@@ -273,6 +273,50 @@ def dsv4_rows(bw: float, floor_us: float) -> list[Row]:
     return rows
 
 
+def indexer_rows(bw: float, floor_us: float) -> list[Row]:
+    """DeepSeek-V3.2 indexer K cache: the writer (bf16 keys, ue8m0 scales as the model runs it, and plain
+    fp32 scales) into random unique token slots, and the gather of whole requests."""
+    from jitkv import INDEXER_K_CACHE, reference  # noqa: PLC0415
+
+    bs, blocks_per_layer = 64, 16384  # 138 MB of cache per layer
+    caches = [INDEXER_K_CACHE.allocate(blocks_per_layer, bs, "cuda").random_(0, 256) for _ in range(LAYERS)]
+    rows = []
+    for n in (1, 2, 16, 128, 1024, 4096, 65536):
+        ks = [torch.randn(n, 128, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+        sms = [torch.randperm(blocks_per_layer * bs, device="cuda")[:n] for _ in range(LAYERS)]
+
+        def write(i, backend=None, fmt="ue8m0"):
+            jitkv.indexer_k_quant_and_cache(ks[i], caches[i], sms[i], block_size=bs, scale_fmt=fmt, backend=backend)
+
+        cases = [("torch reference", lambda i: reference.indexer_k_quant_and_cache(ks[i], caches[i], sms[i], block_size=bs,
+                                                                                   scale_fmt="ue8m0")),
+                 ("jitkv auto", write), ("triton", lambda i: write(i, "triton")),
+                 ("jitkv auto, fp32 scales", lambda i: write(i, fmt=None))]
+        moved = n * (2 * 128 + 132)
+        rows += _timed_rows("indexer_k_quant_and_cache", "bf16, block_size 64, ue8m0", n, moved,
+                            with_ceiling(cases, moved), bw, floor_us, eager=("torch reference", CEILING))
+        del ks, sms
+    for reqs, length in ((1, 2048), (1, 32768), (16, 4096)):
+        nblk, tokens = length // bs, reqs * length
+        tables = [torch.randperm(blocks_per_layer, device="cuda")[: reqs * nblk].view(reqs, nblk).int() for _ in range(LAYERS)]
+        cu = (torch.arange(reqs + 1, device="cuda") * length).int()
+        dst_k = [torch.empty(tokens, 128, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(LAYERS)]
+        dst_scale = [torch.empty(tokens, 4, dtype=torch.uint8, device="cuda") for _ in range(LAYERS)]
+
+        def gather(i, backend=None):
+            jitkv.gather_indexer_k_quant_cache(caches[i], dst_k[i], dst_scale[i], tables[i], cu, block_size=bs,
+                                               backend=backend)
+
+        cases = [("torch reference", lambda i: reference.gather_indexer_k_quant_cache(caches[i], dst_k[i], dst_scale[i],
+                                                                                      tables[i], cu, block_size=bs)),
+                 ("jitkv auto", gather), ("triton", lambda i: gather(i, "triton"))]
+        moved = tokens * 2 * 132 + reqs * nblk * 4
+        rows += _timed_rows("gather_indexer_k_quant_cache", f"{reqs} req x {length}", tokens, moved,
+                            with_ceiling(cases, moved), bw, floor_us, eager=("torch reference", CEILING))
+        del tables, dst_k, dst_scale
+    return rows
+
+
 def host_overhead_rows(calls=2000, batches=9) -> list[Row]:
     """Eager host cost per call at n = 1: the best of ``batches`` batches of ``calls`` back-to-back
     calls, never synchronizing in between (the GPU queue never drains, so no batch waits on it and

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import dsv4, mla, store_cache
+from . import dsv4, indexer, mla, store_cache
 
 _LIB = torch.library.Library("jitkv", "DEF")
 
@@ -49,6 +49,16 @@ def _dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_ta
     dsv4.dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset, backend=backend)
 
 
+def _indexer_k_quant_and_cache(k, kv_cache, slot_mapping, block_size, scale_fmt, backend):
+    indexer.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, block_size=block_size, scale_fmt=scale_fmt,
+                                      backend=backend)
+
+
+def _gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size, backend):
+    indexer.gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size=block_size,
+                                         backend=backend)
+
+
 _register(
     "set_mla_kv_buffer",
     "(Tensor(a!) kv_buffer, Tensor loc, Tensor cache_k_nope, Tensor cache_k_rope, int? skip_slot, str? backend)",
@@ -71,4 +81,15 @@ _register(
     "(Tensor(a!) out, Tensor k_cache, Tensor seq_lens, Tensor? gather_lens, Tensor block_table, int block_size, "
     "int offset, str? backend)",
     _dequantize_and_gather_k_cache,
+)
+_register(
+    "indexer_k_quant_and_cache",
+    "(Tensor k, Tensor(a!) kv_cache, Tensor slot_mapping, int block_size, str? scale_fmt, str? backend)",
+    _indexer_k_quant_and_cache,
+)
+_register(
+    "gather_indexer_k_quant_cache",
+    "(Tensor kv_cache, Tensor(a!) dst_k, Tensor(b!) dst_scale, Tensor block_table, Tensor cu_seq_lens, "
+    "int block_size, str? backend)",
+    _gather_indexer_k_quant_cache,
 )

@@ -6,16 +6,20 @@ from __future__ import annotations
 import torch
 
 import jitkv
-from jitkv import DSV4_K_CACHE, reference
+from jitkv import DSV4_K_CACHE, INDEXER_K_CACHE, reference
 from jitkv.tests.conftest import rand, slots
 
-OPS = ("set_mla_kv_buffer", "store_cache", "quantize_and_insert_k_cache", "dequantize_and_gather_k_cache")
+OPS = ("set_mla_kv_buffer", "store_cache", "quantize_and_insert_k_cache", "dequantize_and_gather_k_cache",
+       "indexer_k_quant_and_cache", "gather_indexer_k_quant_cache")
 HOME = {"set_mla_kv_buffer": "kv_buffer", "store_cache": "k_cache", "quantize_and_insert_k_cache": "k_cache",
-        "dequantize_and_gather_k_cache": "k_cache"}  # the tensor whose device the others must share
+        "dequantize_and_gather_k_cache": "k_cache", "indexer_k_quant_and_cache": "kv_cache",
+        "gather_indexer_k_quant_cache": "kv_cache"}  # the tensor whose device the others must share
 DESTINATIONS = {"set_mla_kv_buffer": ("kv_buffer",), "store_cache": ("k_cache", "v_cache"),
-                "quantize_and_insert_k_cache": ("k_cache",), "dequantize_and_gather_k_cache": ("out",)}
+                "quantize_and_insert_k_cache": ("k_cache",), "dequantize_and_gather_k_cache": ("out",),
+                "indexer_k_quant_and_cache": ("kv_cache",), "gather_indexer_k_quant_cache": ("dst_k", "dst_scale")}
 BACKENDS = {"cpu": {"set_mla_kv_buffer": ("jit", "torch"), "store_cache": ("jit", "torch"),
-                    "quantize_and_insert_k_cache": ("torch",), "dequantize_and_gather_k_cache": ("torch",)},
+                    "quantize_and_insert_k_cache": ("torch",), "dequantize_and_gather_k_cache": ("torch",),
+                    "indexer_k_quant_and_cache": ("jit", "torch"), "gather_indexer_k_quant_cache": ("jit", "torch")},
             "cuda": {op: ("jit", "triton", "torch") for op in OPS}}
 
 
@@ -31,6 +35,8 @@ def make_args(op, device):
                     v_cache=rand((32, 2, 64), torch.float8_e4m3fn, device), slot_mapping=slots(32, 8, torch.int32, device),
                     kv_cache_dtype="fp8_e4m3", k_scale=torch.tensor([0.5], device=device),
                     v_scale=torch.tensor([2.0], device=device))
+    if op.startswith(("indexer", "gather_indexer")):
+        return _indexer_args(op, device)
     cache = DSV4_K_CACHE.allocate(4, 64, device).random_(0, 256)
     if op == "quantize_and_insert_k_cache":
         return dict(k=rand((8, 512), bf16, device), k_cache=cache, slot_mapping=slots(256, 8, torch.int64, device),
@@ -40,6 +46,17 @@ def make_args(op, device):
                 gather_lens=torch.tensor([70, 100], dtype=torch.int32, device=device),
                 block_table=torch.tensor([[2, 0, 3, 1], [1, 3, 0, 2]], dtype=torch.int32, device=device),
                 block_size=64, offset=0)
+
+
+def _indexer_args(op, device):
+    cache = INDEXER_K_CACHE.allocate(4, 64, device).random_(0, 256)
+    if op == "indexer_k_quant_and_cache":
+        return dict(k=rand((8, 128), torch.bfloat16, device), kv_cache=cache,
+                    slot_mapping=slots(256, 8, torch.int64, device), block_size=64, scale_fmt="ue8m0")
+    return dict(kv_cache=cache, dst_k=rand((100, 128), torch.float8_e4m3fn, device),
+                dst_scale=rand((100, 4), torch.uint8, device),
+                block_table=torch.tensor([[2, 0, 3, 1], [1, 3, 0, 2]], dtype=torch.int32, device=device),
+                cu_seq_lens=torch.tensor([0, 70, 95], dtype=torch.int32, device=device), block_size=64)
 
 
 def tensor_names(args):

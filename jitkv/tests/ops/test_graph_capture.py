@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import jitkv
-from jitkv import DSV4_K_CACHE
+from jitkv import DSV4_K_CACHE, INDEXER_K_CACHE
 from jitkv.ops import dsv4, mla, store_cache
 from jitkv.tests.conftest import assert_bitwise, gpu, rand, slots
 
@@ -101,9 +101,45 @@ def _dsv4_gather():
     return dst, call, renew
 
 
+def _indexer_write():
+    dst = [INDEXER_K_CACHE.allocate(SLOTS // 64, 64, "cuda").random_(0, 256)]
+    k = rand((N, 128), torch.bfloat16, "cuda")
+    idx = [_slot_values(SLOTS, N)]
+
+    def call(d, backend):
+        jitkv.indexer_k_quant_and_cache(k, d[0], idx[0], block_size=64, scale_fmt="ue8m0", backend=backend)
+
+    def renew():
+        idx[0].copy_(_slot_values(SLOTS, N))
+        k.copy_(rand(k.shape, torch.bfloat16, "cuda"))
+
+    return dst, call, renew
+
+
+def _indexer_gather():
+    cache = INDEXER_K_CACHE.allocate(16, 64, "cuda").random_(0, 256)
+    dst = [rand((400, 128), torch.uint8, "cuda"), rand((400, 4), torch.uint8, "cuda")]
+
+    def cu_seq_lens():
+        return torch.randint(0, 200, (4,), dtype=torch.int32).sort().values.cuda()  # 3 requests
+
+    cu = cu_seq_lens()
+    table = torch.randint(-1, 17, (3, 4), dtype=torch.int32, device="cuda")  # -1 and 16: zero bytes
+
+    def call(d, backend):
+        jitkv.gather_indexer_k_quant_cache(cache, d[0], d[1], table, cu, block_size=64, backend=backend)
+
+    def renew():
+        cu.copy_(cu_seq_lens())
+        table.copy_(torch.randint(-1, 17, (3, 4), dtype=torch.int32, device="cuda"))
+
+    return dst, call, renew
+
+
 CASES = {"set_mla_kv_buffer": _mla, "store_cache auto": lambda: _store_cache("auto"),
          "store_cache fp8": lambda: _store_cache("fp8_e4m3"), "quantize_and_insert_k_cache": _dsv4_write,
-         "dequantize_and_gather_k_cache": _dsv4_gather}
+         "dequantize_and_gather_k_cache": _dsv4_gather, "indexer_k_quant_and_cache": _indexer_write,
+         "gather_indexer_k_quant_cache": _indexer_gather}
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -62,6 +62,34 @@ for bs, stride in ((64, None), (2, None), (64, 64 * 584)):  # padded, and vLLM's
 print("OK")
 """
 
+INDEXER = """
+import torch
+from jitkv import INDEXER_K_CACHE, reference
+from jitkv.tests.conftest import assert_bitwise, rand, slots
+from jitkv.triton.indexer import gather_indexer_k_quant_cache_triton, indexer_k_quant_and_cache_triton
+for bs, stride in ((64, None), (3, 3 * 132)):  # jitkv's blocks, and vLLM's 396-byte ones
+    for dtype, ue8m0 in ((torch.bfloat16, True), (torch.float16, False)):
+        cache = INDEXER_K_CACHE.allocate(10, bs, "cpu", block_stride=stride).random_(0, 256)
+        k = (torch.randn(30, 128) * torch.logspace(-3, 2, 30)[:, None]).to(dtype)
+        k[0, 3], k[1], k[2, 5], k[3] = float("nan"), float("nan"), float("inf"), 0.0
+        sm = slots(10 * bs, 27)
+        sm[::6] = -1
+        got, ref = cache.clone(), cache.clone()
+        indexer_k_quant_and_cache_triton(k, got, sm, bs, ue8m0)
+        reference.indexer_k_quant_and_cache(k, ref, sm, block_size=bs, scale_fmt="ue8m0" if ue8m0 else None)
+        assert_bitwise(got, ref)
+    cu = torch.tensor([2, 9, 9, 3 * bs + 4], dtype=torch.int32)
+    table = torch.randperm(10)[:9].view(3, 3).int()
+    table[0, 0], table[2, 1] = -1, 10
+    dst_k, dst_scale = rand((3 * bs + 9, 128), torch.uint8), rand((3 * bs + 9, 4), torch.uint8)
+    want_k, want_scale = dst_k.clone(), dst_scale.clone()
+    gather_indexer_k_quant_cache_triton(got, dst_k, dst_scale, table, cu, bs)
+    reference.gather_indexer_k_quant_cache(got, want_k, want_scale, table, cu, block_size=bs)
+    assert_bitwise(dst_k, want_k)
+    assert_bitwise(dst_scale, want_scale)
+print("OK")
+"""
+
 STORE_CACHE = """
 import torch
 from jitkv import reference
@@ -86,7 +114,7 @@ for kv_dtype, cdt in (("auto", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn
 print("OK")
 """
 
-CASES = {"mla": MLA, "dsv4": DSV4, "store_cache": STORE_CACHE}
+CASES = {"mla": MLA, "dsv4": DSV4, "store_cache": STORE_CACHE, "indexer": INDEXER}
 
 
 @pytest.mark.parametrize("name", list(CASES))
