@@ -201,9 +201,9 @@ def _scale_fmt_code(scale_fmt) -> int:
 
 
 def _aligned(t, bytes_: int) -> bool:
-    """Base and row stride (of more than one row) multiples of ``bytes_``; a non-tensor counts as aligned
-    (the binding names it)."""
-    if not isinstance(t, torch.Tensor):
+    """Base and row stride (of more than one row) multiples of ``bytes_``. A non-tensor or a tensor whose
+    last dim is not contiguous counts as aligned: it is bad input, which the binding names."""
+    if not isinstance(t, torch.Tensor) or (t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1):
         return True
     return t.data_ptr() % bytes_ == 0 and (t.dim() == 0 or t.shape[0] <= 1 or t.stride(0) * t.element_size() % bytes_ == 0)
 
