@@ -47,3 +47,30 @@ INDEXER_SCALE_BYTES = 4  # one fp32 scale
 INDEXER_TOKEN_BYTES = INDEXER_HEAD_DIM + INDEXER_SCALE_BYTES  # 132
 INDEXER_FP8_MAX = 448.0  # e4m3: scale = max(amax, INDEXER_AMAX_MIN) / 448
 INDEXER_AMAX_MIN = 1e-4
+
+
+class PagedRecordLayout:
+    """A paged cache of fixed-size token records: uint8 ``[num_blocks, block_stride]``, a block holding
+    its ``block_size`` tokens' records (how they are arranged inside is the subclass's), then padding
+    up to the block stride. Subclasses set ``name``, ``token_bytes`` and ``alignment`` (bytes the base
+    pointer and the block stride must be multiples of)."""
+
+    name = "paged record"
+    token_bytes = 1
+    alignment = 16
+
+    def block_stride(self, block_size: int) -> int:
+        """The block stride ``allocate`` uses by default: ``block_size * token_bytes`` rounded up to the
+        CUDA kernels' 16-byte vectors."""
+        return -(-block_size * self.token_bytes // 16) * 16
+
+    def allocate(self, num_blocks: int, block_size: int = 64, device="cuda", *, block_stride: int | None = None) -> torch.Tensor:
+        """A zeroed uint8 cache ``[num_blocks, block_stride]``; ``block_stride`` defaults to
+        ``block_stride(block_size)``. Raises ValueError unless it is a multiple of ``alignment`` with
+        ``block_size * token_bytes <= block_stride < (block_size + 1) * token_bytes``."""
+        stride = self.block_stride(block_size) if block_stride is None else block_stride
+        lo, hi = block_size * self.token_bytes, (block_size + 1) * self.token_bytes
+        if not (isinstance(stride, int) and lo <= stride < hi and stride % self.alignment == 0):
+            raise ValueError(f"{self.name}.allocate: block_stride: expected a multiple of {self.alignment} in "
+                             f"[{lo}, {hi}) for block_size {block_size}, got {block_stride!r}")
+        return torch.zeros(num_blocks, stride, dtype=torch.uint8, device=device)

@@ -195,12 +195,6 @@ def _write_rows(cache, dest, vals, any_kept):
 # result is written as 0x7FFF (what the GPU conversion gives). Rope dims are bf16 bytes, bit-exact.
 
 
-def dsv4_block_stride(block_size: int) -> int:
-    """The default bytes per block: token data, then scales, rounded up to the kernels' 16-byte
-    alignment (block_size * 584 for even block sizes: vLLM's allocation)."""
-    return -(-block_size * DSV4_TOKEN_BYTES // 16) * 16
-
-
 def _dsv4_rows(k_cache, block_size):
     """[num_blocks, block_size * 584] uint8 view of the bytes each block uses (2-D or 3-D cache)."""
     return k_cache.as_strided((k_cache.shape[0], block_size * DSV4_TOKEN_BYTES), (k_cache.stride(0), 1))
@@ -304,12 +298,6 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
 # max(amax, 1e-4) / 448 as a true fp32 division; with scale_fmt "ue8m0" rounded up to a power of two
 # exactly (the float's exponent, plus one when its mantissa is not zero). Stored = e4m3(clamp(x /
 # scale, ±448)) rounded to nearest even, and the fp32 scale's 4 bytes. The gather copies bytes.
-
-
-def indexer_block_stride(block_size: int) -> int:
-    """The default bytes per block: values, then scales, rounded up to the CUDA kernels' 16-byte
-    alignment (block_size * 132 for block sizes that are multiples of 4: vLLM's allocation)."""
-    return -(-block_size * INDEXER_TOKEN_BYTES // 16) * 16
 
 
 def _indexer_rows(kv_cache, block_size):

@@ -18,7 +18,7 @@ _WRITE = Dispatcher(WRITE_OP, order={"cpu": ("torch",)})
 _GATHER = Dispatcher(GATHER_OP, order={"cpu": ("torch",)})
 
 
-class DSv4KCacheLayout:
+class DSv4KCacheLayout(layouts.PagedRecordLayout):
     """The 584-byte-per-token DeepSeek-V4 FP8 K cache record and its paged block layout.
 
     Per token: dims 0..447 as e4m3 (448 B) + dims 448..511 as bf16 (128 B) = 576 B of data, and 8 B
@@ -38,6 +38,7 @@ class DSv4KCacheLayout:
     data_bytes = layouts.DSV4_DATA_BYTES
     scale_bytes = layouts.DSV4_SCALE_BYTES
     token_bytes = layouts.DSV4_TOKEN_BYTES
+    name = "DSV4_K_CACHE"
     data_offset = 0
     alignment = 16  # bytes: base pointer and block stride
 
@@ -50,18 +51,7 @@ class DSv4KCacheLayout:
         rounded up to 16 bytes (37,376 at block_size 64, as vLLM allocates). A larger stride, e.g. one
         padded to a multiple of 576, measured no faster on an H100 (writer n = 1 ... 65,536 and gather
         1 x 32,768 within 0.05 us)."""
-        return reference.dsv4_block_stride(block_size)
-
-    def allocate(self, num_blocks: int, block_size: int = 64, device="cuda", *, block_stride: int | None = None) -> torch.Tensor:
-        """A zeroed uint8 cache ``[num_blocks, block_stride]``; ``block_stride`` defaults to
-        ``block_stride(block_size)``. Raises ValueError unless it is a multiple of 16 with
-        ``block_size * 584 <= block_stride < (block_size + 1) * 584``."""
-        stride = self.block_stride(block_size) if block_stride is None else block_stride
-        lo, hi = block_size * self.token_bytes, (block_size + 1) * self.token_bytes
-        if not (isinstance(stride, int) and lo <= stride < hi and stride % self.alignment == 0):
-            raise ValueError(f"DSV4_K_CACHE.allocate: block_stride: expected a multiple of {self.alignment} in "
-                             f"[{lo}, {hi}) for block_size {block_size}, got {block_stride!r}")
-        return torch.zeros(num_blocks, stride, dtype=torch.uint8, device=device)
+        return super().block_stride(block_size)
 
     def validate(self, k_cache, block_size: int, op: str = "DSV4_K_CACHE") -> None:
         """Raise TypeError/ValueError unless ``k_cache`` is a cache of this layout for ``block_size``."""

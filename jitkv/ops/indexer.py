@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import reference
+from .. import layouts, reference
 from ..jit import JitSpec
 from ..layouts import (
     INDEXER_AMAX_MIN,
@@ -26,7 +26,7 @@ _GATHER = Dispatcher(GATHER_OP)
 SCALE_FMTS = {None: 0, "ue8m0": 1}  # scale_fmt -> the bindings' code
 
 
-class IndexerKCacheLayout:
+class IndexerKCacheLayout(layouts.PagedRecordLayout):
     """The 132-byte-per-token DeepSeek-V3.2 indexer K cache and its paged block layout (vLLM's
     ``indexer_k_quant_and_cache`` cache, sglang's NSA ``index_k_with_scale_buffer``).
 
@@ -49,27 +49,13 @@ class IndexerKCacheLayout:
     data_bytes = INDEXER_HEAD_DIM
     scale_bytes = INDEXER_SCALE_BYTES
     token_bytes = INDEXER_TOKEN_BYTES
+    name = "INDEXER_K_CACHE"
     data_offset = 0
     alignment = INDEXER_SCALE_BYTES  # bytes: base pointer and block stride (fp32 scales)
 
     def scale_offset(self, block_size: int) -> int:
         """Bytes from a block's start to its scales."""
         return block_size * self.data_bytes
-
-    def block_stride(self, block_size: int) -> int:
-        """The block stride ``allocate`` uses by default: block_size * 132 rounded up to 16 bytes."""
-        return reference.indexer_block_stride(block_size)
-
-    def allocate(self, num_blocks: int, block_size: int = 64, device="cuda", *, block_stride: int | None = None) -> torch.Tensor:
-        """A zeroed uint8 cache ``[num_blocks, block_stride]``; ``block_stride`` defaults to
-        ``block_stride(block_size)``. Raises ValueError unless it is a multiple of 4 with
-        ``block_size * 132 <= block_stride < (block_size + 1) * 132``."""
-        stride = self.block_stride(block_size) if block_stride is None else block_stride
-        lo, hi = block_size * self.token_bytes, (block_size + 1) * self.token_bytes
-        if not (isinstance(stride, int) and lo <= stride < hi and stride % self.alignment == 0):
-            raise ValueError(f"INDEXER_K_CACHE.allocate: block_stride: expected a multiple of {self.alignment} in "
-                             f"[{lo}, {hi}) for block_size {block_size}, got {block_stride!r}")
-        return torch.zeros(num_blocks, stride, dtype=torch.uint8, device=device)
 
     def validate(self, kv_cache, block_size: int, op: str = "INDEXER_K_CACHE") -> None:
         """Raise TypeError/ValueError unless ``kv_cache`` is a cache of this layout for ``block_size``

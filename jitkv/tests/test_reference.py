@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jitkv import reference
+from jitkv import DSV4_K_CACHE, reference
 from jitkv.tests.conftest import assert_bitwise, slots
 
 
@@ -144,7 +144,7 @@ def _dsv4_loop(k, cache, sm, bs):
 @pytest.mark.parametrize("bs", [64, 2])
 def test_dsv4_writer_matches_row_loop(bs):
     nb = 256 // bs
-    cache = _bits((nb, reference.dsv4_block_stride(bs)), torch.uint8)
+    cache = _bits((nb, DSV4_K_CACHE.block_stride(bs)), torch.uint8)
     k = torch.randn(60, 512).bfloat16()
     sm = _index(256, 57, torch.int32, out_of_range=True)
     got = cache.clone()
@@ -166,7 +166,7 @@ def _writers(n):
         ("store_cache", _cache("hnd", torch.float8_e4m3fn),
          lambda d, idx: reference.store_cache(k, k, d, d, idx, kv_cache_dtype="fp8", k_scale=0.5, v_scale=0.5,
                                               skip_slot=9, strict=False)),
-        ("quantize_and_insert_k_cache", _bits((32, reference.dsv4_block_stride(2)), torch.uint8),
+        ("quantize_and_insert_k_cache", _bits((32, DSV4_K_CACHE.block_stride(2)), torch.uint8),
          lambda d, idx: reference.quantize_and_insert_k_cache(kd, d, idx, block_size=2, strict=False)),
     ]
 
