@@ -56,6 +56,7 @@ class PagedRecordLayout:
     pointer and the block stride must be multiples of)."""
 
     name = "paged record"
+    cache_arg = "kv_cache"  # the ops' name for the cache argument, in error messages
     token_bytes = 1
     alignment = 16
 
@@ -74,3 +75,47 @@ class PagedRecordLayout:
             raise ValueError(f"{self.name}.allocate: block_stride: expected a multiple of {self.alignment} in "
                              f"[{lo}, {hi}) for block_size {block_size}, got {block_stride!r}")
         return torch.zeros(num_blocks, stride, dtype=torch.uint8, device=device)
+
+    def validate(self, cache, block_size: int, op: str | None = None) -> None:
+        """Raise TypeError/ValueError (naming ``op``, default the layout's name) unless ``cache`` is a
+        cache of this layout for ``block_size``: uint8 ``[num_blocks, W]`` with ``block_size *
+        token_bytes <= W < (block_size + 1) * token_bytes``, or a ``[num_blocks, block_size,
+        token_bytes]`` view with packed tokens; block stride ``stride(0)`` >= ``block_size *
+        token_bytes`` and, like the base pointer, a multiple of ``alignment``. The same rules as the
+        families' C++ parsers."""
+        from .ops import _validate  # noqa: PLC0415  (ops imports this module)
+
+        op, arg, tb = op or self.name, self.cache_arg, self.token_bytes
+        _validate.tensor(op, arg, cache)
+        if not (cache.is_cpu or cache.is_cuda):
+            raise _validate.unsupported_device(op, arg, cache)
+        if not isinstance(block_size, int) or isinstance(block_size, bool):
+            raise TypeError(f"{op}: block_size: expected an int, got {type(block_size).__name__}")
+        if block_size < 1:
+            raise ValueError(f"{op}: block_size: expected a positive int, got {block_size}")
+        if cache.dtype != torch.uint8:
+            raise TypeError(f"{op}: {arg}: expected dtype uint8, got {cache.dtype}")
+        used = block_size * tb
+        if cache.dim() == 2:
+            if cache.shape[1] // tb != block_size:
+                raise ValueError(
+                    f"{op}: {arg}: blocks of {cache.shape[1]} bytes hold {cache.shape[1] // tb} tokens of {tb} "
+                    f"bytes, but block_size is {block_size} (expected [num_blocks, W] with {used} <= W < {used + tb}), "
+                    f"got shape {list(cache.shape)}")
+        elif cache.dim() == 3:
+            if tuple(cache.shape[1:]) != (block_size, tb):
+                raise ValueError(f"{op}: {arg}: expected [num_blocks, {block_size}, {tb}] for block_size {block_size}, "
+                                 f"got {list(cache.shape)}")
+            if block_size > 1 and cache.stride(1) != tb:
+                raise ValueError(f"{op}: {arg}: expected stride(1) = {tb} (tokens packed in a block), got "
+                                 f"{cache.stride(1)}")
+        else:
+            raise ValueError(f"{op}: {arg}: expected a 2-D [num_blocks, block_stride] or 3-D [num_blocks, block_size, "
+                             f"{tb}] tensor, got {list(cache.shape)}")
+        _validate.last_dim_contiguous(op, arg, cache)
+        stride = cache.stride(0)
+        if cache.shape[0] > 1 and (stride < used or stride % self.alignment):  # one block: no stride
+            raise ValueError(f"{op}: {arg}: expected stride(0) (the block stride in bytes) to be a multiple of "
+                             f"{self.alignment} and >= block_size * {tb} = {used}, got {stride}")
+        if cache.data_ptr() % self.alignment:
+            raise ValueError(f"{op}: {arg}: expected a {self.alignment}-byte aligned data pointer")

@@ -39,6 +39,7 @@ class DSv4KCacheLayout(layouts.PagedRecordLayout):
     scale_bytes = layouts.DSV4_SCALE_BYTES
     token_bytes = layouts.DSV4_TOKEN_BYTES
     name = "DSV4_K_CACHE"
+    cache_arg = "k_cache"
     data_offset = 0
     alignment = 16  # bytes: base pointer and block stride
 
@@ -52,39 +53,6 @@ class DSv4KCacheLayout(layouts.PagedRecordLayout):
         padded to a multiple of 576, measured no faster on an H100 (writer n = 1 ... 65,536 and gather
         1 x 32,768 within 0.05 us)."""
         return super().block_stride(block_size)
-
-    def validate(self, k_cache, block_size: int, op: str = "DSV4_K_CACHE") -> None:
-        """Raise TypeError/ValueError unless ``k_cache`` is a cache of this layout for ``block_size``."""
-        _validate.tensor(op, "k_cache", k_cache)
-        if not (k_cache.is_cpu or k_cache.is_cuda):
-            raise _validate.unsupported_device(op, "k_cache", k_cache)
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"{op}: block_size: expected a positive int, got {block_size!r}")
-        if k_cache.dtype != torch.uint8:
-            raise TypeError(f"{op}: k_cache: expected dtype uint8, got {k_cache.dtype}")
-        used = block_size * self.token_bytes
-        if k_cache.dim() == 2:
-            if k_cache.shape[1] // self.token_bytes != block_size:
-                raise ValueError(
-                    f"{op}: k_cache: blocks of {k_cache.shape[1]} bytes hold {k_cache.shape[1] // self.token_bytes} "
-                    f"tokens of 584 bytes, but block_size is {block_size} (expected [num_blocks, W] with "
-                    f"{used} <= W < {used + self.token_bytes}), got shape {list(k_cache.shape)}")
-        elif k_cache.dim() == 3:
-            if tuple(k_cache.shape[1:]) != (block_size, self.token_bytes):
-                raise ValueError(f"{op}: k_cache: expected [num_blocks, {block_size}, 584] for block_size {block_size}, "
-                                 f"got {list(k_cache.shape)}")
-            if block_size > 1 and k_cache.stride(1) != self.token_bytes:
-                raise ValueError(f"{op}: k_cache: expected stride(1) = 584 (tokens packed in a block), got {k_cache.stride(1)}")
-        else:
-            raise ValueError(f"{op}: k_cache: expected a 2-D [num_blocks, block_stride] or 3-D "
-                             f"[num_blocks, block_size, 584] tensor, got {list(k_cache.shape)}")
-        _validate.last_dim_contiguous(op, "k_cache", k_cache)
-        stride = k_cache.stride(0)
-        if k_cache.shape[0] > 1 and (stride < used or stride % self.alignment):  # one block: no stride
-            raise ValueError(f"{op}: k_cache: expected stride(0) (the block stride in bytes) to be a multiple of "
-                             f"{self.alignment} and >= block_size * 584 = {used}, got {stride}")
-        if k_cache.data_ptr() % self.alignment:
-            raise ValueError(f"{op}: k_cache: expected a {self.alignment}-byte aligned data pointer")
 
 
 DSV4_K_CACHE = DSv4KCacheLayout()

@@ -50,49 +50,13 @@ class IndexerKCacheLayout(layouts.PagedRecordLayout):
     scale_bytes = INDEXER_SCALE_BYTES
     token_bytes = INDEXER_TOKEN_BYTES
     name = "INDEXER_K_CACHE"
+    cache_arg = "kv_cache"
     data_offset = 0
     alignment = INDEXER_SCALE_BYTES  # bytes: base pointer and block stride (fp32 scales)
 
     def scale_offset(self, block_size: int) -> int:
         """Bytes from a block's start to its scales."""
         return block_size * self.data_bytes
-
-    def validate(self, kv_cache, block_size: int, op: str = "INDEXER_K_CACHE") -> None:
-        """Raise TypeError/ValueError unless ``kv_cache`` is a cache of this layout for ``block_size``
-        (the same rules as the C++ parser, csrc/indexer/indexer_k_cache.cuh)."""
-        _validate.tensor(op, "kv_cache", kv_cache)
-        if not (kv_cache.is_cpu or kv_cache.is_cuda):
-            raise _validate.unsupported_device(op, "kv_cache", kv_cache)
-        if not isinstance(block_size, int) or isinstance(block_size, bool):
-            raise TypeError(f"{op}: block_size: expected an int, got {type(block_size).__name__}")
-        if block_size < 1:
-            raise ValueError(f"{op}: block_size: expected a positive int, got {block_size}")
-        if kv_cache.dtype != torch.uint8:
-            raise TypeError(f"{op}: kv_cache: expected dtype uint8, got {kv_cache.dtype}")
-        tb, used = self.token_bytes, block_size * self.token_bytes
-        if kv_cache.dim() == 2:
-            if kv_cache.shape[1] // tb != block_size:
-                raise ValueError(
-                    f"{op}: kv_cache: blocks of {kv_cache.shape[1]} bytes hold {kv_cache.shape[1] // tb} tokens of {tb} "
-                    f"bytes, but block_size is {block_size} (expected [num_blocks, W] with {used} <= W < {used + tb}), "
-                    f"got shape {list(kv_cache.shape)}")
-        elif kv_cache.dim() == 3:
-            if tuple(kv_cache.shape[1:]) != (block_size, tb):
-                raise ValueError(f"{op}: kv_cache: expected [num_blocks, {block_size}, {tb}] for block_size {block_size}, "
-                                 f"got {list(kv_cache.shape)}")
-            if block_size > 1 and kv_cache.stride(1) != tb:
-                raise ValueError(f"{op}: kv_cache: expected stride(1) = {tb} (tokens packed in a block), got "
-                                 f"{kv_cache.stride(1)}")
-        else:
-            raise ValueError(f"{op}: kv_cache: expected a 2-D [num_blocks, block_stride] or 3-D [num_blocks, block_size, "
-                             f"{tb}] tensor, got {list(kv_cache.shape)}")
-        _validate.last_dim_contiguous(op, "kv_cache", kv_cache)
-        stride = kv_cache.stride(0)
-        if kv_cache.shape[0] > 1 and (stride < used or stride % self.alignment):  # one block: no stride
-            raise ValueError(f"{op}: kv_cache: expected stride(0) (the block stride in bytes) to be a multiple of "
-                             f"{self.alignment} and >= block_size * {tb} = {used}, got {stride}")
-        if kv_cache.data_ptr() % self.alignment:
-            raise ValueError(f"{op}: kv_cache: expected a {self.alignment}-byte aligned data pointer")
 
     def values(self, kv_cache, block_size: int) -> torch.Tensor:
         """The float8_e4m3fn ``[num_blocks, block_size, 128]`` view of a cache's values."""
