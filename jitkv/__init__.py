@@ -12,6 +12,7 @@ from .ops import _custom_ops  # noqa: F401  (registers torch.ops.jitkv.* for tor
 from .ops._dispatch import BackendUnavailable, JitkvFallbackWarning, backend_info
 from .ops.dsv4 import DSV4_K_CACHE, dequantize_and_gather_k_cache, quantize_and_insert_k_cache
 from .ops.mla import set_mla_kv_buffer
+from .ops.mla_gather import gather_mla_cache
 from .ops.store_cache import store_cache
 from .prebuild import prebuild, warmup
 
@@ -50,6 +51,7 @@ __all__ = [
     "__version__",
     "backend_info",
     "dequantize_and_gather_k_cache",
+    "gather_mla_cache",
     "prebuild",
     "quantize_and_insert_k_cache",
     "set_mla_kv_buffer",

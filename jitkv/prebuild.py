@@ -10,9 +10,9 @@ import torch
 
 from .jit import JitSpec, JitUnavailable, ensure_built, get_module
 from .jit.toolchain import cuda_arch, normalize_cuda_arch
-from .ops import dsv4, mla, store_cache
+from .ops import dsv4, mla, mla_gather, store_cache
 
-_FAMILIES = (store_cache, mla, dsv4)
+_FAMILIES = (store_cache, mla, dsv4, mla_gather)
 
 
 def specs_for(target: str) -> list[JitSpec]:

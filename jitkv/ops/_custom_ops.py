@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from . import dsv4, mla, store_cache
+from . import dsv4, mla, mla_gather, store_cache
 
 
 @torch.library.custom_op("jitkv::set_mla_kv_buffer", mutates_args=("kv_buffer",))
@@ -87,4 +87,26 @@ def _dequantize_and_gather_k_cache(
 
 @_dequantize_and_gather_k_cache.register_fake
 def _(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset, backend) -> None:
+    return None
+
+
+@torch.library.custom_op("jitkv::gather_mla_cache", mutates_args=("out",))
+def _gather_mla_cache(
+    out: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    seq_starts: Optional[torch.Tensor],
+    kv_cache_dtype: str,
+    scale_tensor: Optional[torch.Tensor],
+    scale_value: float,
+    backend: Optional[str],
+) -> None:
+    scale = scale_tensor if scale_tensor is not None else (None if scale_value < 0 else scale_value)
+    mla_gather.gather_mla_cache(out, kv_cache, block_table, cu_seq_lens, seq_starts=seq_starts,
+                                kv_cache_dtype=kv_cache_dtype, scale=scale, backend=backend)
+
+
+@_gather_mla_cache.register_fake
+def _(out, kv_cache, block_table, cu_seq_lens, seq_starts, kv_cache_dtype, scale_tensor, scale_value, backend) -> None:
     return None
