@@ -14,11 +14,12 @@ from .common import print_table
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jitkv.benchmark", description=__doc__)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present, else cpu")
-    p.add_argument("--op", choices=["store_cache", "set_mla_kv_buffer", "dsv4", "build"], action="append", default=None)
+    p.add_argument("--op", choices=["store_cache", "set_mla_kv_buffer", "dsv4", "gather_mla_cache", "build"], action="append",
+                   default=None)
     p.add_argument("--json", metavar="FILE", help="write every row and the machine description here")
     args = p.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    ops = set(args.op or ["store_cache", "set_mla_kv_buffer", "dsv4", "build"])
+    ops = set(args.op or ["store_cache", "set_mla_kv_buffer", "dsv4", "gather_mla_cache", "build"])
     report = {"device": _describe(device), "torch": torch.__version__, "rows": [], "build": {}}
     rows = _cpu(ops, report) if device == "cpu" else _gpu(ops)
     report["rows"] = [r.as_dict() for r in rows]
@@ -49,6 +50,10 @@ def _cpu(ops, report):
         part = cpu.mla_rows()
         print_table("set_mla_kv_buffer", part)
         rows += part
+    if "gather_mla_cache" in ops:
+        part = cpu.mla_gather_rows()
+        print_table("gather_mla_cache", part)
+        rows += part
     if "build" in ops:
         report["build"] = cpu.build_timings()
         print("\n## build")
@@ -71,6 +76,7 @@ def _gpu(ops):
         ("store_cache", f"store_cache {graph}", lambda: gpu.store_cache_rows(bw, floor)),
         (None, "host cost per eager call (n = 1)", gpu.host_overhead_rows),
         ("dsv4", f"DeepSeek-V4 FP8 K cache {graph}", lambda: gpu.dsv4_rows(bw, floor)),
+        ("gather_mla_cache", f"gather_mla_cache {graph}", lambda: gpu.mla_gather_rows(bw, floor)),
     )
     for op, title, run in sections:
         if op is None or op in ops:
