@@ -131,7 +131,8 @@ def _cuda_variant(out, kv_cache, kv_cache_dtype) -> tuple:
     Arguments the binding refuses anyway (ranks, strides, non-tensors) go to it for its precise error."""
     code = _format(kv_cache_dtype)
     try:
-        if out.dim() != 2 or kv_cache.dim() != 3 or out.stride(1) != 1 or kv_cache.stride(2) != 1:
+        if (out.dim() != 2 or kv_cache.dim() != 3 or (out.stride(1) != 1 and out.shape[1] > 1)
+                or (kv_cache.stride(2) != 1 and kv_cache.shape[2] > 1)):
             return (code, _ANY_ROW_BYTES, True)
         oes, ces = out.element_size(), kv_cache.element_size()
         row = out.shape[1] * oes
