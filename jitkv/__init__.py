@@ -13,6 +13,7 @@ from .ops._dispatch import BackendUnavailable, JitkvFallbackWarning, backend_inf
 from .ops.dsv4 import DSV4_K_CACHE, dequantize_and_gather_k_cache, quantize_and_insert_k_cache
 from .ops.indexer import INDEXER_K_CACHE, gather_indexer_k_quant_cache, indexer_k_quant_and_cache
 from .ops.mla import set_mla_kv_buffer
+from .ops.mla_gather import gather_mla_cache
 from .ops.store_cache import store_cache
 from .prebuild import prebuild, warmup
 
@@ -54,6 +55,7 @@ __all__ = [
     "dequantize_and_gather_k_cache",
     "gather_indexer_k_quant_cache",
     "indexer_k_quant_and_cache",
+    "gather_mla_cache",
     "prebuild",
     "quantize_and_insert_k_cache",
     "set_mla_kv_buffer",

@@ -14,6 +14,7 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # Codes of the cache formats in kernels' build arguments: 0 is a plain copy.
 FP8_CODES = {None: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+DS_MLA_CODE = 3  # the fp8_ds_mla record (below) among those codes
 
 # DeepSeek-V4 FP8 K cache record (docs/design.md §5): per token 448 dims as e4m3, 64 dims as bf16,
 # then 8 bytes of UE8M0 scales (7 groups of 64 dims + one zero byte); a block holds all its tokens'

@@ -10,9 +10,9 @@ import torch
 
 from .jit import JitSpec, JitUnavailable, ensure_built, get_module
 from .jit.toolchain import cuda_arch, normalize_cuda_arch
-from .ops import dsv4, indexer, mla, store_cache
+from .ops import dsv4, indexer, mla, mla_gather, store_cache
 
-_FAMILIES = (store_cache, mla, dsv4, indexer)
+_FAMILIES = (store_cache, mla, dsv4, indexer, mla_gather)
 
 
 def specs_for(target: str) -> list[JitSpec]:

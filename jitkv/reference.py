@@ -17,6 +17,11 @@ import os
 import torch
 
 from .layouts import (  # noqa: F401  (re-exported: the tests and the Python backends read them here)
+    DS_MLA_NOPE,
+    DS_MLA_RECORD_BYTES,
+    DS_MLA_ROPE_OFFSET,
+    DS_MLA_SCALE_OFFSET,
+    DS_MLA_TILE,
     DSV4_DATA_BYTES,
     DSV4_GROUP,
     DSV4_HEAD_DIM,
@@ -384,3 +389,107 @@ def gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq
     write = write.unsqueeze(1)
     for dst, new in ((dst_k.view(torch.uint8), data), (indexer_scale_bytes(dst_scale), scale)):
         dst.copy_(torch.where(write, new, dst))
+
+
+# Paged MLA gather (gather_mla_cache)
+#
+# Output row t belongs to request r, the largest r < num_reqs with cu_seq_lens[r] <= t, when t <
+# cu_seq_lens[r + 1]; it is token i = t - cu_seq_lens[r] of the request, at position p = seq_starts[r] + i
+# (seq_starts None: p = i) of its block table: block block_table[r, p // block_size], row p % block_size.
+# A position < 0, past the table's width, or whose block entry is < 0 or >= num_blocks gives a zero row.
+# Rows no request covers are not written; out.shape[0] is the total (rows past it are clipped).
+# Formats: "auto" copies the bytes; "fp8_e4m3"/"fp8_e5m2": bf16(float(x) * scale); "fp8_ds_mla":
+# bf16(float(e4m3) * tile scale) for the 512 nope dims, the 64 rope dims copied. A NaN result is
+# written as 0x7FFF (what the GPU conversion gives).
+
+_BF16_NAN = 0x7FFF
+
+
+def check_gather_rows(cu_seq_lens, rows, *, op="gather_mla_cache"):
+    """Raise before anything is written when cu_seq_lens does not describe rows of ``out``: ValueError
+    where it decreases, IndexError where a request starts below row 0 or ends past ``rows``. Reads
+    cu_seq_lens on the host (a CUDA sync: refused during graph capture, as ``check_slots``)."""
+    _refuse_capture(cu_seq_lens, "cu_seq_lens", op)
+    cu = cu_seq_lens.long().cpu()
+    down = (cu[1:] < cu[:-1]).nonzero()
+    if down.numel():
+        i = int(down[0, 0])
+        raise ValueError(f"{op}: cu_seq_lens: expected non-decreasing values, got {int(cu[i])} then {int(cu[i + 1])} "
+                         f"at positions {i}, {i + 1}")
+    if cu.numel() and int(cu[0]) < 0:
+        raise IndexError(f"{op}: cu_seq_lens: request 0 starts at row {int(cu[0])}, below row 0 of out")
+    if cu.numel() and int(cu[-1]) > rows:
+        raise IndexError(f"{op}: cu_seq_lens: the requests end at row {int(cu[-1])}, past out's {rows} rows")
+
+
+def _gather_plan(rows, block_table, cu_seq_lens, seq_starts, block_size, num_blocks):
+    """Per output row t < rows: (write [T] bool, valid [T] bool, block [T], row in block [T]); valid
+    rows read the cache, written rows that are not valid become zero rows. No host sync."""
+    dev = cu_seq_lens.device
+    cu = cu_seq_lens.long()
+    num_reqs = cu.numel() - 1
+    t = torch.arange(rows, device=dev)
+    req = torch.searchsorted(cu[1:num_reqs].contiguous(), t, right=True)  # largest r with cu[r] <= t
+    start = cu.index_select(0, req)
+    write = (t >= start) & (t < cu.index_select(0, req + 1))
+    pos = t - start
+    if seq_starts is not None:
+        pos = pos + seq_starts.long().index_select(0, req)
+    blk = torch.div(pos, block_size, rounding_mode="floor")
+    max_blocks = block_table.shape[1]
+    valid = write & (pos >= 0) & (blk < max_blocks)
+    if max_blocks:
+        phys = block_table.long()[req, blk.clamp(0, max_blocks - 1)]
+    else:
+        phys = torch.full_like(blk, -1)
+    valid &= (phys >= 0) & (phys < num_blocks)
+    zero = torch.zeros_like(phys)
+    return write, valid, torch.where(valid, phys, zero), torch.where(valid, pos - blk * block_size, zero)
+
+
+def _bf16_nan_canonical(x):
+    """fp32 -> bf16 (round to nearest even), NaN as 0x7FFF."""
+    nan = torch.full((), _BF16_NAN, dtype=torch.int16, device=x.device).view(torch.bfloat16)  # a fill, not a host copy
+    return torch.where(torch.isnan(x), nan, x.to(torch.bfloat16))
+
+
+def _scale_tensor(scale, device):
+    if isinstance(scale, torch.Tensor):
+        return scale.reshape(())
+    return torch.full((), scale, dtype=torch.float32, device=device)  # a fill, not a host copy
+
+
+def dequantize_mla_rows(rows, kv_cache_dtype, scale=None):
+    """Cache entries [m, W] (as stored, any dtype of their width) -> output rows: the same bits for
+    "auto", bf16 otherwise."""
+    if kv_cache_dtype == "auto":
+        return rows
+    u8 = rows.contiguous().view(torch.uint8)
+    if kv_cache_dtype == "fp8_ds_mla":
+        m = u8.shape[0]
+        nope = u8[:, :DS_MLA_NOPE].contiguous().view(torch.float8_e4m3fn).float().view(m, -1, DS_MLA_TILE)
+        scales = u8[:, DS_MLA_SCALE_OFFSET:DS_MLA_ROPE_OFFSET].contiguous().view(torch.float32)
+        nope = _bf16_nan_canonical(nope * scales.unsqueeze(-1)).view(m, DS_MLA_NOPE)
+        return torch.cat([nope, u8[:, DS_MLA_ROPE_OFFSET:DS_MLA_RECORD_BYTES].contiguous().view(torch.bfloat16)], dim=1)
+    x = u8.view(FP8_DTYPES[kv_cache_dtype]).float()
+    return _bf16_nan_canonical(x * _scale_tensor(scale, rows.device))
+
+
+def gather_mla_cache(out, kv_cache, block_table, cu_seq_lens, *, seq_starts=None, kv_cache_dtype="auto", scale=None,
+                     strict=None):
+    """out[t] = the cache entry of output row t, converted per kv_cache_dtype (see the block comment
+    above). ``strict`` (default: CPU or JITKV_DEBUG=1) first raises as ``check_gather_rows``."""
+    strict = default_strict(cu_seq_lens) if strict is None else strict
+    if strict:
+        check_gather_rows(cu_seq_lens, out.shape[0])
+    if out.shape[0] == 0 or cu_seq_lens.numel() < 2:
+        return
+    num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[1]
+    write, valid, blk, row = _gather_plan(out.shape[0], block_table, cu_seq_lens, seq_starts, block_size, num_blocks)
+    dst = _bits(out)
+    if num_blocks == 0:  # an empty cache: every written row is a zero row
+        val = torch.zeros_like(dst)
+    else:
+        val = _bits(dequantize_mla_rows(_bits(kv_cache)[blk, row], kv_cache_dtype, scale))
+        val = torch.where(valid.unsqueeze(1), val, 0)
+    dst.copy_(torch.where(write.unsqueeze(1), val, dst))

@@ -19,14 +19,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jitkv.benchmark", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present, else cpu")
-    p.add_argument("--op", choices=["store_cache", "set_mla_kv_buffer", "dsv4", "indexer", "build"], action="append", default=None)
+    p.add_argument("--op", choices=["store_cache", "set_mla_kv_buffer", "dsv4", "indexer", "gather_mla_cache", "build"],
+                   action="append", default=None)
     p.add_argument("--json", metavar="FILE", help="write every row and the machine description here")
     p.add_argument("--plot", metavar="FILE.png", help="plot GB/s and µs against n per op (needs matplotlib)")
     args = p.parse_args(argv)
     if args.plot:
         _require_matplotlib(p)  # before minutes of benchmarking, not after
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    ops = set(args.op or ["store_cache", "set_mla_kv_buffer", "dsv4", "indexer", "build"])
+    ops = set(args.op or ["store_cache", "set_mla_kv_buffer", "dsv4", "indexer", "gather_mla_cache", "build"])
     report = {"device": _describe(device), "torch": torch.__version__, "rows": [], "build": {}}
     rows = _cpu(ops, report) if device == "cpu" else _gpu(ops, report)
     report["rows"] = [r.as_dict() for r in rows]
@@ -96,6 +97,9 @@ def _cpu(ops, report):
     if "indexer" in ops:
         part = cpu.indexer_rows()
         print_table("DeepSeek-V3.2 indexer K cache", part)
+    if "gather_mla_cache" in ops:
+        part = cpu.mla_gather_rows()
+        print_table("gather_mla_cache", part)
         rows += part
     if "build" in ops:
         report["build"] = cpu.build_timings()
@@ -121,6 +125,7 @@ def _gpu(ops, report):
         (None, "host cost per eager call (n = 1)", gpu.host_overhead_rows),
         ("dsv4", f"DeepSeek-V4 FP8 K cache {graph}", lambda: gpu.dsv4_rows(bw, floor)),
         ("indexer", f"DeepSeek-V3.2 indexer K cache {graph}", lambda: gpu.indexer_rows(bw, floor)),
+        ("gather_mla_cache", f"gather_mla_cache {graph}", lambda: gpu.mla_gather_rows(bw, floor)),
     )
     for op, title, run in sections:
         if op is None or op in ops:

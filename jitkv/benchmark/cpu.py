@@ -137,6 +137,24 @@ def indexer_rows(ns=(1, 133, 4096)) -> list[Row]:
         rows.append(Row("gather_indexer_k_quant_cache", "1 request", n, "torch reference", base, moved, base))
         us = median_us(lambda: jitkv.gather_indexer_k_quant_cache(*args, block_size=bs))
         rows.append(Row("gather_indexer_k_quant_cache", "1 request", n, "jitkv jit", us, moved, base))
+
+
+def mla_gather_rows(reqs=4, tokens=1024, block_size=64) -> list[Row]:
+    """gather_mla_cache: reqs x tokens of 576 bf16 from random blocks, copied and from fp8_e4m3."""
+    rows = []
+    nblk = tokens // block_size
+    table = torch.randperm(2 * reqs * nblk)[: reqs * nblk].view(reqs, nblk).int()
+    cu = torch.arange(0, (reqs + 1) * tokens, tokens, dtype=torch.int32)
+    out = torch.empty(reqs * tokens, 576, dtype=torch.bfloat16)
+    for fmt, cache in (("auto", _rand((2 * reqs * nblk, block_size, 576), torch.bfloat16)),
+                       ("fp8_e4m3", _rand((2 * reqs * nblk, block_size, 576), torch.float8_e4m3fn))):
+        kw = dict(kv_cache_dtype=fmt, scale=0.5 if fmt != "auto" else None)
+        moved = reqs * tokens * 576 * (cache.element_size() + 2)
+        case = f"{reqs} req x {tokens}, {fmt}"
+        base = median_us(lambda: reference.gather_mla_cache(out, cache, table, cu, **kw))
+        rows.append(Row("gather_mla_cache", case, reqs * tokens, "torch reference", base, moved, base))
+        us = median_us(lambda: jitkv.gather_mla_cache(out, cache, table, cu, **kw))
+        rows.append(Row("gather_mla_cache", case, reqs * tokens, "jitkv jit", us, moved, base))
     return rows
 
 

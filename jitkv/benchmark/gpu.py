@@ -314,6 +314,36 @@ def indexer_rows(bw: float, floor_us: float) -> list[Row]:
         rows += _timed_rows("gather_indexer_k_quant_cache", f"{reqs} req x {length}", tokens, moved,
                             with_ceiling(cases, moved), bw, floor_us, eager=("torch reference", CEILING))
         del tables, dst_k, dst_scale
+
+
+def mla_gather_rows(bw: float, floor_us: float) -> list[Row]:
+    """gather_mla_cache, 16 requests x 4096 tokens (a chunked prefill's cached prefix) from random
+    blocks of 64 tokens: 576 bf16 copied, and the fp8_ds_mla record dequantized to 576 bf16."""
+    from jitkv import reference  # noqa: PLC0415
+    from jitkv.layouts import DS_MLA_NOPE, DS_MLA_RECORD_BYTES, DS_MLA_ROPE, DS_MLA_ROPE_OFFSET, DS_MLA_SCALE_OFFSET  # noqa: PLC0415
+
+    reqs, tokens, bs, blocks_per_layer = 16, 4096, 64, 2048  # 2 x the gathered tokens per layer
+    nblk, dims = tokens // bs, DS_MLA_NOPE + DS_MLA_ROPE
+    cu = torch.arange(0, (reqs + 1) * tokens, tokens, dtype=torch.int32, device="cuda")
+    rows = []
+    for label, fmt, width in ((f"{dims} bf16 -> bf16", "auto", 2 * dims),
+                              (f"fp8_ds_mla -> {dims} bf16", "fp8_ds_mla", DS_MLA_RECORD_BYTES)):
+        caches = [torch.empty(blocks_per_layer, bs, width, dtype=torch.uint8, device="cuda").random_(0, 256) for _ in range(LAYERS)]
+        if fmt == "auto":
+            caches = [c.view(torch.bfloat16) for c in caches]
+        else:  # finite tile scales (random bytes would hold NaNs and infinities)
+            for c in caches:
+                scales = torch.rand(blocks_per_layer, bs, (DS_MLA_ROPE_OFFSET - DS_MLA_SCALE_OFFSET) // 4, device="cuda")
+                c[..., DS_MLA_SCALE_OFFSET:DS_MLA_ROPE_OFFSET] = scales.view(torch.uint8)
+        tables = [torch.randperm(blocks_per_layer, device="cuda")[: reqs * nblk].view(reqs, nblk).int() for _ in range(LAYERS)]
+        outs = [torch.empty(reqs * tokens, dims, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+        moved = reqs * tokens * (width + 2 * dims) + reqs * nblk * 4
+        cases = [("torch reference", lambda i: reference.gather_mla_cache(outs[i], caches[i], tables[i], cu, kv_cache_dtype=fmt))]
+        cases += [(name, lambda i, b=b: jitkv.gather_mla_cache(outs[i], caches[i], tables[i], cu, kv_cache_dtype=fmt, backend=b))
+                  for name, b in (("jitkv auto", None), ("triton", "triton"))]
+        rows += _timed_rows("gather_mla_cache", f"{reqs} req x {tokens}, {label}", reqs * tokens, moved,
+                            with_ceiling(cases, moved), bw, floor_us, eager=("torch reference", CEILING))
+        del caches, tables, outs
     return rows
 
 

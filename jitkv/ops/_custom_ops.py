@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import dsv4, indexer, mla, store_cache
+from . import dsv4, indexer, mla, mla_gather, store_cache
 
 _LIB = torch.library.Library("jitkv", "DEF")
 
@@ -59,6 +59,13 @@ def _gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_se
                                          backend=backend)
 
 
+def _gather_mla_cache(out, kv_cache, block_table, cu_seq_lens, seq_starts, kv_cache_dtype, scale_tensor, scale_value,
+                      backend):
+    scale = scale_tensor if scale_tensor is not None else (None if scale_value < 0 else scale_value)
+    mla_gather.gather_mla_cache(out, kv_cache, block_table, cu_seq_lens, seq_starts=seq_starts,
+                                kv_cache_dtype=kv_cache_dtype, scale=scale, backend=backend)
+
+
 _register(
     "set_mla_kv_buffer",
     "(Tensor(a!) kv_buffer, Tensor loc, Tensor cache_k_nope, Tensor cache_k_rope, int? skip_slot, str? backend)",
@@ -92,4 +99,10 @@ _register(
     "(Tensor kv_cache, Tensor(a!) dst_k, Tensor(b!) dst_scale, Tensor block_table, Tensor cu_seq_lens, "
     "int block_size, str? backend)",
     _gather_indexer_k_quant_cache,
+)
+_register(
+    "gather_mla_cache",
+    "(Tensor(a!) out, Tensor kv_cache, Tensor block_table, Tensor cu_seq_lens, Tensor? seq_starts, str kv_cache_dtype, "
+    "Tensor? scale_tensor, float scale_value, str? backend)",
+    _gather_mla_cache,
 )

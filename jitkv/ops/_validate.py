@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from ..layouts import DS_MLA_NOPE, DS_MLA_RECORD_BYTES, DS_MLA_ROPE
+
 INDEX_DTYPES = (torch.int32, torch.int64)
 COPY_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_SRC_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -234,3 +236,74 @@ def _pair_views(op, src_name, src, cache_name, cache, n, h):
     else:
         cache_v = cache.view(cache.shape[0], 1, h, d)
     return src_v, cache_v
+
+
+# ---------------------------------------------------------------------------------------- mla_gather
+
+# kv_cache_dtype of gather_mla_cache: the per-tensor fp8 formats, plus vLLM's 656-byte fp8_ds_mla record.
+GATHER_CACHE_DTYPES = ("auto", *FP8_CACHE, "fp8_ds_mla")
+
+
+def mla_gather(out, kv_cache, block_table, cu_seq_lens, seq_starts, kv_cache_dtype, scale_, debug=False):
+    """Validate gather_mla_cache arguments (the checks of csrc/mla_gather/gather_mla_cache.cuh, in its
+    order); returns the parsed scale (None unless a per-tensor fp8 format)."""
+    op = "gather_mla_cache"
+    for name, t in (("out", out), ("kv_cache", kv_cache), ("block_table", block_table), ("cu_seq_lens", cu_seq_lens)):
+        tensor(op, name, t)
+    if kv_cache_dtype not in GATHER_CACHE_DTYPES:
+        raise ValueError(f"{op}: kv_cache_dtype: expected one of {', '.join(GATHER_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    dev = out.device
+    same_device(op, "kv_cache", kv_cache, dev, "out")
+    index(op, "cu_seq_lens", cu_seq_lens, dev, "out")
+    if seq_starts is not None:
+        index(op, "seq_starts", seq_starts, dev, "out")
+    same_device(op, "block_table", block_table, dev, "out")
+    _gather_dtypes(op, out, kv_cache, kv_cache_dtype)
+    if kv_cache.dim() != 3:
+        raise ValueError(f"{op}: kv_cache: expected shape [num_blocks, block_size, W], got {list(kv_cache.shape)}")
+    last_dim_contiguous(op, "kv_cache", kv_cache)
+    if out.dim() != 2:
+        raise ValueError(f"{op}: out: expected shape [total_tokens, D], got {list(out.shape)}")
+    last_dim_contiguous(op, "out", out)
+    _gather_widths(op, out.shape[1], kv_cache.shape[2], kv_cache_dtype)
+    num_reqs = cu_seq_lens.numel() - 1
+    if num_reqs < 0:
+        raise ValueError(f"{op}: cu_seq_lens: expected num_reqs + 1 >= 1 entries, got 0")
+    if block_table.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{op}: block_table: expected dtype int32 or int64, got {block_table.dtype}")
+    if block_table.dim() != 2:
+        raise ValueError(f"{op}: block_table: expected shape [num_reqs, max_blocks], got {list(block_table.shape)}")
+    last_dim_contiguous(op, "block_table", block_table)
+    for name, t in (("block_table", block_table), ("seq_starts", seq_starts)):
+        if t is not None and t.shape[0] < num_reqs:
+            raise ValueError(f"{op}: {name}: expected at least {num_reqs} rows (cu_seq_lens.numel() - 1), got {t.shape[0]}")
+    if kv_cache_dtype in FP8_CACHE:
+        return scale(op, "scale", scale_, dev, "out", debug)
+    return None
+
+
+def _gather_dtypes(op, out, kv_cache, kv_cache_dtype):
+    if kv_cache_dtype == "auto":
+        if kv_cache.dtype not in COPY_DTYPES:
+            raise TypeError(f"{op}: kv_cache: expected dtype bf16, fp16, fp32, uint8 or float8, got {kv_cache.dtype}")
+        same_dtype(op, "out", out, kv_cache.dtype, "kv_cache (kv_cache_dtype='auto' copies)")
+        return
+    want = FP8_CACHE.get(kv_cache_dtype)
+    if kv_cache.dtype not in (want, torch.uint8):
+        need = "a uint8" if want is None else f"a {want} or uint8"
+        raise ValueError(f"{op}: kv_cache_dtype: {kv_cache_dtype!r} needs {need} kv_cache, got {kv_cache.dtype}")
+    if out.dtype != torch.bfloat16:
+        raise TypeError(f"{op}: out: expected dtype torch.bfloat16 (kv_cache_dtype={kv_cache_dtype!r} dequantizes to "
+                        f"bf16), got {out.dtype}")
+
+
+def _gather_widths(op, d, w, kv_cache_dtype):
+    """Output row width d against the cache entry width w."""
+    if kv_cache_dtype == "fp8_ds_mla":
+        if w != DS_MLA_RECORD_BYTES:
+            raise ValueError(f"{op}: kv_cache: expected entries of {DS_MLA_RECORD_BYTES} bytes (the fp8_ds_mla record), got {w}")
+        want = DS_MLA_NOPE + DS_MLA_ROPE
+    else:
+        want = w
+    if d != want:
+        raise ValueError(f"{op}: out: expected rows of {want} elements (kv_cache's entries), got {d}")

@@ -10,16 +10,18 @@ from jitkv import DSV4_K_CACHE, INDEXER_K_CACHE, reference
 from jitkv.tests.conftest import rand, slots
 
 OPS = ("set_mla_kv_buffer", "store_cache", "quantize_and_insert_k_cache", "dequantize_and_gather_k_cache",
-       "indexer_k_quant_and_cache", "gather_indexer_k_quant_cache")
+       "indexer_k_quant_and_cache", "gather_indexer_k_quant_cache", "gather_mla_cache")
 HOME = {"set_mla_kv_buffer": "kv_buffer", "store_cache": "k_cache", "quantize_and_insert_k_cache": "k_cache",
         "dequantize_and_gather_k_cache": "k_cache", "indexer_k_quant_and_cache": "kv_cache",
-        "gather_indexer_k_quant_cache": "kv_cache"}  # the tensor whose device the others must share
+        "gather_indexer_k_quant_cache": "kv_cache", "gather_mla_cache": "out"}  # the tensor whose device the others must share
 DESTINATIONS = {"set_mla_kv_buffer": ("kv_buffer",), "store_cache": ("k_cache", "v_cache"),
                 "quantize_and_insert_k_cache": ("k_cache",), "dequantize_and_gather_k_cache": ("out",),
-                "indexer_k_quant_and_cache": ("kv_cache",), "gather_indexer_k_quant_cache": ("dst_k", "dst_scale")}
+                "indexer_k_quant_and_cache": ("kv_cache",), "gather_indexer_k_quant_cache": ("dst_k", "dst_scale"),
+                "gather_mla_cache": ("out",)}
 BACKENDS = {"cpu": {"set_mla_kv_buffer": ("jit", "torch"), "store_cache": ("jit", "torch"),
                     "quantize_and_insert_k_cache": ("torch",), "dequantize_and_gather_k_cache": ("torch",),
-                    "indexer_k_quant_and_cache": ("jit", "torch"), "gather_indexer_k_quant_cache": ("jit", "torch")},
+                    "indexer_k_quant_and_cache": ("jit", "torch"), "gather_indexer_k_quant_cache": ("jit", "torch"),
+                    "gather_mla_cache": ("jit", "torch")},
             "cuda": {op: ("jit", "triton", "torch") for op in OPS}}
 
 
@@ -37,6 +39,12 @@ def make_args(op, device):
                     v_scale=torch.tensor([2.0], device=device))
     if op.startswith(("indexer", "gather_indexer")):
         return _indexer_args(op, device)
+    if op == "gather_mla_cache":  # fp8 e4m3 with a tensor scale, request 1 past its table (zero rows), rows 45+ untouched
+        return dict(out=rand((50, 576), bf16, device), kv_cache=rand((6, 16, 576), torch.float8_e4m3fn, device),
+                    block_table=torch.tensor([[3, 0, 5], [1, 2, 4]], dtype=torch.int32, device=device),
+                    cu_seq_lens=torch.tensor([0, 20, 45], device=device),
+                    seq_starts=torch.tensor([5, 30], dtype=torch.int32, device=device), kv_cache_dtype="fp8_e4m3",
+                    scale=torch.tensor([0.37], device=device))
     cache = DSV4_K_CACHE.allocate(4, 64, device).random_(0, 256)
     if op == "quantize_and_insert_k_cache":
         return dict(k=rand((8, 512), bf16, device), k_cache=cache, slot_mapping=slots(256, 8, torch.int64, device),

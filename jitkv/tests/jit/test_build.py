@@ -215,7 +215,7 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
     for spec in specs_for("9.0a"):
         first_per_op.setdefault(spec.op, spec)
     generic_store = [s for s in specs_for("9.0a") if s.op == "store_cache_cuda" and s.args[0][1] == 0]
-    assert set(first_per_op) == {"mla_cuda", "store_cache_cuda", "dsv4_cuda", "indexer_cuda"} and generic_store
+    assert set(first_per_op) == {"mla_cuda", "store_cache_cuda", "dsv4_cuda", "indexer_cuda", "mla_gather_cuda"} and generic_store
     from jitkv.benchmark.gpu import latency_floor_spec  # noqa: PLC0415
 
     built = []
@@ -254,12 +254,12 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
 
 
 def test_prebuild_cli_cpu(tmp_path):
+    from jitkv.prebuild import specs_for  # noqa: PLC0415
+
     res = run_cli("prebuild", cache=tmp_path)
     assert res.returncode == 0, res.stderr
     info = run_cli("info", cache=tmp_path)
     assert info.returncode == 0, info.stderr
-    from jitkv.prebuild import specs_for  # noqa: PLC0415
-
     assert f"{len(specs_for('cpu'))} built module(s)" in info.stdout and "not built yet" not in info.stdout.split("backend per op")[1].split("cuda")[0]
     clear = run_cli("cache", "clear", cache=tmp_path)
     assert clear.returncode == 0 and not any((tmp_path / d / "manifest.json").exists() for d in os.listdir(tmp_path))

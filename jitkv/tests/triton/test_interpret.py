@@ -114,7 +114,32 @@ for kv_dtype, cdt in (("auto", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn
 print("OK")
 """
 
-CASES = {"mla": MLA, "dsv4": DSV4, "store_cache": STORE_CACHE, "indexer": INDEXER}
+MLA_GATHER = """
+import torch
+from jitkv import reference
+from jitkv.ops.mla_gather import FORMATS
+from jitkv.tests.conftest import assert_bitwise, rand
+from jitkv.tests.ops.test_mla_gather import _cache, _requests
+from jitkv.triton.mla_gather import gather_mla_cache_triton
+for fmt, dtype, width in (("auto", torch.bfloat16, 576), ("auto", torch.uint8, 100), ("fp8_e4m3", torch.float8_e4m3fn, 576),
+                          ("fp8_e5m2", torch.uint8, 576), ("fp8_ds_mla", torch.uint8, 656)):
+    bs, nb = 8, 24
+    table, cu, starts = _requests([21, 0, 30, 9], bs, nb, "cpu", max_blocks=4, starts=[3, 0, -2, 1])
+    table[0, 1] = -1
+    table[3, 0] = nb
+    cache = _cache(fmt, dtype, width, nb, bs, "cpu", pad=16)
+    d = 576 if fmt != "auto" else width
+    out = rand((64, d), dtype if fmt == "auto" else torch.bfloat16)[:55]
+    cu += 3  # rows 0..2 are no request's, rows past 55 are clipped: neither is written
+    for scale in ((0.37, torch.tensor([2.5])) if fmt.startswith("fp8_e") else (None,)):
+        got, want = out.clone(), out.clone()
+        gather_mla_cache_triton(got, cache, table, cu, starts, FORMATS[fmt], scale)
+        reference.gather_mla_cache(want, cache, table, cu, seq_starts=starts, kv_cache_dtype=fmt, scale=scale, strict=False)
+        assert_bitwise(got, want)
+print("OK")
+"""
+
+CASES = {"mla": MLA, "dsv4": DSV4, "store_cache": STORE_CACHE, "indexer": INDEXER, "mla_gather": MLA_GATHER}
 
 
 @pytest.mark.parametrize("name", list(CASES))
