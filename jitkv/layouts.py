@@ -36,3 +36,5 @@ DS_MLA_TILES = DS_MLA_NOPE // DS_MLA_TILE  # 4
 DS_MLA_SCALE_OFFSET = DS_MLA_NOPE  # 512
 DS_MLA_ROPE_OFFSET = DS_MLA_SCALE_OFFSET + 4 * DS_MLA_TILES  # 528
 DS_MLA_RECORD_BYTES = DS_MLA_ROPE_OFFSET + 2 * DS_MLA_ROPE  # 656
+# Format code of the fp8_ds_mla record in kernels' build arguments (after FP8_CODES' per-tensor formats).
+DS_MLA_CODE = 3

@@ -20,12 +20,18 @@ def _set_mla_kv_buffer(
     cache_k_rope: torch.Tensor,
     skip_slot: Optional[int],
     backend: Optional[str],
+    kv_cache_dtype: str = "auto",
+    scale_tensor: Optional[torch.Tensor] = None,
+    scale_value: float = -1.0,
 ) -> None:
-    mla.set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot=skip_slot, backend=backend)
+    scale = scale_tensor if scale_tensor is not None else (None if scale_value < 0 else scale_value)
+    mla.set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype=kv_cache_dtype, scale=scale,
+                          skip_slot=skip_slot, backend=backend)
 
 
 @_set_mla_kv_buffer.register_fake
-def _(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot, backend) -> None:
+def _(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot, backend, kv_cache_dtype="auto", scale_tensor=None,
+      scale_value=-1.0) -> None:
     return None
 
 
