@@ -19,9 +19,11 @@ import torch
 from .layouts import (  # noqa: F401  (re-exported: the tests and the Python backends read them here)
     DS_MLA_NOPE,
     DS_MLA_RECORD_BYTES,
+    DS_MLA_ROPE,
     DS_MLA_ROPE_OFFSET,
     DS_MLA_SCALE_OFFSET,
     DS_MLA_TILE,
+    DS_MLA_TILES,
     DSV4_DATA_BYTES,
     DSV4_GROUP,
     DSV4_HEAD_DIM,
@@ -151,6 +153,44 @@ def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, skip_slot=N
     dest, src, any_kept = plan
     new = torch.cat([nope.index_select(0, src), rope.index_select(0, src)], dim=1)
     buf.index_put_((dest,), torch.where(any_kept, new, buf[0]))
+
+
+def set_mla_kv_buffer_fp8(kv_buffer, loc, cache_k_nope, cache_k_rope, *, kv_cache_dtype, scale=None, skip_slot=None,
+                          strict=None):
+    """``set_mla_kv_buffer`` quantizing on write: "fp8"/"fp8_e4m3"/"fp8_e5m2" store
+    ``quantize_fp8(row, scale)`` of the nope then the rope values (one byte each); "fp8_ds_mla" stores
+    the 656-byte record of ``ds_mla_records``. kv_buffer is 1-byte ``[num_slots, W]`` or ``[num_slots, 1, W]``."""
+    nope = cache_k_nope.select(1, 0) if cache_k_nope.dim() == 3 else cache_k_nope
+    rope = cache_k_rope.select(1, 0) if cache_k_rope.dim() == 3 else cache_k_rope
+    buf = (kv_buffer.select(1, 0) if kv_buffer.dim() == 3 else kv_buffer).view(torch.uint8)
+    plan = _plan(loc, buf.shape[0], op="set_mla_kv_buffer", skip_slot=skip_slot, strict=strict, name="loc")
+    if plan is None:
+        return
+    dest, src, any_kept = plan
+    nope, rope = nope.index_select(0, src), rope.index_select(0, src)
+    if kv_cache_dtype == "fp8_ds_mla":
+        new = ds_mla_records(nope, rope)
+    else:
+        fp8 = FP8_DTYPES[kv_cache_dtype]
+        new = torch.cat([quantize_fp8(nope, fp8, scale), quantize_fp8(rope, fp8, scale)], dim=1).view(torch.uint8)
+    buf = buf[:, : new.shape[1]]
+    buf.index_put_((dest,), torch.where(any_kept, new, buf[0]))
+
+
+def ds_mla_records(nope, rope):
+    """nope [m, 512], rope [m, 64] (bf16 or fp16) -> the fp8_ds_mla records, uint8 [m, 656].
+
+    vLLM's concat_and_cache_ds_mla: per tile of 128 nope values, amax = the largest |x| (NaN
+    ignored, inf kept), scale = max(amax / 448, FLT_MIN) with a true fp32 division, each value
+    stored as e4m3(clamp(x / scale, ±448)) rounded to nearest even; then the 4 scales as fp32, then
+    the rope values' 16-bit patterns unchanged (fp16 sources keep fp16 rope)."""
+    m = nope.shape[0]
+    x = nope.float().view(m, DS_MLA_TILES, DS_MLA_TILE)
+    amax = torch.where(torch.isnan(x), 0.0, x.abs()).amax(-1)
+    # A tensor divisor: torch turns division by a Python scalar on CUDA into a multiply by its reciprocal.
+    scale = (amax / torch.full_like(amax, 448.0)).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (x / scale.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).view(m, DS_MLA_NOPE)
+    return torch.cat([q, scale.view(torch.uint8), rope.contiguous().view(torch.uint8)], dim=1)
 
 
 def quantize_fp8(x, fp8_dtype, scale):

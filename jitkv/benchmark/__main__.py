@@ -91,7 +91,7 @@ def _cpu(ops, report):
         print_table("store_cache, cache far larger than the LLC (fraction of copy_ bandwidth)", big)
         rows += part + big
     if "set_mla_kv_buffer" in ops:
-        part = cpu.mla_rows()
+        part = cpu.mla_rows() + cpu.mla_fp8_rows()
         print_table("set_mla_kv_buffer", part)
         rows += part
     if "indexer" in ops:
@@ -121,6 +121,8 @@ def _gpu(ops, report):
     graph = "(CUDA graph, 8 layers, caches >> L2)"
     sections = (  # (op selecting it or None for always, title, rows)
         ("set_mla_kv_buffer", f"set_mla_kv_buffer {graph}", lambda: gpu.mla_rows(bw, floor)),
+        ("set_mla_kv_buffer", f"set_mla_kv_buffer fp8 {graph}; vs torch: the bf16 copy's µs / the row's",
+         lambda: gpu.mla_fp8_rows(bw, floor)),
         ("store_cache", f"store_cache {graph}", lambda: gpu.store_cache_rows(bw, floor)),
         (None, "host cost per eager call (n = 1)", gpu.host_overhead_rows),
         ("dsv4", f"DeepSeek-V4 FP8 K cache {graph}", lambda: gpu.dsv4_rows(bw, floor)),

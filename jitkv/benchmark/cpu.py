@@ -155,6 +155,21 @@ def mla_gather_rows(reqs=4, tokens=1024, block_size=64) -> list[Row]:
         rows.append(Row("gather_mla_cache", case, reqs * tokens, "torch reference", base, moved, base))
         us = median_us(lambda: jitkv.gather_mla_cache(out, cache, table, cu, **kw))
         rows.append(Row("gather_mla_cache", case, reqs * tokens, "jitkv jit", us, moved, base))
+
+
+def mla_fp8_rows(ns=(1, 133, 4096)) -> list[Row]:
+    rows = []
+    for fmt, width in (("fp8_e4m3", 576), ("fp8_ds_mla", 656)):
+        buf = torch.zeros(65536, width, dtype=torch.uint8)
+        kw = dict(kv_cache_dtype=fmt, scale=None if fmt == "fp8_ds_mla" else 0.37)
+        for n in ns:
+            nope, rope = _rand((n, 512), torch.bfloat16), _rand((n, 64), torch.bfloat16)
+            loc = torch.randperm(65536)[:n]
+            moved = n * (1152 + width)
+            base = median_us(lambda: reference.set_mla_kv_buffer_fp8(buf, loc, nope, rope, **kw))
+            rows.append(Row("set_mla_kv_buffer", f"512+64 bf16 -> {fmt}", n, "torch reference", base, moved, base))
+            us = median_us(lambda: jitkv.set_mla_kv_buffer(buf, loc, nope, rope, **kw))
+            rows.append(Row("set_mla_kv_buffer", f"512+64 bf16 -> {fmt}", n, "jitkv jit", us, moved, base))
     return rows
 
 

@@ -195,6 +195,62 @@ def mla_rows(bw: float, floor_us: float, ns=MLA_NS) -> list[Row]:
     return rows
 
 
+FP8_CEILING_N = 16384  # where the fp8 rows also get graph-timed contiguous copies (below CEILING_MIN_BYTES)
+
+
+def mla_fp8_rows(bw: float, floor_us: float, ns=MLA_NS) -> list[Row]:
+    """bf16 512+64 rows quantized to e4m3 (a device scale) and to the 656-byte fp8_ds_mla record. The
+    first row of each n is the bf16 copy at the same n, so "vs torch" reads bf16 µs / fp8 µs; at
+    FP8_CEILING_N also contiguous copies of the same bytes: uint8 (read = write = half the bytes) and,
+    for e4m3, the bf16 -> e4m3 conversion copy_ (read 1152 B, write 576 B per row), both under graph
+    replay like the rows."""
+    from jitkv.ops import mla  # noqa: PLC0415
+
+    rows_per_layer = 1 << 19
+    copy_bufs = [torch.empty(rows_per_layer, 576, dtype=torch.bfloat16, device="cuda").normal_() for _ in range(LAYERS)]
+    arch = jitkv.jit.cuda_arch(torch.device("cuda"))
+    scale = torch.tensor([0.37], device="cuda")
+    rows = []
+    for fmt, width, buf_dtype in (("fp8_e4m3", 576, torch.float8_e4m3fn), ("fp8_ds_mla", 656, torch.uint8)):
+        bufs = [torch.empty(rows_per_layer, width, dtype=torch.uint8, device="cuda").random_(0, 256).view(buf_dtype)
+                for _ in range(LAYERS)]
+        code, fmt_scale = mla.FORMATS[fmt], None if fmt == "fp8_ds_mla" else scale
+        kernel = {k: jitkv.jit.get_function(mla.cuda_spec(arch, 1024, 128, kernel=k, kv_format=code, src_dtype=1),
+                                            mla.FP8_ENTRY) for k in ("split", "row", "generic")}
+        for n in ns:
+            nope = [torch.randn(n, 512, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+            rope = [torch.randn(n, 64, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+            locs = [torch.randperm(rows_per_layer, device="cuda")[:n] for _ in range(LAYERS)]
+            moved = n * (1152 + width)
+            kw = dict(kv_cache_dtype=fmt, scale=fmt_scale)
+            cases = [
+                ("bf16 copy (jitkv auto)", lambda i: jitkv.set_mla_kv_buffer(copy_bufs[i], locs[i], nope[i], rope[i])),
+                ("jitkv auto", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i], **kw)),
+            ] + [(f"jit {k}", lambda i, k=k: kernel[k](bufs[i], locs[i], nope[i], rope[i], -1, code, fmt_scale, -1.0))
+                 for k in kernel] + [
+                ("triton", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i], backend="triton", **kw)),
+            ]
+            if n == FP8_CEILING_N:
+                cases += _fp8_ceilings(n, moved, fmt)
+            rows += _timed_rows("set_mla_kv_buffer", f"512+64 bf16 -> {fmt}", n, moved,
+                                with_ceiling(cases, moved), bw, floor_us, eager=(CEILING,))
+            del nope, rope, locs
+        del bufs
+    return rows
+
+
+def _fp8_ceilings(n: int, moved: int, fmt: str) -> list:
+    """Graph-timed contiguous copies moving the bytes of n fp8 rows (fresh buffers per layer)."""
+    src = [torch.empty(moved // 2, dtype=torch.uint8, device="cuda").random_() for _ in range(LAYERS)]
+    dst = [torch.empty_like(t) for t in src]
+    cases = [(CEILING + " (graph)", lambda i: dst[i].copy_(src[i]))]
+    if fmt == "fp8_e4m3":
+        bf16 = [torch.randn(n, 576, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+        e4m3 = [torch.empty(n, 576, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(LAYERS)]
+        cases.append(("contiguous bf16 -> e4m3 copy_ (graph)", lambda i: e4m3[i].copy_(bf16[i])))
+    return cases
+
+
 STORE_NS = (1, 2, 4, 16, 64, 256, 1024, 4096, 16384, 131072)
 
 

@@ -27,8 +27,11 @@ def _register(name: str, schema: str, fn) -> None:
     _LIB.impl(name, _nothing, "Meta")
 
 
-def _set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot, backend):
-    mla.set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot=skip_slot, backend=backend)
+def _set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot, backend, kv_cache_dtype="auto",
+                       scale_tensor=None, scale_value=-1.0):  # the dispatcher drops arguments equal to the schema's defaults
+    scale = scale_tensor if scale_tensor is not None else (None if scale_value < 0 else scale_value)
+    mla.set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype=kv_cache_dtype, scale=scale,
+                          skip_slot=skip_slot, backend=backend)
 
 
 def _store_cache(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale_tensor, k_scale_value,
@@ -68,7 +71,8 @@ def _gather_mla_cache(out, kv_cache, block_table, cu_seq_lens, seq_starts, kv_ca
 
 _register(
     "set_mla_kv_buffer",
-    "(Tensor(a!) kv_buffer, Tensor loc, Tensor cache_k_nope, Tensor cache_k_rope, int? skip_slot, str? backend)",
+    "(Tensor(a!) kv_buffer, Tensor loc, Tensor cache_k_nope, Tensor cache_k_rope, int? skip_slot, str? backend, "
+    "str kv_cache_dtype=\"auto\", Tensor? scale_tensor=None, float scale_value=-1.0)",
     _set_mla_kv_buffer,
 )
 _register(

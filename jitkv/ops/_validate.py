@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..layouts import DS_MLA_NOPE, DS_MLA_RECORD_BYTES, DS_MLA_ROPE
+from ..layouts import DS_MLA_NOPE, DS_MLA_RECORD_BYTES, DS_MLA_ROPE, DS_MLA_TILE
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 COPY_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -68,10 +68,15 @@ def rows_at_least(op, name, t, n, index_name):
         raise ValueError(f"{op}: {name}: has {t.shape[0]} rows, fewer than {index_name}.numel() = {n}")
 
 
+# Python floats the kernels' float32 rounding keeps finite and > 0 (as the C++ bindings check it).
+_F32_ROUNDS_TO_ZERO = 2.0**-150
+_F32_ROUNDS_TO_INF = 2.0**128 - 2.0**103
+
+
 def scale_value(op, name, scale):
-    """A Python-float scale must be finite and > 0 (there is no silent 1.0)."""
+    """A Python-float scale must be finite and > 0 as float32 (there is no silent 1.0)."""
     s = float(scale)
-    if not (math.isfinite(s) and s > 0):
+    if not (_F32_ROUNDS_TO_ZERO < s < _F32_ROUNDS_TO_INF):  # NaN compares false
         raise ValueError(f"{op}: {name}: must be finite and > 0, got {scale!r}")
     return s
 
@@ -143,6 +148,55 @@ def mla(kv_buffer, loc, k_nope, k_rope):
             f"{op}: kv_buffer: row width {buf.shape[1]} is smaller than nope + rope = {nope.shape[1]} + {rope.shape[1]}"
         )
     return buf, nope, rope
+
+
+MLA_FP8_SRC_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def no_ds_mla_scale(op, scale):
+    if scale is not None:
+        raise ValueError(f"{op}: scale: kv_cache_dtype=\"fp8_ds_mla\" computes one scale per {DS_MLA_TILE}-value "
+                         f"tile; expected None, got {type(scale).__name__}")
+
+
+def mla_fp8(kv_buffer, loc, k_nope, k_rope, kv_cache_dtype, scale_arg, debug=False):
+    """Validate set_mla_kv_buffer arguments for an fp8 kv_cache_dtype (a known name); return 2-D views
+    (kv_buffer, k_nope, k_rope) and the scale (None for fp8_ds_mla). ``debug`` as for ``scale``."""
+    op = "set_mla_kv_buffer"
+    for name, t in (("kv_buffer", kv_buffer), ("k_nope", k_nope), ("k_rope", k_rope)):
+        tensor(op, name, t)
+    if k_nope.dtype not in MLA_FP8_SRC_DTYPES:
+        raise TypeError(f"{op}: k_nope: fp8 quantize-on-write takes bfloat16 or float16 sources, got {k_nope.dtype}")
+    same_dtype(op, "k_rope", k_rope, k_nope.dtype, "k_nope")
+    ds = kv_cache_dtype == "fp8_ds_mla"
+    allowed = (torch.uint8,) if ds else (torch.uint8, FP8_CACHE[kv_cache_dtype])
+    if kv_buffer.dtype not in allowed:
+        raise ValueError(f"{op}: kv_buffer: kv_cache_dtype={kv_cache_dtype!r} writes a "
+                         f"{' or '.join(str(d) for d in allowed)} buffer, got {kv_buffer.dtype}")
+    dev = kv_buffer.device
+    index(op, "loc", loc, dev, "kv_buffer")
+    for name, t in (("k_nope", k_nope), ("k_rope", k_rope)):
+        same_device(op, name, t, dev, "kv_buffer")
+    buf = _row_view(op, "kv_buffer", kv_buffer, "W")
+    nope = _row_view(op, "k_nope", k_nope, "nope")
+    rope = _row_view(op, "k_rope", k_rope, "rope")
+    n = loc.numel()
+    rows_at_least(op, "k_nope", nope, n, "loc")
+    rows_at_least(op, "k_rope", rope, n, "loc")
+    if ds:
+        for name, t, want in (("k_nope", nope, DS_MLA_NOPE), ("k_rope", rope, DS_MLA_ROPE)):
+            if t.shape[1] != want:
+                raise ValueError(f"{op}: {name}: fp8_ds_mla takes rows of {want} values, got {t.shape[1]}")
+        if buf.shape[1] < DS_MLA_RECORD_BYTES:
+            raise ValueError(f"{op}: kv_buffer: row width {buf.shape[1]} is smaller than the {DS_MLA_RECORD_BYTES}-byte "
+                             "fp8_ds_mla record")
+        no_ds_mla_scale(op, scale_arg)
+        return buf, nope, rope, None
+    if buf.shape[1] < nope.shape[1] + rope.shape[1]:
+        raise ValueError(
+            f"{op}: kv_buffer: row width {buf.shape[1]} is smaller than nope + rope = {nope.shape[1]} + {rope.shape[1]}"
+        )
+    return buf, nope, rope, scale(op, "scale", scale_arg, dev, "kv_buffer", debug)
 
 
 # --------------------------------------------------------------------------------------- store_cache

@@ -1,11 +1,12 @@
-// set_mla_kv_buffer: kv_buffer[loc[i], :nope] = k_nope[i], kv_buffer[loc[i], nope:] = k_rope[i].
+// set_mla_kv_buffer: kv_buffer[loc[i], :nope] = k_nope[i], kv_buffer[loc[i], nope:] = k_rope[i], copied or
+// quantized to FP8 on the way (kv_cache_dtype, KvFormat).
 //
-// The family's one parameter block (MlaParams) and its argument parser, shared by the CUDA binding
-// (set_mla_kv_buffer_cuda.cu) and the CPU binding (set_mla_kv_buffer_cpu.cpp, which sees only this
-// host part), then the CUDA kernels (compiled by nvcc only).
+// The family's one parameter block (MlaParams) and its argument parsers (copy, fp8), shared by the CUDA
+// binding (set_mla_kv_buffer_cuda.cu) and the CPU binding (set_mla_kv_buffer_cpu.cpp, which sees only
+// this host part), then the CUDA kernels (compiled by nvcc only). A row whose slot is < 0, == skip_slot
+// or >= num_slots is never written.
 //
-// A pure row scatter: the kernels only move bytes; a row whose slot is < 0, == skip_slot or
-// >= num_slots is never written.
+// The copy ("auto") moves bytes:
 //  - latency kernel (the default; 16-byte aligned rows that fit in registers): one warp per row, the
 //    slot and the row loaded together (set_mla_kv_buffer_latency_kernel).
 //  - bulk kernels: each warp takes kRows consecutive rows per step (grid-stride loop): it reads their
@@ -16,34 +17,55 @@
 //      (nope + rope bytes). A slot is rewritten only after the previous step's bulk stores have read
 //      it (wait_group.read, checked after the next loads are issued, so it costs nothing).
 //    - vector path (any arch, any alignment): the registers are stored straight to global memory.
+// The fp8 formats (e4m3 / e5m2 with a per-tensor scale, the fp8_ds_mla record) convert bf16/fp16 rows:
+//  - fast kernel (16-byte aligned sources): the latency kernel's pattern with one or two warps per row,
+//    an exact branch-free division per value, fp8_ds_mla's tile amax by redux.sync
+//    (set_mla_kv_buffer_fp8_kernel);
+//  - generic kernel (any alignment): one warp per row, 16-bit loads, byte stores.
 // Programmatic dependent launch: see jitkv/cuda/launch.cuh.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "jitkv/check.h"
 
 #if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
+#include <cstring>
+
+#include "jitkv/cuda/fp8.cuh"
 #include "jitkv/cuda/launch.cuh"
 #endif
 
 namespace jitkv::mla {
 
+// kv_cache_dtype as the format codes of jitkv/layouts.py (FP8_CODES, DS_MLA_CODE): a bitwise copy,
+// quantizing with a per-tensor scale, or the fp8_ds_mla record.
+enum class KvFormat : int32_t { kCopy = 0, kE4M3 = 1, kE5M2 = 2, kDsMla = 3 };
+
 // Shapes: kv_buffer [S, W] or [S, 1, W]; k_nope [n', nope] or [n', 1, nope]; k_rope likewise;
-// W >= nope + rope; n' >= n = loc.numel(). One dtype everywhere (bf16, fp16, fp32, uint8, float8).
-// Only the innermost dim must be contiguous: row strides are arbitrary and kept in bytes. The
-// binding checks the device type (CPU vs CUDA); the parser checks that all tensors share one.
-// The kernels read the fields up to skip_slot; the rest is for the host.
+// n' >= n = loc.numel(). Only the innermost dim must be contiguous: row strides are arbitrary and kept
+// in bytes. The copy: one dtype everywhere (bf16, fp16, fp32, uint8, float8), W >= nope + rope. The fp8
+// formats: bf16/fp16 sources into a 1-byte buffer (parse_fp8_params). The binding checks the device
+// type (CPU vs CUDA); the parser checks that all tensors share one. The kernels read the fields up to
+// kv_format; the rest is for the host.
 struct MlaParams {
   char* dst;
   const char* nope;
   const char* rope;
   const void* loc;
   int64_t n, num_slots, dst_row_stride, nope_row_stride, rope_row_stride, skip_slot;  // strides: bytes
-  int64_t nope_bytes, rope_bytes;
+  const float* scale_ptr;  // per-tensor fp8 scale: a 1-element float32 tensor on the device, or nullptr
+  float scale;             // the scale when scale_ptr is nullptr
+  int32_t kv_format;       // KvFormat
+  int64_t nope_bytes, rope_bytes;  // source bytes per row
   DLDevice device;
+  DLDataType dtype;  // of k_nope and k_rope
   bool loc_i64;
 };
 
@@ -54,36 +76,30 @@ inline int64_t row_width(const char* op, const char* name, const TensorView& t, 
   return 0;
 }
 
-inline MlaParams parse_params(const char* op, const TensorView& kv_buffer, const TensorView& loc,
-                              const TensorView& k_nope, const TensorView& k_rope, int64_t skip_slot) {
-  const DLDataType dt = kv_buffer.dtype();
-  if (!is_copy_dtype(dt)) {
-    TVM_FFI_THROW(TypeError) << op << ": kv_buffer: expected dtype bfloat16, float16, float32, uint8, "
-                             << "float8_e4m3fn or float8_e5m2, got " << dt;
-  }
+struct RowWidths {
+  int64_t buffer, nope, rope;  // elements
+};
+
+// The checks every format shares (devices, shapes, contiguity, the index) and the fields that do not
+// depend on the format; the callers check dtypes before and their row-width rule after.
+inline MlaParams parse_rows(const char* op, const TensorView& kv_buffer, const TensorView& loc,
+                            const TensorView& k_nope, const TensorView& k_rope, int64_t skip_slot, RowWidths& w) {
   const DLDevice dev = kv_buffer.device();
   check_device(op, "k_nope", k_nope, dev, "kv_buffer");
   check_device(op, "k_rope", k_rope, dev, "kv_buffer");
   check_device(op, "loc", loc, dev, "kv_buffer");
-  check_same_dtype(op, "k_nope", k_nope, dt, "kv_buffer");
-  check_same_dtype(op, "k_rope", k_rope, dt, "kv_buffer");
-
-  const int64_t width = row_width(op, "kv_buffer", kv_buffer, "[num_slots, W] or [num_slots, 1, W]");
-  const int64_t nope = row_width(op, "k_nope", k_nope, "[n, nope] or [n, 1, nope]");
-  const int64_t rope = row_width(op, "k_rope", k_rope, "[n, rope] or [n, 1, rope]");
+  w.buffer = row_width(op, "kv_buffer", kv_buffer, "[num_slots, W] or [num_slots, 1, W]");
+  w.nope = row_width(op, "k_nope", k_nope, "[n, nope] or [n, 1, nope]");
+  w.rope = row_width(op, "k_rope", k_rope, "[n, rope] or [n, 1, rope]");
   check_last_dim_contiguous(op, "kv_buffer", kv_buffer);
   check_last_dim_contiguous(op, "k_nope", k_nope);
   check_last_dim_contiguous(op, "k_rope", k_rope);
-  if (width < nope + rope) {
-    TVM_FFI_THROW(ValueError) << op << ": kv_buffer: row width " << width << " is smaller than nope + rope = "
-                              << nope << " + " << rope;
-  }
   const bool loc_i64 = check_index(op, "loc", loc);
   const int64_t n = loc.numel();
   check_rows_at_least(op, "k_nope", k_nope, n, "loc");
   check_rows_at_least(op, "k_rope", k_rope, n, "loc");
 
-  const int64_t es = elem_bytes(dt);
+  const int64_t es = elem_bytes(k_nope.dtype());
   MlaParams p;
   p.dst = data_ptr(kv_buffer);
   p.nope = data_ptr(k_nope);
@@ -91,16 +107,162 @@ inline MlaParams parse_params(const char* op, const TensorView& kv_buffer, const
   p.loc = data_ptr(loc);
   p.n = n;
   p.num_slots = kv_buffer.size(0);
-  p.dst_row_stride = kv_buffer.stride(0) * es;
+  p.dst_row_stride = kv_buffer.stride(0) * elem_bytes(kv_buffer.dtype());
   p.nope_row_stride = k_nope.stride(0) * es;
   p.rope_row_stride = k_rope.stride(0) * es;
   p.skip_slot = skip_slot;
-  p.nope_bytes = nope * es;
-  p.rope_bytes = rope * es;
+  p.scale_ptr = nullptr;
+  p.scale = 1.0f;
+  p.kv_format = static_cast<int32_t>(KvFormat::kCopy);
+  p.nope_bytes = w.nope * es;
+  p.rope_bytes = w.rope * es;
   p.device = dev;
+  p.dtype = k_nope.dtype();
   p.loc_i64 = loc_i64;
   return p;
 }
+
+inline MlaParams parse_params(const char* op, const TensorView& kv_buffer, const TensorView& loc,
+                              const TensorView& k_nope, const TensorView& k_rope, int64_t skip_slot) {
+  const DLDataType dt = kv_buffer.dtype();
+  if (!is_copy_dtype(dt)) {
+    TVM_FFI_THROW(TypeError) << op << ": kv_buffer: expected dtype bfloat16, float16, float32, uint8, "
+                             << "float8_e4m3fn or float8_e5m2, got " << dt;
+  }
+  check_same_dtype(op, "k_nope", k_nope, dt, "kv_buffer");
+  check_same_dtype(op, "k_rope", k_rope, dt, "kv_buffer");
+  RowWidths w;
+  const MlaParams p = parse_rows(op, kv_buffer, loc, k_nope, k_rope, skip_slot, w);
+  if (w.buffer < w.nope + w.rope) {
+    TVM_FFI_THROW(ValueError) << op << ": kv_buffer: row width " << w.buffer << " is smaller than nope + rope = "
+                              << w.nope << " + " << w.rope;
+  }
+  return p;
+}
+
+// ---- FP8 formats: compiled into the modules built with the fp8_ds_mla record's layout (the CPU module
+// and the CUDA modules of an fp8 format) ----
+#if defined(JITKV_DSMLA_BYTES)
+
+// The fp8_ds_mla record (build arguments from jitkv/layouts.py DS_MLA_*): kNope values as e4m3 bytes in
+// tiles of kTile, a float32 scale per tile at kScaleOffset, the kRope 16-bit rope values at kRopeOffset.
+struct DsMla {
+  static constexpr int kNope = JITKV_DSMLA_NOPE;
+  static constexpr int kRope = JITKV_DSMLA_ROPE;
+  static constexpr int kTile = JITKV_DSMLA_TILE;
+  static constexpr int kTiles = kNope / kTile;
+  static constexpr int kScaleOffset = JITKV_DSMLA_SCALES;
+  static constexpr int kRopeOffset = JITKV_DSMLA_ROPE_AT;
+  static constexpr int kBytes = JITKV_DSMLA_BYTES;
+  static constexpr float kFp8Max = 448.0f;  // e4m3: the tile scale is amax / kFp8Max
+  static_assert(kNope % kTile == 0 && kScaleOffset >= kNope && kRopeOffset >= kScaleOffset + 4 * kTiles &&
+                    kBytes >= kRopeOffset + 2 * kRope,
+                "fp8_ds_mla record parts overlap");
+};
+
+inline const char* format_name(KvFormat f) {
+  return f == KvFormat::kE4M3 ? "fp8_e4m3" : f == KvFormat::kE5M2 ? "fp8_e5m2" : "fp8_ds_mla";
+}
+
+// The Python wrapper passes kv_cache_dtype as its code (a String argument costs tvm-ffi build time).
+inline KvFormat parse_fp8_format(const char* op, int64_t code) {
+  if (code < static_cast<int64_t>(KvFormat::kE4M3) || code > static_cast<int64_t>(KvFormat::kDsMla)) {
+    TVM_FFI_THROW(ValueError) << op << ": kv_cache_dtype: expected code 1 (\"fp8_e4m3\"), 2 (\"fp8_e5m2\") or 3 "
+                              << "(\"fp8_ds_mla\"), got " << code;
+  }
+  return static_cast<KvFormat>(code);
+}
+
+inline bool is_fp8_source(DLDataType d) {
+  return d.lanes == 1 && d.bits == 16 && (d.code == kDLBfloat || d.code == kDLFloat);
+}
+
+// uint8, or the float8 dtype of a per-tensor format.
+inline void check_fp8_buffer(const char* op, const TensorView& kv_buffer, KvFormat f) {
+  const DLDataType d = kv_buffer.dtype();
+  if (d.lanes == 1 && d.bits == 8 &&
+      (d.code == kDLUInt || (f == KvFormat::kE4M3 && d.code == kDLFloat8_e4m3fn) ||
+       (f == KvFormat::kE5M2 && d.code == kDLFloat8_e5m2))) {
+    return;
+  }
+  const char* fp8 = f == KvFormat::kE4M3 ? " or float8_e4m3fn" : f == KvFormat::kE5M2 ? " or float8_e5m2" : "";
+  TVM_FFI_THROW(ValueError) << op << ": kv_buffer: kv_cache_dtype=\"" << format_name(f) << "\" writes a uint8" << fp8
+                            << " buffer, got " << d;
+}
+
+// The per-tensor formats' scale: a 1-element float32 tensor on the buffer's device (read by the kernel,
+// so a CUDA graph replays with its new value), or a Python float (value; -1.0 exactly means "not
+// given"), finite and > 0 as float32. fp8_ds_mla takes none: it computes one scale per tile.
+inline void parse_fp8_scale(const char* op, KvFormat f, const Optional<TensorView>& scale, double value,
+                            MlaParams& p) {
+  if (f == KvFormat::kDsMla) {
+    if (scale.has_value() || value != -1.0) {
+      TVM_FFI_THROW(ValueError) << op << ": scale: kv_cache_dtype=\"fp8_ds_mla\" computes one scale per "
+                                << DsMla::kTile << "-value tile; expected None";
+    }
+    return;
+  }
+  if (scale.has_value()) {
+    const TensorView& s = scale.value();
+    check_device(op, "scale", s, p.device, "kv_buffer");
+    if (!(s.dtype().code == kDLFloat && s.dtype().bits == 32 && s.dtype().lanes == 1)) {
+      TVM_FFI_THROW(TypeError) << op << ": scale: expected a float32 tensor, got " << s.dtype();
+    }
+    if (s.numel() != 1) {
+      TVM_FFI_THROW(ValueError) << op << ": scale: expected a 1-element tensor, got shape " << shape_str(s);
+    }
+    p.scale_ptr = reinterpret_cast<const float*>(data_ptr(s));
+    return;
+  }
+  if (value == -1.0) {
+    TVM_FFI_THROW(ValueError) << op << ": scale: kv_cache_dtype=\"" << format_name(f) << "\" requires a scale "
+                              << "(a float or a 1-element float32 tensor, finite and > 0), got None";
+  }
+  const float v = static_cast<float>(value);
+  if (!(std::isfinite(v) && v > 0.0f)) {
+    TVM_FFI_THROW(ValueError) << op << ": scale: must be finite and > 0 (as float32), got " << value;
+  }
+  p.scale = v;
+}
+
+// The fp8 formats: k_nope and k_rope bf16 or fp16 (one dtype); kv_buffer uint8 (or the format's float8
+// dtype); e4m3/e5m2: W >= nope + rope and a scale; fp8_ds_mla: nope and rope of the record, W >= its
+// bytes, no scale.
+inline MlaParams parse_fp8_params(const char* op, const TensorView& kv_buffer, const TensorView& loc,
+                                  const TensorView& k_nope, const TensorView& k_rope, int64_t skip_slot,
+                                  int64_t kv_format, const Optional<TensorView>& scale, double scale_value) {
+  const KvFormat f = parse_fp8_format(op, kv_format);
+  if (!is_fp8_source(k_nope.dtype())) {
+    TVM_FFI_THROW(TypeError) << op << ": k_nope: fp8 quantize-on-write takes bfloat16 or float16 sources, got "
+                             << k_nope.dtype();
+  }
+  check_same_dtype(op, "k_rope", k_rope, k_nope.dtype(), "k_nope");
+  check_fp8_buffer(op, kv_buffer, f);
+  RowWidths w;
+  MlaParams p = parse_rows(op, kv_buffer, loc, k_nope, k_rope, skip_slot, w);
+  if (f == KvFormat::kDsMla) {
+    if (w.nope != DsMla::kNope) {
+      TVM_FFI_THROW(ValueError) << op << ": k_nope: fp8_ds_mla takes rows of " << DsMla::kNope << " values, got "
+                                << w.nope;
+    }
+    if (w.rope != DsMla::kRope) {
+      TVM_FFI_THROW(ValueError) << op << ": k_rope: fp8_ds_mla takes rows of " << DsMla::kRope << " values, got "
+                                << w.rope;
+    }
+    if (w.buffer < DsMla::kBytes) {
+      TVM_FFI_THROW(ValueError) << op << ": kv_buffer: row width " << w.buffer << " is smaller than the "
+                                << DsMla::kBytes << "-byte fp8_ds_mla record";
+    }
+  } else if (w.buffer < w.nope + w.rope) {
+    TVM_FFI_THROW(ValueError) << op << ": kv_buffer: row width " << w.buffer << " is smaller than nope + rope = "
+                              << w.nope << " + " << w.rope;
+  }
+  parse_fp8_scale(op, f, scale, scale_value, p);
+  p.kv_format = static_cast<int32_t>(f);
+  return p;
+}
+
+#endif  // JITKV_DSMLA_BYTES
 
 #if defined(__CUDACC__)
 
@@ -341,6 +503,332 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (lane == 0) bulk_wait_smem_read();  // shared memory must outlive the bulk reads of it
   }
 }
+
+#if defined(JITKV_DSMLA_BYTES)
+// ---- FP8 writers ----
+// stored = cvt.rn.satfinite(x / scale) with the correctly rounded fp32 quotient (cuda::Divider, or
+// __fdiv_rn for vectors with a value outside its exact window), then the hardware's round-to-nearest-even
+// conversion, which saturates finite overflow and +-inf to +-max (the bytes of clamp(-max, max) first)
+// and gives 0x7F for NaN: bit-equal to torch's (x.float() / scale).clamp(-max, max).to(float8) on the GPU.
+
+enum class Src16 : int { kBF16 = 1, kF16 = 2 };  // k_nope/k_rope dtype of an fp8 module (JitSpec src_dtype)
+
+template <Src16 kSrc>
+struct Src16Traits {
+  static constexpr uint32_t kInf = kSrc == Src16::kBF16 ? 0x7f80u : 0x7c00u;  // magnitude of inf
+  static constexpr uint32_t kNanAbove = kInf;                                   // magnitudes above: NaN
+
+  __device__ __forceinline__ static float value(uint32_t bits) {  // one value in the low 16 bits
+    if constexpr (kSrc == Src16::kBF16) {
+      return __uint_as_float(bits << 16);
+    } else {
+      return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+    }
+  }
+  __device__ __forceinline__ static float2 pair(uint32_t w) {  // a word's two values, the low half first
+    if constexpr (kSrc == Src16::kBF16) {
+      return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+    } else {
+      __half2 h;
+      memcpy(&h, &w, sizeof(h));
+      return __half22float2(h);
+    }
+  }
+};
+
+// Largest magnitude (the low 15 bits) of a 16-byte vector's 8 values and, with kMin, the smallest
+// nonzero one (0x8000 when all are zero), by packed 16-bit max/min: a few instructions per word.
+struct VecMags {
+  uint32_t max, min_nonzero;
+};
+template <bool kMin>
+__device__ __forceinline__ VecMags vec_mags(const uint4& v) {
+  const uint32_t a = v.x & 0x7fff7fffu, b = v.y & 0x7fff7fffu, c = v.z & 0x7fff7fffu, d = v.w & 0x7fff7fffu;
+  const uint32_t mx = __vmaxu2(__vmaxu2(a, b), __vmaxu2(c, d));
+  VecMags m{max(mx >> 16, mx & 0xffffu), 0u};
+  if constexpr (kMin) {
+    // (m - 1) mod 2^15 in each half (no carry crosses halves): zeros become the largest.
+    const auto dec = [](uint32_t x) { return (x + 0x7fff7fffu) & 0x7fff7fffu; };
+    const uint32_t mn = __vminu2(__vminu2(dec(a), dec(b)), __vminu2(dec(c), dec(d)));
+    m.min_nonzero = min(mn >> 16, mn & 0xffffu) + 1;
+  }
+  return m;
+}
+
+// Largest magnitude of a vector's values leaving NaN out (fmaxf's rule), for the rare vector with a NaN.
+template <Src16 kSrc>
+__device__ __forceinline__ uint32_t max_mag_no_nan(const uint4& v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  uint32_t best = 0;
+  for (int k = 0; k < 8; ++k) {
+    const uint32_t m = (w[k / 2] >> (16 * (k % 2))) & 0x7fffu;
+    if (m <= Src16Traits<kSrc>::kNanAbove && m > best) best = m;
+  }
+  return best;
+}
+
+// The 16-bit magnitudes whose quotient Divider::quick gets exactly: a vector takes it when every nonzero
+// magnitude m has lo <= m < hi.
+template <Src16 kSrc>
+struct QuickRange {
+  uint32_t lo, hi;
+  __device__ __forceinline__ explicit QuickRange(const cuda::Divider& d) {
+    if constexpr (kSrc == Src16::kBF16) {  // a bf16 magnitude is the fp32 biased exponent << 7 | 7 mantissa bits
+      lo = d.lo << 7;
+      hi = (d.lo + d.span) << 7;
+    } else {  // every finite nonzero fp16 value has an fp32 biased exponent in [103, 142]
+      lo = 0;
+      hi = d.lo <= 103 && d.lo + d.span > 142 ? 0x7c00u : 0u;
+    }
+  }
+  __device__ __forceinline__ bool fast(const VecMags& m) const {
+    if constexpr (kSrc == Src16::kBF16) {
+      return m.max < hi && m.min_nonzero >= lo;
+    } else {
+      return m.max < hi;
+    }
+  }
+};
+
+template <KvFormat kFmt>
+constexpr __nv_fp8_interpretation_t fp8_interp() {
+  return kFmt == KvFormat::kE5M2 ? __NV_E5M2 : __NV_E4M3;  // fp8_ds_mla stores e4m3
+}
+
+template <KvFormat kFmt>
+__device__ __forceinline__ uint32_t fp8x4(float a, float b, float c, float d) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, fp8_interp<kFmt>());
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, fp8_interp<kFmt>());
+  return lo | (hi << 16);
+}
+
+// The 8 fp8 bytes of a 16-byte source vector: x / scale through Divider::quick when `fast`, else __fdiv_rn.
+template <Src16 kSrc, KvFormat kFmt>
+__device__ __forceinline__ uint2 quantize_vec(const uint4& v, const cuda::Divider& d, bool fast) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  float q[8];
+  if (fast) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 x = Src16Traits<kSrc>::pair(w[k]);
+      q[2 * k] = d.quick(x.x);
+      q[2 * k + 1] = d.quick(x.y);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 x = Src16Traits<kSrc>::pair(w[k]);
+      q[2 * k] = __fdiv_rn(x.x, d.s);
+      q[2 * k + 1] = __fdiv_rn(x.y, d.s);
+    }
+  }
+  return make_uint2(fp8x4<kFmt>(q[0], q[1], q[2], q[3]), fp8x4<kFmt>(q[4], q[5], q[6], q[7]));
+}
+
+// A row as the fast fp8 kernel sees it: 16-byte source vectors of 8 values, kNopeBytes / 16 of k_nope
+// then kRopeBytes / 16 of k_rope, taken by kRowWarps warps: warp w takes the w-th share of each part, its
+// lane l the vectors l, l + 32, ... of that share.
+template <int kNopeBytes, int kRopeBytes, int kRowWarps>
+struct Fp8Row {
+  static_assert(kNopeBytes % 16 == 0 && kRopeBytes % 16 == 0, "rows of 16-byte source vectors");
+  static constexpr int kNopeShare = kNopeBytes / 16 / kRowWarps;
+  static constexpr int kRopeShare = kRopeBytes / 16 / kRowWarps;
+  static_assert(kNopeShare * kRowWarps * 16 == kNopeBytes && kRopeShare * kRowWarps * 16 == kRopeBytes,
+                "each part splits evenly across the row's warps");
+  static constexpr int kNopeIters = (kNopeShare + 31) / 32;
+  static constexpr int kRopeIters = (kRopeShare + 31) / 32;
+
+  // Whether a lane's register i holds a vector (compile-time true but for a last, partial one).
+  __device__ __forceinline__ static bool nope_has(int i, int lane) {
+    return 32 * i + 31 < kNopeShare || 32 * i + lane < kNopeShare;
+  }
+  __device__ __forceinline__ static bool rope_has(int i, int lane) {
+    return 32 * i + 31 < kRopeShare || 32 * i + lane < kRopeShare;
+  }
+};
+
+// Rows can split across two warps when both parts halve into 16-byte vectors.
+template <int kNopeBytes, int kRopeBytes>
+constexpr bool fp8_row_splits() {
+  return kNopeBytes % 32 == 0 && kRopeBytes % 32 == 0;
+}
+
+// Lane 0's store of its warp's tile scales (consecutive floats).
+template <int kCount>
+__device__ __forceinline__ void store_scales(char* dst, const float (&s)[kCount]) {
+  if constexpr (kCount == 4) {
+    *reinterpret_cast<float4*>(dst) = make_float4(s[0], s[1], s[2], s[3]);
+  } else if constexpr (kCount == 2) {
+    *reinterpret_cast<float2*>(dst) = make_float2(s[0], s[1]);
+  } else {
+#pragma unroll
+    for (int t = 0; t < kCount; ++t) reinterpret_cast<float*>(dst)[t] = s[t];
+  }
+}
+
+// fp8_ds_mla tile scale from its amax (a 16-bit magnitude, not NaN): max(amax / 448, FLT_MIN) with the
+// correctly rounded quotient, without __fdiv_rn's range check and branch (which would keep the tiles'
+// reductions from overlapping): q = amax * RN(1 / 448) and one residual correction give it for every
+// finite bf16 and fp16 amax (the CUDA tests feed every one of them); +inf stays +inf.
+template <Src16 kSrc>
+__device__ __forceinline__ float ds_mla_scale(uint32_t amax) {
+  constexpr float kInv = 1.0f / DsMla::kFp8Max;
+  const float a = Src16Traits<kSrc>::value(amax);
+  const float q = __fmul_rn(a, kInv);
+  const float exact = __fmaf_rn(__fmaf_rn(-q, DsMla::kFp8Max, a), kInv, q);
+  return fmaxf(amax == Src16Traits<kSrc>::kInf ? a : exact, FLT_MIN);
+}
+
+// Fast fp8 kernel (16-byte aligned sources; destination rows 8-byte aligned, 16 for fp8_ds_mla): the
+// latency pattern of set_mla_kv_buffer_latency_kernel with kRowWarps warps per row. Addresses before
+// the PDL wait; after it each warp issues its slot load, the per-tensor scale and all of its source
+// loads at once (padding rows' sources are read, never written), lets the next kernel launch, quantizes,
+// and stores if the slot is kept. fp8_ds_mla: a tile's amax is a redux.sync max over the warp of the
+// lanes' largest magnitudes (NaN left out, as vLLM's fmaxf does), its scale max(amax / 448, FLT_MIN);
+// lane 0 stores the warp's tile scales and the rope vectors are copied unchanged.
+template <KvFormat kFmt, Src16 kSrc, int kNopeBytes, int kRopeBytes, int kRowWarps, typename TLoc>
+__global__ void __launch_bounds__(32 * 8)
+    set_mla_kv_buffer_fp8_kernel(const __grid_constant__ MlaParams p) {
+  using R = Fp8Row<kNopeBytes, kRopeBytes, kRowWarps>;
+  constexpr bool kDs = kFmt == KvFormat::kDsMla;
+  constexpr bool kBF16 = kSrc == Src16::kBF16;
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int64_t row = warp / kRowWarps;
+  const int share = static_cast<int>(warp % kRowWarps);
+  cuda::warm_params(p);
+  if (row >= p.n) return;
+  const int nope_vec = share * R::kNopeShare + lane;  // index of this lane's first vector in its part
+  const int rope_vec = share * R::kRopeShare + lane;
+  const char* nope = p.nope + row * p.nope_row_stride + nope_vec * 16;
+  const char* rope = p.rope + row * p.rope_row_stride + rope_vec * 16;
+  cuda::pdl_wait();  // loc, the sources and a device scale may come from the previous kernel
+  const int64_t slot = static_cast<int64_t>(__ldg(static_cast<const TLoc*>(p.loc) + row));
+  float scale = 0.0f;
+  if constexpr (!kDs) scale = p.scale_ptr ? __ldg(p.scale_ptr) : p.scale;
+  uint4 vn[R::kNopeIters] = {};
+  uint4 vr[R::kRopeIters > 0 ? R::kRopeIters : 1] = {};
+#pragma unroll
+  for (int i = 0; i < R::kNopeIters; ++i) {
+    if (R::nope_has(i, lane)) vn[i] = __ldg(reinterpret_cast<const uint4*>(nope) + 32 * i);
+  }
+#pragma unroll
+  for (int i = 0; i < R::kRopeIters; ++i) {
+    if (R::rope_has(i, lane)) vr[i] = __ldg(reinterpret_cast<const uint4*>(rope) + 32 * i);
+  }
+  cuda::pdl_launch_dependents();
+
+  uint2 qn[R::kNopeIters];
+  uint2 qr[R::kRopeIters > 0 ? R::kRopeIters : 1];
+  constexpr int kVecsPerTile = kDs ? DsMla::kTile / 8 : 1;
+  constexpr int kTilesPerReg = 32 / kVecsPerTile;  // a register row of the warp spans this many tiles
+  constexpr int kWarpTiles = kDs ? R::kNopeShare / kVecsPerTile : 1;
+  float tile_scale[kWarpTiles];
+  if constexpr (kDs) {
+    static_assert(kNopeBytes == 2 * DsMla::kNope && kRopeBytes == 2 * DsMla::kRope, "the fp8_ds_mla record's parts");
+    static_assert(32 % kVecsPerTile == 0 && R::kNopeShare % 32 == 0, "whole tiles per register row");
+    static_assert(DsMla::kScaleOffset % 16 == 0 && DsMla::kRopeOffset % 16 == 0, "16-byte aligned record parts");
+    const int tile_in_reg = lane / kVecsPerTile;
+    VecMags m[R::kNopeIters];
+    uint32_t part[kWarpTiles];
+#pragma unroll
+    for (int i = 0; i < R::kNopeIters; ++i) {
+      m[i] = vec_mags<kBF16>(vn[i]);
+      const uint32_t a = m[i].max <= Src16Traits<kSrc>::kNanAbove ? m[i].max : max_mag_no_nan<kSrc>(vn[i]);
+#pragma unroll
+      for (int h = 0; h < kTilesPerReg; ++h) part[i * kTilesPerReg + h] = tile_in_reg == h ? a : 0u;
+    }
+    uint32_t amax[kWarpTiles];
+#pragma unroll
+    for (int t = 0; t < kWarpTiles; ++t) amax[t] = __reduce_max_sync(0xffffffffu, part[t]);
+#pragma unroll
+    for (int t = 0; t < kWarpTiles; ++t) tile_scale[t] = ds_mla_scale<kSrc>(amax[t]);
+#pragma unroll
+    for (int i = 0; i < R::kNopeIters; ++i) {
+      float s = tile_scale[i * kTilesPerReg];
+#pragma unroll
+      for (int h = 1; h < kTilesPerReg; ++h) s = tile_in_reg == h ? tile_scale[i * kTilesPerReg + h] : s;
+      const cuda::Divider d(s);
+      qn[i] = quantize_vec<kSrc, kFmt>(vn[i], d, QuickRange<kSrc>(d).fast(m[i]));
+    }
+  } else {
+    const cuda::Divider d(scale);
+    const QuickRange<kSrc> range(d);
+#pragma unroll
+    for (int i = 0; i < R::kNopeIters; ++i) qn[i] = quantize_vec<kSrc, kFmt>(vn[i], d, range.fast(vec_mags<kBF16>(vn[i])));
+#pragma unroll
+    for (int i = 0; i < R::kRopeIters; ++i) qr[i] = quantize_vec<kSrc, kFmt>(vr[i], d, range.fast(vec_mags<kBF16>(vr[i])));
+  }
+
+  // Padding (slot < 0) fails the unsigned range check; out-of-range slots are never written.
+  if (slot != p.skip_slot && static_cast<uint64_t>(slot) < static_cast<uint64_t>(p.num_slots)) {
+    char* dst = p.dst + slot * p.dst_row_stride;
+#pragma unroll
+    for (int i = 0; i < R::kNopeIters; ++i) {
+      if (R::nope_has(i, lane)) reinterpret_cast<uint2*>(dst)[nope_vec + 32 * i] = qn[i];
+    }
+    if constexpr (kDs) {
+      if (lane == 0) store_scales(dst + DsMla::kScaleOffset + 4 * kWarpTiles * share, tile_scale);
+#pragma unroll
+      for (int i = 0; i < R::kRopeIters; ++i) {
+        if (R::rope_has(i, lane)) reinterpret_cast<uint4*>(dst + DsMla::kRopeOffset)[rope_vec + 32 * i] = vr[i];
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < R::kRopeIters; ++i) {
+        if (R::rope_has(i, lane)) reinterpret_cast<uint2*>(dst + kNopeBytes / 2)[rope_vec + 32 * i] = qr[i];
+      }
+    }
+  }
+}
+
+template <KvFormat kFmt>
+__device__ __forceinline__ char fp8_byte(float q) {
+  return static_cast<char>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, fp8_interp<kFmt>()));
+}
+
+// Generic fp8 kernel (any alignment, any row length): one warp per row; the slot first, then 16-bit
+// loads, __fdiv_rn per value and byte stores. fp8_ds_mla tile by tile: fmaxf over the lane's values
+// (NaN left out), then a redux.sync max of the lanes' amax bits (non-negative floats order as their bits).
+template <KvFormat kFmt, Src16 kSrc, int kNopeBytes, int kRopeBytes, typename TLoc>
+__global__ void __launch_bounds__(32 * 8)
+    set_mla_kv_buffer_fp8_generic_kernel(const __grid_constant__ MlaParams p) {
+  using T = Src16Traits<kSrc>;
+  cuda::warm_params(p);
+  cuda::pdl_wait();
+  cuda::pdl_launch_dependents();
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (row >= p.n) return;
+  const int64_t slot = static_cast<int64_t>(__ldg(static_cast<const TLoc*>(p.loc) + row));
+  if (slot == p.skip_slot || static_cast<uint64_t>(slot) >= static_cast<uint64_t>(p.num_slots)) return;
+  char* dst = p.dst + slot * p.dst_row_stride;
+  const auto* nope = reinterpret_cast<const unsigned short*>(p.nope + row * p.nope_row_stride);
+  const auto* rope = reinterpret_cast<const unsigned short*>(p.rope + row * p.rope_row_stride);
+  if constexpr (kFmt == KvFormat::kDsMla) {
+    static_assert(kNopeBytes == 2 * DsMla::kNope && kRopeBytes == 2 * DsMla::kRope, "the fp8_ds_mla record's parts");
+    for (int t = 0; t < DsMla::kTiles; ++t) {
+      const unsigned short* x = nope + t * DsMla::kTile;
+      float amax = 0.0f;
+      for (int k = lane; k < DsMla::kTile; k += 32) amax = fmaxf(amax, fabsf(T::value(__ldg(x + k))));
+      amax = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(amax)));
+      const float s = fmaxf(__fdiv_rn(amax, DsMla::kFp8Max), FLT_MIN);
+      if (lane == 0) memcpy(dst + DsMla::kScaleOffset + 4 * t, &s, sizeof(s));
+      for (int k = lane; k < DsMla::kTile; k += 32) {
+        dst[t * DsMla::kTile + k] = fp8_byte<kFmt>(__fdiv_rn(T::value(__ldg(x + k)), s));
+      }
+    }
+    const char* rope_bytes = reinterpret_cast<const char*>(rope);
+    for (int k = lane; k < 2 * DsMla::kRope; k += 32) dst[DsMla::kRopeOffset + k] = rope_bytes[k];
+  } else {
+    const float s = p.scale_ptr ? __ldg(p.scale_ptr) : p.scale;
+    for (int k = lane; k < kNopeBytes / 2; k += 32) dst[k] = fp8_byte<kFmt>(__fdiv_rn(T::value(__ldg(nope + k)), s));
+    for (int k = lane; k < kRopeBytes / 2; k += 32) {
+      dst[kNopeBytes / 2 + k] = fp8_byte<kFmt>(__fdiv_rn(T::value(__ldg(rope + k)), s));
+    }
+  }
+}
+#endif  // JITKV_DSMLA_BYTES
 
 #endif  // __CUDACC__
 

@@ -2,11 +2,15 @@
 // picks the kernel, the widest vector the alignments allow and the launch shape, and launches on the
 // caller's current stream (jitkv/cuda/launch.cuh: PDL from sm_90, device guard).
 //
-// Template arguments (JitSpec args): JITKV_NOPE_BYTES / JITKV_ROPE_BYTES, the row parts this module
-// copies; JITKV_KERNEL, 0 = auto (the measured choice below), 1 = TMA bulk store (ValueError where not
-// possible: below sm_90, destination not 16-byte aligned), 2 = vector (bulk) kernel, 3 = latency kernel
-// (ValueError for rows it cannot take); JITKV_PDL, 0 launches without programmatic dependent launch.
-// The forced kernels and PDL off exist for the tests and the benchmark's per-kernel rows.
+// Template arguments (JitSpec args): JITKV_KV_FORMAT, the cache format (jitkv/layouts.py codes): 0 builds
+// the copy, exported as set_mla_kv_buffer; 1 (e4m3), 2 (e5m2) or 3 (fp8_ds_mla) the quantizing writer of
+// that format, exported as set_mla_kv_buffer_fp8 (see its section below), with JITKV_SRC_DTYPE (1 bf16,
+// 2 fp16) and the fp8_ds_mla record's layout (JITKV_DSMLA_*). JITKV_NOPE_BYTES / JITKV_ROPE_BYTES, the
+// source bytes of the row parts; JITKV_KERNEL, 0 = auto (the measured choice below), for the copy 1 = TMA
+// bulk store (ValueError where not possible: below sm_90, destination not 16-byte aligned), 2 = vector
+// (bulk) kernel, 3 = latency kernel (ValueError for rows it cannot take); JITKV_PDL, 0 launches without
+// programmatic dependent launch. The forced kernels and PDL off exist for the tests and the benchmark's
+// per-kernel rows.
 //
 // Path choice, measured on an NVIDIA H100 (132 SMs), CUDA-graph replay, 8 layers of 2^19-row bf16
 // 512+64 caches, random unique slots, n = 1 ... 262,144 (python -m jitkv.benchmark --op
@@ -29,8 +33,9 @@
 
 #include "mla/set_mla_kv_buffer.cuh"
 
-#if !defined(JITKV_NOPE_BYTES) || !defined(JITKV_ROPE_BYTES) || !defined(JITKV_KERNEL) || !defined(JITKV_PDL)
-#error "set_mla_kv_buffer_cuda.cu needs -DJITKV_NOPE_BYTES, -DJITKV_ROPE_BYTES, -DJITKV_KERNEL and -DJITKV_PDL"
+#if !defined(JITKV_NOPE_BYTES) || !defined(JITKV_ROPE_BYTES) || !defined(JITKV_KERNEL) || !defined(JITKV_PDL) || \
+    !defined(JITKV_KV_FORMAT)
+#error "set_mla_kv_buffer_cuda.cu needs -DJITKV_KV_FORMAT, -DJITKV_NOPE_BYTES, -DJITKV_ROPE_BYTES, -DJITKV_KERNEL, -DJITKV_PDL"
 #endif
 
 namespace {
@@ -43,6 +48,13 @@ constexpr const char* kOp = "set_mla_kv_buffer";
 constexpr int kNope = JITKV_NOPE_BYTES;
 constexpr int kRope = JITKV_ROPE_BYTES;
 static_assert(kNope >= 0 && kRope >= 0 && kNope + kRope > 0, "empty row");
+constexpr bool kPdl = JITKV_PDL != 0;
+
+uint64_t u(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr); }
+uint64_t u(int64_t x) { return static_cast<uint64_t>(x); }
+
+#if JITKV_KV_FORMAT == 0
+// ---- the copy ----
 enum class Kernel { kAuto = 0, kTma = 1, kVector = 2, kLatency = 3 };
 constexpr Kernel kKernel = static_cast<Kernel>(JITKV_KERNEL);
 static_assert(JITKV_KERNEL >= 0 && JITKV_KERNEL <= 3, "JITKV_KERNEL: 0 auto, 1 TMA, 2 vector, 3 latency");
@@ -54,7 +66,6 @@ constexpr int min_target_arch() {
   for (int a : archs) m = a < m ? a : m;
   return m;
 }
-constexpr bool kPdl = JITKV_PDL != 0;
 constexpr bool kTmaBuilt = min_target_arch() >= 900 && (kNope + kRope) % 16 == 0;
 
 // Largest power of two <= 16 dividing every value: the lowest set bit of their OR.
@@ -62,9 +73,6 @@ int common_pow2(uint64_t bits) {
   bits |= 16;
   return static_cast<int>(bits & (~bits + 1));
 }
-
-uint64_t u(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr); }
-uint64_t u(int64_t x) { return static_cast<uint64_t>(x); }
 
 // Widest vector for the loads of k_nope / k_rope (and, on the vector path, for the destination).
 int source_vec_bytes(const MlaParams& p) {
@@ -208,6 +216,122 @@ void set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView k_nope, 
   jitkv::cuda::check_launch(kOp, err);
 }
 
+#else
+// ---- the fp8 writer (JITKV_KV_FORMAT 1 e4m3, 2 e5m2, 3 fp8_ds_mla; set_mla_kv_buffer.cuh) ----
+#if !defined(JITKV_SRC_DTYPE) || !defined(JITKV_DSMLA_BYTES)
+#error "fp8 modules need -DJITKV_SRC_DTYPE and the fp8_ds_mla record's layout (-DJITKV_DSMLA_*)"
+#endif
+// Kernels (JITKV_KERNEL: 0 auto, 1 split, 2 row, 3 generic; a forced kernel that cannot run the
+// arguments raises ValueError):
+//  - the fast kernel for 16-byte aligned sources, destination rows 8-byte aligned (16 for fp8_ds_mla)
+//    and row parts of whole 16-byte vectors: "split" gives each row two warps (half the conversion
+//    chain per warp, for a lone row's latency), "row" one warp (twice the bytes in flight per warp);
+//  - the generic kernel for anything else (any alignment, any row length).
+// Auto takes split up to 8 rows per SM and row beyond, in blocks of 8 warps: the copy's latency-kernel
+// bounds, NOT yet measured for fp8 on a GPU; python -m jitkv.benchmark --op set_mla_kv_buffer has the
+// "jit split / row / generic" rows that measure them.
+constexpr KvFormat kFormat = static_cast<KvFormat>(JITKV_KV_FORMAT);
+constexpr Src16 kSrc = static_cast<Src16>(JITKV_SRC_DTYPE);
+static_assert(JITKV_KV_FORMAT >= 1 && JITKV_KV_FORMAT <= 3, "JITKV_KV_FORMAT: 1 e4m3, 2 e5m2, 3 fp8_ds_mla");
+static_assert(JITKV_SRC_DTYPE == 1 || JITKV_SRC_DTYPE == 2, "JITKV_SRC_DTYPE: 1 bf16, 2 fp16");
+enum class Fp8Kernel { kAuto = 0, kSplit = 1, kRow = 2, kGeneric = 3 };
+constexpr Fp8Kernel kKernel = static_cast<Fp8Kernel>(JITKV_KERNEL);
+static_assert(JITKV_KERNEL >= 0 && JITKV_KERNEL <= 3, "JITKV_KERNEL: 0 auto, 1 split, 2 row, 3 generic");
+constexpr bool kFastBuilt = kNope % 16 == 0 && kRope % 16 == 0;
+constexpr bool kSplitBuilt = kFastBuilt && fp8_row_splits<kNope, kRope>();
+constexpr int kBlockWarps = 8;
+constexpr int kSplitRowsPerSm = 8;
+
+// Whether the fast kernel's vectors fit these tensors.
+bool fast_fits(const MlaParams& p) {
+  const uint64_t src = u(p.nope) | u(p.nope_row_stride) | (kRope ? u(p.rope) | u(p.rope_row_stride) : 0);
+  const uint64_t dst_align = kFormat == KvFormat::kDsMla ? 16 : 8;
+  return kFastBuilt && src % 16 == 0 && (u(p.dst) | u(p.dst_row_stride)) % dst_align == 0;
+}
+
+Fp8Kernel pick_kernel(const MlaParams& p, const DeviceInfo& info) {
+  const bool fast = fast_fits(p);
+  if (kKernel == Fp8Kernel::kAuto) {
+    if (!fast) return Fp8Kernel::kGeneric;
+    return kSplitBuilt && p.n <= kSplitRowsPerSm * static_cast<int64_t>(info.sms) ? Fp8Kernel::kSplit
+                                                                                  : Fp8Kernel::kRow;
+  }
+  if ((kKernel == Fp8Kernel::kSplit || kKernel == Fp8Kernel::kRow) && !fast) {
+    TVM_FFI_THROW(ValueError) << kOp << ": the fast fp8 kernel needs 16-byte aligned sources and destination rows "
+                              << (kFormat == KvFormat::kDsMla ? 16 : 8) << "-byte aligned, in rows of 16-byte vectors";
+  }
+  if (kKernel == Fp8Kernel::kSplit && !kSplitBuilt) {
+    TVM_FFI_THROW(ValueError) << kOp << ": the split fp8 kernel needs nope and rope parts of an even number of "
+                              << "16-byte vectors";
+  }
+  return kKernel;
+}
+
+template <int kRowWarps, typename TLoc>
+cudaError_t launch_fast(const MlaParams& p, const DeviceInfo& info, cudaStream_t stream) {
+  if constexpr (!kFastBuilt || (kRowWarps == 2 && !kSplitBuilt)) {
+    return cudaErrorInvalidValue;
+  } else {
+    const auto blocks = static_cast<unsigned>((p.n * kRowWarps + kBlockWarps - 1) / kBlockWarps);
+    return jitkv::cuda::launch(set_mla_kv_buffer_fp8_kernel<kFormat, kSrc, kNope, kRope, kRowWarps, TLoc>,
+                               dim3(blocks), dim3(32 * kBlockWarps), stream, kPdl && info.pdl(), p);
+  }
+}
+
+template <typename TLoc>
+cudaError_t launch_generic(const MlaParams& p, const DeviceInfo& info, cudaStream_t stream) {
+  const auto blocks = static_cast<unsigned>((p.n + kBlockWarps - 1) / kBlockWarps);
+  return jitkv::cuda::launch(set_mla_kv_buffer_fp8_generic_kernel<kFormat, kSrc, kNope, kRope, TLoc>, dim3(blocks),
+                             dim3(32 * kBlockWarps), stream, kPdl && info.pdl(), p);
+}
+
+template <typename TLoc>
+cudaError_t launch(Fp8Kernel kernel, const MlaParams& p, const DeviceInfo& info, cudaStream_t stream) {
+  switch (kernel) {
+    case Fp8Kernel::kSplit: return launch_fast<2, TLoc>(p, info, stream);
+    case Fp8Kernel::kRow: return launch_fast<1, TLoc>(p, info, stream);
+    default: return launch_generic<TLoc>(p, info, stream);
+  }
+}
+
+void check_module(const MlaParams& p) {
+  if (p.device.device_type != kDLCUDA) {
+    TVM_FFI_THROW(ValueError) << kOp << ": kv_buffer: expected a CUDA tensor, got " << jitkv::device_str(p.device);
+  }
+  if (p.kv_format != static_cast<int32_t>(kFormat)) {
+    TVM_FFI_THROW(ValueError) << kOp << ": kv_cache_dtype: this module was compiled for " << format_name(kFormat)
+                              << ", got " << format_name(static_cast<KvFormat>(p.kv_format));
+  }
+  if ((p.dtype.code == kDLBfloat) != (kSrc == Src16::kBF16)) {
+    TVM_FFI_THROW(ValueError) << kOp << ": k_nope: this module was compiled for "
+                              << (kSrc == Src16::kBF16 ? "bfloat16" : "float16") << " sources, got " << p.dtype;
+  }
+  if (p.nope_bytes != kNope || p.rope_bytes != kRope) {
+    TVM_FFI_THROW(ValueError) << kOp << ": k_nope/k_rope: this module was compiled for " << kNope << " + " << kRope
+                              << " bytes per row, got " << p.nope_bytes << " + " << p.rope_bytes;
+  }
+}
+
+void set_mla_kv_buffer_fp8(TensorView kv_buffer, TensorView loc, TensorView k_nope, TensorView k_rope,
+                           int64_t skip_slot, int64_t kv_format, tvm::ffi::Optional<TensorView> scale,
+                           double scale_value) {
+  const MlaParams p = parse_fp8_params(kOp, kv_buffer, loc, k_nope, k_rope, skip_slot, kv_format, scale, scale_value);
+  check_module(p);
+  if (p.n == 0) return;
+  const int device = p.device.device_id;
+  const DeviceInfo info = jitkv::cuda::device_info(device);
+  const Fp8Kernel kernel = pick_kernel(p, info);
+  jitkv::cuda::DeviceGuard guard(device);
+  const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
+  const cudaError_t err = p.loc_i64 ? launch<int64_t>(kernel, p, info, stream) : launch<int32_t>(kernel, p, info, stream);
+  jitkv::cuda::check_launch(kOp, err);
+}
+#endif  // JITKV_KV_FORMAT
+
 }  // namespace
 
+#if JITKV_KV_FORMAT == 0
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(set_mla_kv_buffer, set_mla_kv_buffer);
+#else
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(set_mla_kv_buffer_fp8, set_mla_kv_buffer_fp8);
+#endif

@@ -139,7 +139,33 @@ for fmt, dtype, width in (("auto", torch.bfloat16, 576), ("auto", torch.uint8, 1
 print("OK")
 """
 
-CASES = {"mla": MLA, "dsv4": DSV4, "store_cache": STORE_CACHE, "indexer": INDEXER, "mla_gather": MLA_GATHER}
+MLA_FP8 = """
+import torch
+from jitkv import reference
+from jitkv.tests.conftest import assert_bitwise, rand, slots
+from jitkv.tests.ops.test_mla_fp8 import values, with_specials
+from jitkv.triton.mla import set_mla_kv_buffer_fp8_triton
+for fmt, src, cdt, width in (("fp8_e4m3", torch.bfloat16, torch.float8_e4m3fn, 600), ("fp8_e5m2", torch.float16, torch.uint8, 576),
+                             ("fp8_ds_mla", torch.bfloat16, torch.uint8, 660), ("fp8_ds_mla", torch.float16, torch.uint8, 656)):
+    buf = rand((300, width), cdt)
+    x = with_specials(values((40, 700), src))
+    k_nope, k_rope = x[:, 16:528], x[:, 600:664]  # strided views, extra rows
+    loc = slots(300, 37, torch.int64)
+    loc[::5] = -1
+    loc[3] = 7
+    loc[4] = 300  # out of range: never written
+    scale = None if fmt == "fp8_ds_mla" else torch.tensor([0.37])
+    got, ref = buf.clone(), buf.clone()
+    set_mla_kv_buffer_fp8_triton(got, loc, k_nope, k_rope, 7, fmt, scale)
+    keep = torch.ones(37, dtype=torch.bool); keep[4] = False
+    reference.set_mla_kv_buffer_fp8(ref, loc[keep], k_nope[:37][keep], k_rope[:37][keep], kv_cache_dtype=fmt,
+                                    scale=scale, skip_slot=7)
+    assert_bitwise(got, ref)
+print("OK")
+"""
+
+CASES = {"mla": MLA, "dsv4": DSV4, "store_cache": STORE_CACHE, "indexer": INDEXER, "mla_gather": MLA_GATHER,
+         "mla_fp8": MLA_FP8}
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -9,6 +9,7 @@
 // functions are the non-AVX-512 build's path (and the reference the vector code is tested against).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -131,6 +132,26 @@ inline __m512i quantize64(SrcKind k, const void* p, int64_t i, const Fp8Vec& F) 
   return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), bytes);
 }
 #endif
+
+// The largest |x| of n source values, NaN left out (fmaxf's rule), inf kept.
+inline float abs_max(SrcKind k, const void* src, int64_t n) {
+#ifdef JITKV_CPU_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t r = n - i < 16 ? n - i : 16;
+    const __m512 a = _mm512_abs_ps(load16(k, src, i, static_cast<__mmask16>((1u << r) - 1)));
+    acc = _mm512_max_ps(a, acc);  // max returns its second operand when either is NaN: a NaN lane keeps acc
+  }
+  return _mm512_reduce_max_ps(acc);
+#else
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(load_f32(k, src, i));
+    m = a > m ? a : m;  // NaN compares false: left out
+  }
+  return m;
+#endif
+}
 
 // dst[i] = fp8(clamp(src[i] / scale)) for i < n. nt streams whole 64-byte lines (dst 64-byte aligned).
 inline void quantize_seg(uint8_t* dst, SrcKind k, const void* src, int64_t n, float scale, const Fp8Format& fmt,
