@@ -116,9 +116,70 @@ def test_cuda_variant_short_path_matches_any_layout(layout, cache_dtype, src_2d)
         k, v = k.view(n, h * dk), v.view(n, h * dv)
     kc = _cache(layout, 4, 16, h, dk, torch.bfloat16, "cpu").to(cache_dtype)
     vc = _cache(layout, 4, 16, h, dv, torch.bfloat16, "cpu").to(cache_dtype)
-    got = _cuda_variant(k, kc, v, vc, "auto")[:2]
+    got = _cuda_variant(k, v, kc, vc, slots(64, n), "auto")[:2]
     assert got == _head_bytes_any_layout(k, kc, v, vc)
     assert got == (dk * kc.element_size(), dv * vc.element_size())
+
+
+def _view(shape, strides, offset, dtype):
+    """A strided view into a fresh 64-byte aligned buffer, ``offset`` elements in."""
+    need = offset + sum((size - 1) * stride for size, stride in zip(shape, strides)) + 1
+    return torch.empty(need, dtype=dtype).as_strided(shape, strides, offset)
+
+
+def _every_head_start_aligned(t, rows) -> bool:
+    """Whether the address of element 0 of every head of the first ``rows`` rows is a multiple of 16
+    bytes (2-D tensors: every index of the first dim; heads inside the row are a head's bytes apart)."""
+    offsets = torch.zeros(1, dtype=torch.int64)
+    for size, stride in zip((rows, *t.shape[1:-1]), t.stride()[:-1]):
+        offsets = (offsets[:, None] + torch.arange(size) * stride).flatten()
+    return bool(((t.data_ptr() + offsets * t.element_size()) % 16 == 0).all())
+
+
+# (k [n', H, D] strides and element offset, k_cache shape, strides and offset): each a layout the
+# 16-byte build takes or must refuse.
+ALIGNMENT_CASES = [
+    ((1024, 128, 1), 0, (64, 8, 128), (1024, 128, 1), 0),  # dense
+    ((1024, 128, 1), 1, (64, 8, 128), (1024, 128, 1), 0),  # source base 2 bytes off
+    ((1024, 128, 1), 0, (64, 8, 128), (1024, 128, 1), 4),  # cache base 8 bytes off
+    ((6144, 128, 1), 0, (64, 8, 128), (1024, 128, 1), 0),  # fused qkv source (token stride 48 heads)
+    ((6148, 128, 1), 0, (64, 8, 128), (1024, 128, 1), 0),  # token stride 8 bytes off: n > 1 reads it
+    ((1024, 132, 1), 0, (64, 8, 128), (1024, 128, 1), 0),  # head stride 8 bytes off
+    ((1024, 128, 1), 0, (4, 16, 8, 128), (16388, 128, 2048, 1), 0),  # HND, block stride 8 bytes off
+    ((1024, 128, 1), 0, (4, 16, 8, 128), (16384, 128, 2048, 1), 0),  # HND
+    ((1024, 128, 1), 0, (1, 16, 8, 128), (3, 128, 2048, 1), 0),  # one block: its odd stride is never used
+    ((1024, 128, 1), 0, (64, 1, 128), (1024, 4, 1), 0),  # one head: its odd stride is never used
+    ((1024, 128, 1), 0, (64, 1, 128), (1028, 4, 1), 0),  # one head, row stride 8 bytes off
+    ((1028, 128, 1), 0, (64, 8, 128), (1024, 128, 1), 0),  # k token stride 8 bytes off (n = 1: unused)
+]
+
+
+@pytest.mark.parametrize("case", range(len(ALIGNMENT_CASES)))
+@pytest.mark.parametrize("n", [1, 5])
+def test_cuda_variant_alignment_is_every_address(case, n):
+    """The variant's alignment (chosen in Python, before the call) is ALIGNED exactly when every head
+    the kernels address starts on 16 bytes: checked address by address, for views the 16-byte build
+    takes and views it would refuse (then the any-alignment build, head bytes GENERIC)."""
+    from jitkv.ops.store_cache import ALIGNED, ANY_ALIGNMENT, GENERIC, _cuda_variant
+
+    k_strides, k_off, c_shape, c_strides, c_off = ALIGNMENT_CASES[case]
+    h, d = c_shape[-2], c_shape[-1]
+    k = _view((8, h, d), k_strides if h > 1 else (k_strides[0], d, 1), k_off, torch.bfloat16)
+    v = rand((8, h, d), torch.bfloat16)
+    kc, vc = _view(c_shape, c_strides, c_off, torch.bfloat16), rand(c_shape, torch.bfloat16)
+    rows = c_shape[0]
+    expect = all(_every_head_start_aligned(t, r) for t, r in ((k, n), (v, n), (kc, rows), (vc, rows)))
+    got = _cuda_variant(k, v, kc, vc, slots(64, n), "auto")
+    assert got == ((2 * d, 2 * d, 0, 0, ALIGNED) if expect else (*GENERIC, 0, 0, ANY_ALIGNMENT))
+
+
+def test_cuda_variant_of_heads_not_16_byte_multiples():
+    from jitkv.ops.store_cache import ANY_ALIGNMENT, GENERIC, _cuda_variant
+
+    k, kc = rand((4, 2, 36), torch.bfloat16), rand((64, 2, 36), torch.bfloat16)
+    assert _cuda_variant(k, k, kc, kc, slots(64, 4), "auto") == (*GENERIC, 0, 0, ANY_ALIGNMENT)
+    kc8 = rand((64, 2, 36), torch.float8_e5m2)
+    assert _cuda_variant(k, k, kc8, kc8, slots(64, 4), "fp8_e5m2") == (*GENERIC, 1, 2, ANY_ALIGNMENT)
 
 
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
@@ -463,12 +524,68 @@ def test_every_backend_same_bytes(kv_dtype, n):
 @gpu
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
 def test_misaligned_view_takes_the_generic_variant(kv_dtype):
-    """Rows of 16-byte multiples but a source only 2-byte aligned: the specialised build refuses it and
-    the any-alignment variant is dispatched (recorded in backend_info under its own variant)."""
+    """Rows of 16-byte multiples but a source only 2-byte aligned: the dispatcher picks the
+    any-alignment variant before the call (recorded in backend_info); an aligned call after it goes
+    back to the 16-byte build."""
     n, h, d = 37, 8, 128
     k, v, kc, vc, kw = _kv_case(n, h, d, d, 512, "cuda", kv_dtype)
-    k = rand((n * h * d + 1,), torch.bfloat16, "cuda")[1:].view(n, h, d)  # 2-byte aligned base
+    k_odd = rand((n * h * d + 1,), torch.bfloat16, "cuda")[1:].view(n, h, d)  # 2-byte aligned base
     sm = slots(512, n, torch.int64, "cuda")
     sm[::5] = -1
-    _run(k, v, kc, vc, sm, None, **kw)
-    _run(k, v, kc, vc, sm, "jit", **kw)
+    for backend in (None, "jit"):
+        _run(k_odd, v, kc, vc, sm, backend, **kw)
+        info = jitkv.backend_info("store_cache")["cuda:0"]
+        assert info["backend"] == "jit" and info["alignment"].startswith("any"), info
+        assert "k_head_bytes0_v_head_bytes0" in info["key"], info
+        _run(k, v, kc, vc, sm, backend, **kw)
+        info = jitkv.backend_info("store_cache")["cuda:0"]
+        assert info["alignment"] == "16 bytes" and "k_head_bytes128_v_head_bytes128" in info["key"], info
+
+
+def _binding_args(k, v, kc, vc, sm, kw):
+    """The positional arguments of the module's full entry point for a _kv_case call."""
+    from jitkv.ops.store_cache import _KV_CODE  # noqa: PLC0415
+
+    if not kw:
+        return (k, v, kc, vc, sm, None, -1, _KV_CODE["auto"], None, None, -1.0, -1.0)
+    return (k, v, kc, vc, sm, None, -1, _KV_CODE[kw["kv_cache_dtype"]], kw["k_scale"], kw["v_scale"], -1.0, -1.0)
+
+
+def _module(kv_dtype, head_bytes, **spec_kw):
+    from jitkv.jit import cuda_arch, get_function  # noqa: PLC0415
+    from jitkv.ops.store_cache import _KV_CODE, _SRC_CODE, cuda_spec  # noqa: PLC0415
+
+    src = 0 if kv_dtype == "auto" else _SRC_CODE[torch.bfloat16]
+    spec = cuda_spec(cuda_arch(torch.device("cuda")), head_bytes, head_bytes, src, _KV_CODE[kv_dtype], **spec_kw)
+    return get_function(spec, "store_cache")
+
+
+@gpu
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_16_byte_build_refuses_a_misaligned_call(kv_dtype):
+    """Called directly with a view the dispatcher would not send it, the 16-byte build raises a
+    ValueError naming the alignment, before writing anything."""
+    n, h, d = 5, 8, 128
+    k, v, kc, vc, kw = _kv_case(n, h, d, d, 64, "cuda", kv_dtype)
+    k = rand((n * h * d + 1,), torch.bfloat16, "cuda")[1:].view(n, h, d)
+    fn = _module(kv_dtype, d * kc.element_size())
+    before = kc.clone()
+    with pytest.raises(ValueError, match="store_cache: k: an address or stride .* only 2-byte aligned"):
+        fn(*_binding_args(k, v, kc, vc, slots(64, n, torch.int64, "cuda"), kw))
+    assert_bitwise(kc, before)
+
+
+@gpu
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("generic", [False, True])
+@pytest.mark.parametrize("n", [1, 3000])
+def test_kernels_without_pdl(kv_dtype, generic, n):
+    """Modules built with pdl=False (latency kernel at n = 1, bulk kernel at 3000 for 32 heads) write
+    the reference's bytes."""
+    k, v, kc, vc, kw = _kv_case(n, 32, 128, 128, 4096, "cuda", kv_dtype)
+    sm = slots(4096, n, torch.int64, "cuda")
+    ref_k, ref_v = kc.clone(), vc.clone()
+    reference.store_cache(k, v, ref_k, ref_v, sm, **kw)
+    _module(kv_dtype, 0 if generic else 128 * kc.element_size(), pdl=False)(*_binding_args(k, v, kc, vc, sm, kw))
+    assert_bitwise(kc, ref_k)
+    assert_bitwise(vc, ref_v)
