@@ -46,11 +46,13 @@ def store_cache(
         kv_cache_dtype: "auto" (cache dtype == source dtype, bitwise copy), "fp8"/"fp8_e4m3"
             (e4m3fn, max 448) or "fp8_e5m2" (max 57344): stored = RNE(clamp(x / scale, ±max)),
             from bf16/fp16/fp32 into float8 or uint8 caches.
-        k_scale, v_scale: required for fp8: a finite float > 0, or a 1-element float32 tensor on
-            the cache's device (read on the device, so CUDA graphs replay with new values). A tensor's
-            value must be finite and > 0 too: checked on the host for CPU tensors, and for CUDA
-            tensors only under ``JITKV_DEBUG=1`` (the check syncs; otherwise the kernel divides by
-            the value as given).
+        k_scale, v_scale: required for fp8: a finite float > 0, or a float32 tensor on the cache's
+            device (read on the device, so CUDA graphs replay with new values) of 1 element, or of
+            shape ``[H]``: per-head scales (vLLM's per-head quantization), head h of every row stored
+            as RNE(clamp(x / scale[h], ±max)); K and V each take either kind. A tensor's values must
+            be finite and > 0 too: checked on the host for CPU tensors, and for CUDA tensors only
+            under ``JITKV_DEBUG=1`` (the check syncs; otherwise the kernel divides by the values as
+            given).
         loc_map: optional ``[num_full_slots]`` int32/int64; ``slot = loc_map[slot]`` first (full ->
             sliding-window pool), fused in the kernel; a mapped value < 0 is skipped.
         skip_slot: an extra padding slot, compared before ``loc_map``; None for none.
@@ -58,8 +60,8 @@ def store_cache(
 
     Raises:
         TypeError: wrong dtype or non-tensor argument. ValueError: shape/device/layout mismatch,
-        unknown kv_cache_dtype, fp8 string vs cache dtype mismatch, a missing scale, or one that is
-        not finite and > 0 (see k_scale).
+        unknown kv_cache_dtype, fp8 string vs cache dtype mismatch, a missing scale, a scale tensor
+        of neither 1 element nor shape ``[H]``, or a scale that is not finite and > 0 (see k_scale).
         IndexError: slot (or loc_map entry) out of range — CPU always, CUDA under JITKV_DEBUG=1 (CUDA
         otherwise skips the row); nothing is written then.
 
@@ -68,7 +70,8 @@ def store_cache(
     CUDA — K and V in one launch with 16-byte vectors and hardware saturating fp8 conversion: at
     small n a latency kernel (one vector per lane, all address math done while the slot load is in
     flight; fp8: K and V in separate warps), beyond it a bulk kernel (one warp per row, rows >= 2 KB
-    split across warps). Heads that are not a multiple of 16 bytes, and views whose base or strides
+    split across warps); with per-head scales each lane divides by its vector's head's scale (its
+    own kernels). Heads that are not a multiple of 16 bytes, and views whose base or strides
     are not 16-byte aligned, take the any-alignment build (the widest vector the call allows), chosen
     before the call and recorded in ``backend_info`` ("alignment"). Triton (one program per row) as
     the fallback.

@@ -22,8 +22,9 @@
 // ~0.6 s of build time in tvm-ffi's argument unpacking.)
 //
 // Scales (fp8 only). Convention with the Python wrapper:
-//   * k_scale given as a tensor: 1 element, float32, same device; k_scale_ptr points at it (read by the
-//     kernel, so CUDA graphs may replay with new values); k_scale_value is then ignored.
+//   * k_scale given as a tensor: float32, same device, 1 element (any shape) or [num_heads] (vLLM's
+//     per-head quantization: head h of every row is divided by k_scale[h]); read by the kernel, so CUDA
+//     graphs may replay with new values; k_scale_value is then ignored.
 //   * k_scale given as a Python float: k_scale = None and k_scale_value = the float. It is rounded to
 //     float32 and must be finite and > 0 after rounding (ValueError otherwise).
 //   * k_scale not given (None): the wrapper passes k_scale = None and k_scale_value = -1.0 exactly;
@@ -61,8 +62,9 @@ struct Side {
   int32_t head_vecs, row_vecs;  // CUDA: kVec-byte destination vectors per head and per row
   int32_t block_shift;          // CUDA: slot / block_size = (umulhi(slot, block_magic) + slot) >> block_shift
   uint32_t block_magic;         // (the CUDA binding sets these four; exact for every slot of a cache it accepts)
-  const float* scale_ptr;       // fp8: a 1-element float32 tensor on the caches' device, or nullptr: `scale`
+  const float* scale_ptr;       // fp8: a float32 tensor on the caches' device, or nullptr: `scale`
   float scale;
+  int32_t scale_stride;         // elements from one head's scale to the next: 0 for one scale for all heads
 };
 
 // The kernels read the fields up to same_blocks; the rest is for the host.
@@ -190,22 +192,29 @@ inline void set_cache(Side& s, const TensorView& t, int64_t head_bytes) {
   }
 }
 
-// Scale: tensor (pointer) or Python float (value; -1.0 exactly means "not given").
+// Scale: tensor (pointer; one element, or [heads] per-head scales) or Python float (value; -1.0 exactly
+// means "not given").
 inline void parse_scale(const char* op, const char* name, const Optional<TensorView>& t, double value,
-                        DLDevice dev, Fp8 kv, Side& side) {
+                        DLDevice dev, Fp8 kv, int64_t heads, Side& side) {
   side.scale_ptr = nullptr;
   side.scale = 1.0f;
+  side.scale_stride = 0;
   if (t.has_value()) {
     const TensorView& s = t.value();
     check_device(op, name, s, dev, "k_cache");
     if (!(s.dtype().code == kDLFloat && s.dtype().bits == 32 && s.dtype().lanes == 1)) {
       TVM_FFI_THROW(TypeError) << op << ": " << name << ": expected a float32 tensor, got " << s.dtype();
     }
-    if (s.numel() != 1) {
-      TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected a 1-element tensor, got shape "
-                                << shape_str(s);
+    const bool per_head = s.ndim() == 1 && s.size(0) == heads && heads > 1;
+    if (s.numel() != 1 && !per_head) {
+      TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected a 1-element tensor or [num_heads] = [" << heads
+                                << "] per-head scales, got shape " << shape_str(s);
+    }
+    if (per_head && (s.stride(0) < 0 || s.stride(0) > INT32_MAX)) {
+      TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected a stride below 2^31, got " << s.stride(0);
     }
     side.scale_ptr = reinterpret_cast<const float*>(data_ptr(s));
+    side.scale_stride = per_head ? static_cast<int32_t>(s.stride(0)) : 0;
     return;
   }
   if (value == -1.0) {
@@ -304,9 +313,10 @@ inline StoreCacheParams parse_params(const char* op, const TensorView& k, const 
   p.same_blocks = p.k.block_size == p.v.block_size;
   p.k.scale_ptr = p.v.scale_ptr = nullptr;
   p.k.scale = p.v.scale = 1.0f;
+  p.k.scale_stride = p.v.scale_stride = 0;
   if (kv != Fp8::kNone) {
-    parse_scale(op, "k_scale", k_scale, k_scale_value, dev, kv, p.k);
-    parse_scale(op, "v_scale", v_scale, v_scale_value, dev, kv, p.v);
+    parse_scale(op, "k_scale", k_scale, k_scale_value, dev, kv, heads, p.k);
+    parse_scale(op, "v_scale", v_scale, v_scale_value, dev, kv, heads, p.v);
   }
   p.num_heads = heads;
   p.k_head_dim = k_dim;
@@ -354,6 +364,12 @@ void store_cache_copy(TensorView k, TensorView v, TensorView k_cache, TensorView
 // a branch per element (Divider); the bulk kernel calls __fdiv_rn per element (fewer registers).
 // Measured on H200 (H=8, D=128, e4m3): n = 1 latency kernel 1.3 us, bulk kernel 3.1 us; n = 131072
 // bulk kernel 203 us, with the latency kernel's division 225 us.
+//
+// Per-head scales (kPerHead, fp8 builds; the binding takes these kernels when a scale has a per-head
+// stride): a lane's vector lies in one head (head bytes are multiples of the vector width), so each
+// lane divides by the scale of its vector's head: its offset is computed with the addresses, the
+// scale loaded where the shared one was. The other kernels are compiled without any of it.
+// python -m jitkv.benchmark --op store_cache has the "fp8 e4m3 per-head" rows.
 
 enum class SrcType : int { kBytes = 0, kBF16 = 1, kF16 = 2, kF32 = 3 };  // kBytes: plain copy
 
@@ -424,7 +440,7 @@ __device__ __forceinline__ void store_pack(char* p, const Pack<N>& v) {
   }
 }
 
-// ---- exact division by a warp-uniform scale ----
+// ---- exact division by a scale (one per lane) ----
 // Bit-identical to __fdiv_rn(x, s) but without a branch per element. __fdiv_rn's fast path is
 // r = rcp.approx(s) refined by one Newton step, q = x * r, q' = q + r * (x - q * s), exact wherever its
 // FCHK range check passes, else a slow subroutine. Here r is computed once; each element runs the
@@ -554,17 +570,21 @@ __device__ __forceinline__ int64_t load_index(const void* p, bool i64, int64_t i
 // after the slot, and a lone warp at a few cycles per instruction puts ~400 instructions on the
 // latency of an n = 1 write. Bulk kernels leave it sunk (fewer live registers, more warps per SM).
 // kHeadBytes: destination bytes per head when compiled in, 0 when taken from Side::head_vecs.
-template <int kHeadBytes, int kVec, class Cv, bool kPin>
+// kPerHead: vector u divides by the scale of its own head (else one scale for the side).
+template <int kHeadBytes, int kVec, class Cv, bool kPin, bool kPerHead>
 struct SideChunk {
   static constexpr int kSrcVec = kVec * Cv::kRatio;
   static constexpr int kUnroll = Cv::kUnroll;
+  static constexpr int kScales = kPerHead ? kUnroll : 1;
   static_assert(kHeadBytes % kVec == 0, "head bytes must be a multiple of the vector width");
+  static_assert(!kPerHead || Cv::kQuant, "per-head scales are fp8's");
 
   Pack<kSrcVec> data[kUnroll];
   uint64_t src_addr[kUnroll];  // this lane's source vectors
   int64_t dst_off[kUnroll];    // and their byte offsets in the destination row
   int32_t count;               // vectors u < count lie in the row (after load(): are written)
-  Divider div;                 // fp8 only
+  int64_t scale_off[kScales];  // per-head scales: element offset of vector u's head's scale
+  Divider div[kScales];        // fp8 only
 
   __device__ __forceinline__ static uint32_t head_vecs(const Side& s) {
     return kHeadBytes ? uint32_t(kHeadBytes / kVec) : uint32_t(s.head_vecs);
@@ -588,12 +608,23 @@ struct SideChunk {
       src_addr[u] = src_row + vec_offset(i, hv, s.src_stride_head, kSrcVec);
       dst_off[u] = vec_offset(i, hv, s.dst_stride_head, kVec);
       if constexpr (kPin) asm volatile("" : "+l"(src_addr[u]), "+l"(dst_off[u]));
+      if constexpr (kPerHead) {
+        scale_off[u] = int64_t(i / hv) * s.scale_stride;
+        if constexpr (kPin) asm volatile("" : "+l"(scale_off[u]));
+      }
     }
   }
 
-  // fp8: the scale (a device scale may come from the previous kernel: after the PDL wait).
+  // fp8: the scale (a device scale may come from the previous kernel: after the PDL wait). Per head,
+  // a vector past the row (u >= count) reads none.
   __device__ __forceinline__ void load_scale(const Side& s) {
-    if constexpr (Cv::kQuant) div = Divider(s.scale_ptr ? __ldg(s.scale_ptr) : s.scale);
+    if constexpr (kPerHead) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        div[u] = Divider(s.scale_ptr != nullptr && u < count ? __ldg(s.scale_ptr + scale_off[u]) : s.scale);
+    } else if constexpr (Cv::kQuant) {
+      div[0] = Divider(s.scale_ptr ? __ldg(s.scale_ptr) : s.scale);
+    }
   }
 
   __device__ __forceinline__ void load(bool ok) {
@@ -607,7 +638,7 @@ struct SideChunk {
     if (count == 0) return;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (u < count) store_pack<kVec>(row + dst_off[u], Cv::template run<kVec>(data[u], div));
+      if (u < count) store_pack<kVec>(row + dst_off[u], Cv::template run<kVec>(data[u], div[kPerHead ? u : 0]));
   }
 };
 
@@ -655,7 +686,7 @@ __device__ __forceinline__ int64_t resolve_slot(const StoreCacheParams& p, int64
 // read only the parameter block); after it a warp issues the slot load and its source loads together
 // (every token < n has source rows, padding included, so reading them is safe; they are written only
 // for a kept slot), lets the next kernel launch, then resolves the slot and stores.
-template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8>
+template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8, bool kPerHead>
 __device__ __forceinline__ void latency_write(const StoreCacheParams& p) {
   using Cv = Convert<kSrc, kFp8, false>;
   cuda::warm_params(p);
@@ -665,8 +696,8 @@ __device__ __forceinline__ void latency_write(const StoreCacheParams& p) {
   // With split sides (grid.z = 2) blockIdx.z picks K or V: one code path with the side picked by
   // data (with two, the compiler computes both).
   const Side& first_side = kSplit && blockIdx.z ? p.v : p.k;
-  SideChunk<kKHeadBytes, kVec, Cv, true> k;
-  SideChunk<kVHeadBytes, kVec, Cv, true> v;
+  SideChunk<kKHeadBytes, kVec, Cv, true, kPerHead> k;
+  SideChunk<kVHeadBytes, kVec, Cv, true, kPerHead> v;
   k.prepare(first_side, token, first);
   if constexpr (!kSplit) v.prepare(p.v, token, first);
   if (token >= p.n) return;
@@ -694,7 +725,7 @@ __device__ __forceinline__ void latency_write(const StoreCacheParams& p) {
 
 // Bulk kernel: the slot first, then a padding or out-of-range row is dropped before anything of it
 // is read (at large n every skipped row saves its bytes).
-template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8>
+template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8, bool kPerHead>
 __device__ __forceinline__ void bulk_write(const StoreCacheParams& p) {
   using Cv = Convert<kSrc, kFp8, true>;
   cuda::pdl_wait();  // sources and indices may come from the previous kernel
@@ -703,8 +734,8 @@ __device__ __forceinline__ void bulk_write(const StoreCacheParams& p) {
   if (token >= p.n) return;
   const int64_t entry = load_index(p.slots, p.slot_i64, token);
   const uint32_t first = blockIdx.y * (32 * Cv::kUnroll) + (threadIdx.x & 31);
-  SideChunk<kKHeadBytes, kVec, Cv, false> k;
-  SideChunk<kVHeadBytes, kVec, Cv, false> v;
+  SideChunk<kKHeadBytes, kVec, Cv, false, kPerHead> k;
+  SideChunk<kVHeadBytes, kVec, Cv, false, kPerHead> v;
   k.prepare(p.k, token, first);
   v.prepare(p.v, token, first);
   const int64_t slot = resolve_slot(p, entry);
@@ -720,13 +751,13 @@ __device__ __forceinline__ void bulk_write(const StoreCacheParams& p) {
 // grid = (ceil(n / warps_per_block), chunks, sides), block = 32 * warps_per_block; one warp per
 // (token, chunk), writing K and V. With split_sides (sides = 2), one warp per (token, chunk, side),
 // which halves each warp's fp8 conversion chain; bf16 copies stay on one warp (measured slower split).
-template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8, bool kBulk>
+template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8, bool kBulk, bool kPerHead>
 __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
     store_cache_kernel(const __grid_constant__ StoreCacheParams p) {
   if constexpr (kBulk) {
-    bulk_write<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8>(p);
+    bulk_write<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, kPerHead>(p);
   } else {
-    latency_write<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8>(p);
+    latency_write<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, kPerHead>(p);
   }
 }
 

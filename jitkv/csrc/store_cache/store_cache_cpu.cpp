@@ -23,17 +23,22 @@ using store_cache::StoreCacheParams;
 
 constexpr const char* kOp = "store_cache";
 
-// One side as this kernel writes it: a row is one segment when source and cache heads are dense, else
-// one segment per head.
+// One side as this kernel writes it: a row is one segment when source and cache heads are dense (and
+// share one scale), else one segment per head.
 struct SideRows {
   const Side* side;
   int64_t segs, seg_elems, src_seg_bytes;  // segments per row, elements and source bytes per segment
-  float scale;                             // fp8
+  float scale;                             // fp8, one scale for the side (segment h: scale_of(h))
+
+  // Per-head scales (Side::scale_stride != 0; host tensors, values checked by the Python wrapper).
+  float scale_of(int64_t h) const {
+    return side->scale_stride != 0 ? side->scale_ptr[h * side->scale_stride] : scale;
+  }
 };
 
 SideRows side_rows(const Side& s, int64_t heads, int64_t head_dim, int64_t src_es, int64_t dst_es) {
-  const bool dense =
-      heads == 1 || (s.src_stride_head == head_dim * src_es && s.dst_stride_head == head_dim * dst_es);
+  const bool dense = s.scale_stride == 0 && (heads == 1 || (s.src_stride_head == head_dim * src_es &&
+                                                            s.dst_stride_head == head_dim * dst_es));
   SideRows r;
   r.side = &s;
   r.segs = dense ? 1 : heads;
@@ -75,7 +80,7 @@ inline void quantize_side(const SideRows& r, int64_t row, int64_t slot, cpu::Src
   char* dst = slot_addr(s, slot);
   for (int64_t h = 0; h < r.segs; ++h) {
     cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst + h * s.dst_stride_head), kind, src + h * s.src_stride_head,
-                      r.seg_elems, r.scale, fmt, nt);
+                      r.seg_elems, r.scale_of(h), fmt, nt);
   }
 }
 

@@ -151,18 +151,29 @@ int64_t chunks_per_token(const StoreCacheParams& p, bool bulk) {
   return (std::max(p.k.row_vecs, p.v.row_vecs) + chunk - 1) / chunk;
 }
 
+using Kernel = void (*)(StoreCacheParams);
+
+// The kernel for kVec-byte vectors: fp8 builds also hold kernels that divide each head by its own scale.
+template <int kVec, bool kBulk>
+Kernel kernel(bool per_head) {
+  if constexpr (kFp8 != Fp8::kNone) {
+    if (per_head) return store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, kBulk, true>;
+  }
+  return store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, kBulk, false>;
+}
+
 // Launches the latency kernel while its warps fit in kLatencyWarpsPerSM per SM, the bulk kernel beyond,
 // with kVec-byte destination vectors.
 template <int kVec>
 cudaError_t launch(const StoreCacheParams& p, const DeviceInfo& info, cudaStream_t stream) {
   const bool bulk = p.n * chunks_per_token(p, false) > kLatencyWarpsPerSM * info.sms;
+  const bool per_head = p.k.scale_stride != 0 || p.v.scale_stride != 0;
   const int64_t chunks = chunks_per_token(p, bulk);
   const int wpb = jitkv::cuda::spread_warps_per_block(p.n * chunks, info.sms, kMaxWarpsPerBlock);
   const dim3 grid(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks),
                   split_sides(kFp8, kKHeadBytes, kVHeadBytes, bulk) ? 2u : 1u);
-  return jitkv::cuda::launch(bulk ? store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, true>
-                                  : store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, false>,
-                             grid, dim3(32 * wpb), stream, kPdl && info.pdl(), p);
+  return jitkv::cuda::launch(bulk ? kernel<kVec, true>(per_head) : kernel<kVec, false>(per_head), grid,
+                             dim3(32 * wpb), stream, kPdl && info.pdl(), p);
 }
 
 void store_cache(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache, TensorView slot_mapping,
