@@ -194,18 +194,21 @@ def ds_mla_records(nope, rope):
 
 
 def quantize_fp8(x, fp8_dtype, scale):
-    """stored = RNE(clamp(x / scale, ±max)) in fp32; scale a float (rounded to float32) or a tensor."""
+    """stored = RNE(clamp(x / scale, ±max)) in fp32; scale a float (rounded to float32), a 1-element
+    tensor, or ``[H]`` per-head scales for x of shape ``[..., H, D]`` (head h divided by scale[h])."""
     if not isinstance(scale, torch.Tensor):
         scale = torch.full((), scale, dtype=torch.float32, device=x.device)  # a fill, not a host copy
     m = FP8_MAX[fp8_dtype]
-    return (x.float() / scale.reshape(())).clamp(-m, m).to(fp8_dtype)
+    s = scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, 1)
+    return (x.float() / s).clamp(-m, m).to(fp8_dtype)
 
 
 def store_cache(
     k, v, k_cache, v_cache, slot_mapping, *, kv_cache_dtype="auto", k_scale=None, v_scale=None, loc_map=None,
     skip_slot=None, strict=None,
 ):
-    """k_cache[slot'] = k[i], v_cache[slot'] = v[i] (quantized to fp8 when asked), docs/design.md §2-§4."""
+    """k_cache[slot'] = k[i], v_cache[slot'] = v[i] (quantized to fp8 when asked), docs/design.md §2-§4;
+    k_scale / v_scale of ``[H]`` elements scale each head on its own (k, v as ``[n, H, D]`` or ``[n, H*D]``)."""
     num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
     plan = _plan(slot_mapping, num_slots, op="store_cache", skip_slot=skip_slot, loc_map=loc_map, strict=strict)
     if plan is None:
@@ -214,6 +217,8 @@ def store_cache(
     for rows, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         vals = rows.index_select(0, src)
         if kv_cache_dtype != "auto":
+            if isinstance(scale, torch.Tensor) and scale.numel() > 1:  # per head: [n, H, D] rows
+                vals = vals.reshape(vals.shape[0], scale.numel(), -1)
             vals = quantize_fp8(vals, FP8_DTYPES[kv_cache_dtype], scale)
         _write_rows(_bits(cache), dest, _bits(vals), any_kept)
 

@@ -64,11 +64,13 @@ def store_cache_fp8_rows(ns=(133, 4096)) -> list[Row]:
         k, v = _rand((n, 8, 128), torch.bfloat16), _rand((n, 8, 128), torch.bfloat16)
         idx = torch.randperm(4096)[:n]
         moved = 2 * k.numel() * (2 + 1)  # K and V: 2 bytes read, 1 written per element
-        kw = dict(kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=0.25)
-        base = median_us(lambda: reference.store_cache(k, v, kc, vc, idx, **kw))
-        rows.append(Row("store_cache fp8", "[4096,8,128] bf16->e4m3", n, "torch reference", base, moved, base))
-        us = median_us(lambda: jitkv.store_cache(k, v, kc, vc, idx, **kw))
-        rows.append(Row("store_cache fp8", "[4096,8,128] bf16->e4m3", n, "jitkv jit", us, moved, base))
+        per_head = dict(k_scale=torch.linspace(0.5, 1.5, 8), v_scale=torch.linspace(0.25, 2.0, 8))
+        for case, scales in (("bf16->e4m3", dict(k_scale=0.5, v_scale=0.25)), ("bf16->e4m3 per-head", per_head)):
+            kw = dict(kv_cache_dtype="fp8_e4m3", **scales)
+            base = median_us(lambda: reference.store_cache(k, v, kc, vc, idx, **kw))
+            rows.append(Row("store_cache fp8", f"[4096,8,128] {case}", n, "torch reference", base, moved, base))
+            us = median_us(lambda: jitkv.store_cache(k, v, kc, vc, idx, **kw))
+            rows.append(Row("store_cache fp8", f"[4096,8,128] {case}", n, "jitkv jit", us, moved, base))
     return rows
 
 

@@ -257,11 +257,15 @@ STORE_NS = (1, 2, 4, 16, 64, 256, 1024, 4096, 16384, 131072)
 def store_cache_rows(bw: float, floor_us: float, ns=STORE_NS) -> list[Row]:
     slots_per_layer = 1 << 18  # K and V caches of 8 heads x 128 bf16: 1 GB per layer, 8 GB in all
     rows = []
-    for label, cache_dtype, kv_dtype in (("bf16", torch.bfloat16, "auto"), ("bf16->fp8 e4m3", torch.float8_e4m3fn, "fp8_e4m3")):
+    # fp8: one scale per side, or one per head (vLLM's per-head quantization, its own kernels)
+    for label, cache_dtype, kv_dtype, scales in (("bf16", torch.bfloat16, "auto", 0),
+                                                 ("bf16->fp8 e4m3", torch.float8_e4m3fn, "fp8_e4m3", 1),
+                                                 ("bf16->fp8 e4m3 per-head", torch.float8_e4m3fn, "fp8_e4m3", 8)):
         kcs = [torch.empty(slots_per_layer, 8, 128, device="cuda").normal_().to(cache_dtype) for _ in range(LAYERS)]
         vcs = [torch.empty(slots_per_layer, 8, 128, device="cuda").normal_().to(cache_dtype) for _ in range(LAYERS)]
-        kw = {} if kv_dtype == "auto" else dict(kv_cache_dtype=kv_dtype, k_scale=torch.tensor([0.5], device="cuda"),
-                                                v_scale=torch.tensor([0.25], device="cuda"))
+        kw = {} if kv_dtype == "auto" else dict(kv_cache_dtype=kv_dtype,
+                                                k_scale=torch.linspace(0.5, 1.5, scales, device="cuda"),
+                                                v_scale=torch.linspace(0.25, 2.0, scales, device="cuda"))
         for n in ns:
             ks = [torch.randn(n, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
             vs = [torch.randn(n, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
@@ -273,8 +277,8 @@ def store_cache_rows(bw: float, floor_us: float, ns=STORE_NS) -> list[Row]:
                     kcs[i][sms[i]] = ks[i]
                     vcs[i][sms[i]] = vs[i]
                 else:
-                    kcs[i][sms[i]] = (ks[i].float() / kw["k_scale"]).clamp(-448, 448).to(cache_dtype)
-                    vcs[i][sms[i]] = (vs[i].float() / kw["v_scale"]).clamp(-448, 448).to(cache_dtype)
+                    kcs[i][sms[i]] = (ks[i].float() / kw["k_scale"].view(-1, 1)).clamp(-448, 448).to(cache_dtype)
+                    vcs[i][sms[i]] = (vs[i].float() / kw["v_scale"].view(-1, 1)).clamp(-448, 448).to(cache_dtype)
 
             cases = [("torch index", torch_index)] + [
                 (name, lambda i, b=b: jitkv.store_cache(ks[i], vs[i], kcs[i], vcs[i], sms[i], backend=b, **kw))

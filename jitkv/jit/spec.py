@@ -23,8 +23,7 @@ class JitSpec:
     """One buildable module.
 
     op:      readable family name, e.g. "mla_cuda".
-    sources: entry files relative to ``root`` (a .cu with extern "C" launchers plus a .cc binding
-             for CUDA; one .cpp for CPU).
+    sources: entry files relative to ``root`` (one .cu binding for CUDA, one .cpp for CPU).
     args:    template arguments, passed as ``-DJITKV_<NAME>=<value>`` to every source.
     target:  "cpu" (host ISA, -march=native) or a CUDA arch such as "9.0a".
     exports: functions the module must export (checked after load)."""

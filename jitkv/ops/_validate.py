@@ -82,26 +82,35 @@ def scale_value(op, name, scale):
 
 
 def scale_tensor_value(op, name, s):
-    """Read a 1-element float32 scale tensor on the host: finite and > 0, else ValueError (other
-    tensors are left to the structural checks). On CUDA this syncs, so callers do it only under
-    JITKV_DEBUG=1, and it refuses (RuntimeError, before any CUDA work) during CUDA-graph capture."""
-    if s.dtype != torch.float32 or s.numel() != 1:
+    """Read a float32 scale tensor on the host: every value finite and > 0, else ValueError (naming
+    ``name[i]`` for per-head scales; other dtypes are left to the structural checks). On CUDA this
+    syncs, so callers do it only under JITKV_DEBUG=1, and it refuses (RuntimeError, before any CUDA
+    work) during CUDA-graph capture."""
+    if s.dtype != torch.float32:
         return
     if s.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"{op}: JITKV_DEBUG=1 reads {name} on the host, which CUDA-graph capture does not "
                            "allow; capture without JITKV_DEBUG")
-    scale_value(op, name, s.item())
+    if s.numel() == 1:
+        scale_value(op, name, s.item())
+        return
+    for i, value in enumerate(s.reshape(-1).tolist()):
+        scale_value(op, f"{name}[{i}]", value)
 
 
-def scale(op, name, s, device, dest_name, debug=False):
-    """A Python-float scale (checked), or a 1-element float32 tensor on ``device`` whose value is
-    checked on CPU, and on CUDA only with ``debug`` (JITKV_DEBUG=1: it syncs)."""
+def scale(op, name, s, device, dest_name, debug=False, heads=None):
+    """A Python-float scale (checked), or a float32 tensor on ``device`` of 1 element or, where the op
+    takes per-head scales (``heads``), of shape ``[heads]``, whose values are checked on CPU, and on
+    CUDA only with ``debug`` (JITKV_DEBUG=1: it syncs)."""
     if s is None:
         raise ValueError(f"{op}: {name}: required for an fp8 kv_cache_dtype (no default scale)")
     if isinstance(s, torch.Tensor):
         if s.dtype != torch.float32:
             raise TypeError(f"{op}: {name}: expected a float32 tensor, got {s.dtype}")
-        if s.numel() != 1:
+        if heads is not None and s.numel() != 1 and not (s.dim() == 1 and s.shape[0] == heads):
+            raise ValueError(f"{op}: {name}: expected a 1-element tensor or [num_heads] = [{heads}] per-head "
+                             f"scales, got shape {list(s.shape)}")
+        if heads is None and s.numel() != 1:
             raise ValueError(f"{op}: {name}: expected a 1-element tensor, got {s.numel()} elements")
         same_device(op, name, s, device, dest_name)
         if s.is_cpu or debug:
@@ -228,7 +237,8 @@ def store_cache(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v
     (kv, kcv), (vv, vcv) = views
     scales = (None, None)
     if kv_cache_dtype != "auto":
-        scales = (scale(op, "k_scale", k_scale, dev, "k_cache", debug), scale(op, "v_scale", v_scale, dev, "k_cache", debug))
+        scales = (scale(op, "k_scale", k_scale, dev, "k_cache", debug, heads=h),
+                  scale(op, "v_scale", v_scale, dev, "k_cache", debug, heads=h))
     return kv, vv, kcv, vcv, scales
 
 

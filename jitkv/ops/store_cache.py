@@ -9,13 +9,14 @@ from torch.compiler import is_compiling
 
 from .. import reference
 from ..jit import JitSpec
+from ..layouts import FP8_CODES, FP8_DTYPES
 from . import _validate
 from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_error, require_triton
 from ._dispatch import Dispatcher
 
 OP = "store_cache"
 _DISPATCH = Dispatcher(OP)
-_MISSING_SCALE = -1.0  # tells the C++ binding "no scale given" (see store_cache_args.h)
+_MISSING_SCALE = -1.0  # tells the C++ binding "no scale given" (see store_cache.cuh)
 
 
 def store_cache(
@@ -45,11 +46,13 @@ def store_cache(
         kv_cache_dtype: "auto" (cache dtype == source dtype, bitwise copy), "fp8"/"fp8_e4m3"
             (e4m3fn, max 448) or "fp8_e5m2" (max 57344): stored = RNE(clamp(x / scale, ±max)),
             from bf16/fp16/fp32 into float8 or uint8 caches.
-        k_scale, v_scale: required for fp8: a finite float > 0, or a 1-element float32 tensor on
-            the cache's device (read on the device, so CUDA graphs replay with new values). A tensor's
-            value must be finite and > 0 too: checked on the host for CPU tensors, and for CUDA
-            tensors only under ``JITKV_DEBUG=1`` (the check syncs; otherwise the kernel divides by
-            the value as given).
+        k_scale, v_scale: required for fp8: a finite float > 0, or a float32 tensor on the cache's
+            device (read on the device, so CUDA graphs replay with new values) of 1 element, or of
+            shape ``[H]``: per-head scales (vLLM's per-head quantization), head h of every row stored
+            as RNE(clamp(x / scale[h], ±max)); K and V each take either kind. A tensor's values must
+            be finite and > 0 too: checked on the host for CPU tensors, and for CUDA tensors only
+            under ``JITKV_DEBUG=1`` (the check syncs; otherwise the kernel divides by the values as
+            given).
         loc_map: optional ``[num_full_slots]`` int32/int64; ``slot = loc_map[slot]`` first (full ->
             sliding-window pool), fused in the kernel; a mapped value < 0 is skipped.
         skip_slot: an extra padding slot, compared before ``loc_map``; None for none.
@@ -57,8 +60,8 @@ def store_cache(
 
     Raises:
         TypeError: wrong dtype or non-tensor argument. ValueError: shape/device/layout mismatch,
-        unknown kv_cache_dtype, fp8 string vs cache dtype mismatch, a missing scale, or one that is
-        not finite and > 0 (see k_scale).
+        unknown kv_cache_dtype, fp8 string vs cache dtype mismatch, a missing scale, a scale tensor
+        of neither 1 element nor shape ``[H]``, or a scale that is not finite and > 0 (see k_scale).
         IndexError: slot (or loc_map entry) out of range — CPU always, CUDA under JITKV_DEBUG=1 (CUDA
         otherwise skips the row); nothing is written then.
 
@@ -67,7 +70,11 @@ def store_cache(
     CUDA — K and V in one launch with 16-byte vectors and hardware saturating fp8 conversion: at
     small n a latency kernel (one vector per lane, all address math done while the slot load is in
     flight; fp8: K and V in separate warps), beyond it a bulk kernel (one warp per row, rows >= 2 KB
-    split across warps). Triton (one program per row) as the fallback.
+    split across warps); with per-head scales each lane divides by its vector's head's scale (its
+    own kernels). Heads that are not a multiple of 16 bytes, and views whose base or strides
+    are not 16-byte aligned, take the any-alignment build (the widest vector the call allows), chosen
+    before the call and recorded in ``backend_info`` ("alignment"). Triton (one program per row) as
+    the fallback.
     """
     if is_compiling():
         ks_t, ks_v = _scale_args(k_scale, "k_scale", kv_cache_dtype)
@@ -79,15 +86,8 @@ def store_cache(
     if index < 0:
         impl = _DISPATCH.get_cpu(backend)
     else:
-        variant = _cuda_variant(k, k_cache, v, v_cache, kv_cache_dtype)
-        impl = _DISPATCH.get_cuda(index, backend, variant)
-    try:
-        impl(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot)
-    except _NeedsGenericBuild:  # raised by CUDA bindings only
-        # Alignment is known once the binding has read the pointers: the any-alignment variant is
-        # dispatched like any other (its own build, else Triton, else torch; recorded and warned).
-        _DISPATCH.get_cuda(index, backend, (*GENERIC, *variant[2:]))(
-            k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot)
+        impl = _DISPATCH.get_cuda(index, backend, _cuda_variant(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype))
+    impl(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot)
 
 
 def _scale_args(scale, name, kv_cache_dtype):
@@ -99,31 +99,69 @@ def _scale_args(scale, name, kv_cache_dtype):
     return None, _validate.scale_value(OP, name, scale)
 
 
-_KV_CODE = {"auto": 0, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 2}
-_SRC_CODE = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
-GENERIC = (0, 0)  # head bytes of the generic build: any alignment, vector width picked per call
+COPY = FP8_CODES[None]
+# kv_cache_dtype -> the cache format's code (the binding's kv_cache_dtype argument, JITKV_KV_DTYPE).
+_KV_CODE = {"auto": COPY, **{name: FP8_CODES[dtype] for name, dtype in FP8_DTYPES.items()}}
+# The codes themselves, build arguments of every store_cache module (store_cache.cuh).
+_FP8_CODE_ARGS = (("copy_code", COPY), ("e4m3_code", FP8_CODES[torch.float8_e4m3fn]),
+                  ("e5m2_code", FP8_CODES[torch.float8_e5m2]))
+_SRC_CODE = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}  # JITKV_SRC_DTYPE of fp8 builds; 0: a copy
+GENERIC = (0, 0)  # head bytes of the any-alignment build: vector width picked per call
+ALIGNED, ANY_ALIGNMENT = 16, 1  # the variant's last field: the bytes every address is a multiple of
 
 
-def _cuda_variant(k, k_cache, v, v_cache, kv_cache_dtype) -> tuple:
-    """CUDA template args: (K head bytes, V head bytes, source dtype code, fp8 format code).
+def _cuda_variant(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype) -> tuple:
+    """The CUDA build for these arguments: (K head bytes, V head bytes, source dtype code, fp8 code,
+    alignment), where alignment is ALIGNED (16-byte build for these head bytes) or ANY_ALIGNMENT
+    (the any-alignment build, head bytes GENERIC).
 
-    Head bytes are those of the cache (head_dim * cache element size); rows that are not a multiple
-    of 16 bytes use the generic build. Unknown inputs also map to the generic build, whose binding
-    then raises the precise error. Runs on every eager call: caches with a head dim (3-D flat, 4-D
-    paged) give head_dim as their last dim, read once from each shape."""
+    Head bytes are those of the cache (head_dim * cache element size); heads that are not a multiple
+    of 16 bytes, and views ``_aligned16`` refuses, take the any-alignment build. Unknown inputs also
+    map to it, whose binding then raises the precise error. Runs on every eager call: caches with a
+    head dim (3-D flat, 4-D paged) give head_dim as their last dim, read once from each shape, and
+    both caches have one element size (else the binding raises)."""
     try:
         kv = _KV_CODE[kv_cache_dtype]
         ks, vs = k_cache.shape, v_cache.shape
         if len(ks) > 2 and len(vs) > 2:
-            kb, vb = ks[-1] * k_cache.element_size(), vs[-1] * v_cache.element_size()
+            es = k_cache.element_size()
+            kb, vb = ks[-1] * es, vs[-1] * es
         else:
             kb, vb = _head_bytes_any_layout(k, k_cache, v, v_cache)
-        src = _SRC_CODE.get(k.dtype, 0) if kv else 0
+        src = _SRC_CODE.get(k.dtype, 0) if kv != COPY else 0
+        if (kb | vb) % 16 == 0 and kb > 0 and vb > 0 and _aligned16(k, v, k_cache, v_cache, slot_mapping):
+            return (kb, vb, src, kv, ALIGNED)
     except (AttributeError, KeyError, TypeError, ZeroDivisionError):
-        return (*GENERIC, 0, 0)
-    if kb % 16 or vb % 16 or kb <= 0 or vb <= 0:
-        kb, vb = GENERIC
-    return (kb, vb, src, kv)
+        return (*GENERIC, 0, COPY, ANY_ALIGNMENT)
+    return (*GENERIC, src, kv, ANY_ALIGNMENT)
+
+
+def _aligned16(k, v, k_cache, v_cache, slot_mapping) -> bool:
+    """Whether every address the 16-byte build forms is a multiple of 16 bytes, given heads of whole
+    16-byte multiples: the base pointers, and the byte strides of dims with more than one index (a
+    source's first dim counts slot_mapping.numel() rows). store_cache_cuda.cu's pick_vec applies the
+    same rule, and refuses a call that breaks it. Runs on every eager CUDA call, cheapest test first:
+    a contiguous tensor's strides are multiples of a head; any tensor's, of their gcd."""
+    if (k.data_ptr() | v.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) & 15:
+        return False
+    if k.is_contiguous() and v.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous():
+        return True
+    if _strides16(k) and _strides16(v) and _strides16(k_cache) and _strides16(v_cache):
+        return True
+    n = slot_mapping.numel()  # a gcd that misses 16 may come from a dim of one index
+    return all(_used_strides16(t, rows) for t, rows in ((k, n), (v, n), (k_cache, k_cache.shape[0]),
+                                                        (v_cache, v_cache.shape[0])))
+
+
+def _strides16(t) -> bool:
+    return t.is_contiguous() or (math.gcd(*t.stride()[:-1]) * t.element_size()) % 16 == 0
+
+
+def _used_strides16(t, rows: int) -> bool:
+    """Every stride but the last of ``t`` (its first dim taken as ``rows`` indices) is a multiple of
+    16 bytes where its dim has more than one index."""
+    es = t.element_size()
+    return all(size <= 1 or stride * es % 16 == 0 for size, stride in zip((rows, *t.shape[1:-1]), t.stride()[:-1]))
 
 
 def _head_bytes_any_layout(k, k_cache, v, v_cache) -> tuple[int, int]:
@@ -148,22 +186,28 @@ COPY_ENTRY = "store_cache_copy"  # the binding's kv_cache_dtype "auto" entry poi
 
 
 def cpu_spec() -> JitSpec:
-    return JitSpec("store_cache_cpu", ("store_cache/store_cache_cpu.cpp",), exports=(OP, COPY_ENTRY))
+    return JitSpec("store_cache_cpu", ("store_cache/store_cache_cpu.cpp",), args=_FP8_CODE_ARGS,
+                   exports=(OP, COPY_ENTRY))
 
 
-def cuda_spec(arch: str, k_head_bytes: int, v_head_bytes: int, src_dtype: int, kv_dtype: int) -> JitSpec:
+def cuda_spec(arch: str, k_head_bytes: int, v_head_bytes: int, src_dtype: int, kv_dtype: int, *,
+              pdl: bool = True) -> JitSpec:
+    """The CUDA module for caches of ``k_head_bytes``/``v_head_bytes`` per head (GENERIC: the
+    any-alignment build), sources of ``src_dtype`` (_SRC_CODE; 0 for a copy) and the cache format
+    ``kv_dtype`` (_KV_CODE); ``pdl=False`` launches without programmatic dependent launch."""
     return JitSpec(
         "store_cache_cuda",
-        ("store_cache/store_cache_cuda.cu", "store_cache/store_cache_cuda.cc"),
+        ("store_cache/store_cache_cuda.cu",),
         args=(("k_head_bytes", k_head_bytes), ("v_head_bytes", v_head_bytes), ("src_dtype", src_dtype),
-              ("kv_dtype", kv_dtype)),
+              ("kv_dtype", kv_dtype), *_FP8_CODE_ARGS, ("pdl", int(pdl))),
         target=arch,
         exports=(OP, COPY_ENTRY),
     )
 
 
-# Prebuilt CUDA variants: bf16/fp16 head_dim 64, 128, 256 copies; bf16 -> e4m3 at 128; generic.
-CUDA_PREBUILD_VARIANTS = ((128, 128, 0, 0), (256, 256, 0, 0), (512, 512, 0, 0), (128, 128, 1, 1), (0, 0, 0, 0))
+# Prebuilt CUDA variants: bf16/fp16 head_dim 64, 128, 256 copies; bf16 -> e4m3 at 128; any alignment.
+CUDA_PREBUILD_VARIANTS = ((128, 128, 0, COPY), (256, 256, 0, COPY), (512, 512, 0, COPY),
+                          (128, 128, _SRC_CODE[torch.bfloat16], _KV_CODE["fp8_e4m3"]), (*GENERIC, 0, COPY))
 
 
 @_DISPATCH.register("jit")
@@ -171,37 +215,33 @@ def _jit(device, variant):
     if device.type == "cpu":
         spec = cpu_spec()
     else:
-        spec = cuda_spec(cuda_target(device), *variant)
+        *build, alignment = variant
+        spec = cuda_spec(cuda_target(device), *build)
     fn, info = jit_function(spec, OP)
     copy_fn, _ = jit_function(spec, COPY_ENTRY)
+    if device.type == "cuda":
+        info["alignment"] = "16 bytes" if alignment == ALIGNED else "any (vector width per call)"
     return _binding_caller(fn, copy_fn, debug=device.type == "cuda" and debug_checks()), info
-
-
-class _NeedsGenericBuild(Exception):
-    """A 16-byte specialised CUDA build refused a less aligned view (see store_cache)."""
 
 
 def _binding_caller(fn, copy_fn, debug=False):
     """Call a store_cache binding with the public arguments ("auto" through its short entry point,
-    ``copy_fn``); a 16-byte specialised CUDA build refuses less aligned views ("generic build" in
-    its ValueError): _NeedsGenericBuild."""
+    ``copy_fn``)."""
 
     def run(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, skip):
-        call = fn
-        if kv_dtype == "auto":  # the common case: no scales to look at
-            call, args = copy_fn, (k, v, k_cache, v_cache, slot_mapping, loc_map, -1 if skip is None else skip)
-        else:
-            args = (k, v, k_cache, v_cache, slot_mapping, loc_map, -1 if skip is None else skip,
-                    *_fp8_scale_args(kv_dtype, k_scale, v_scale))
         if debug:
             _validate.store_cache(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, debug)
             _host_range_check(k_cache, slot_mapping, loc_map, skip)
+        skip = -1 if skip is None else skip
+        if kv_dtype == "auto":  # the common case: no scales to look at
+            try:
+                return copy_fn(k, v, k_cache, v_cache, slot_mapping, loc_map, skip)
+            except (TypeError, RuntimeError) as e:
+                args = (k, v, k_cache, v_cache, slot_mapping, loc_map, skip)
+                raise name_ffi_error(OP, e, _BINDING_ARGS, args) from None
+        args = (k, v, k_cache, v_cache, slot_mapping, loc_map, skip, *_fp8_scale_args(kv_dtype, k_scale, v_scale))
         try:
-            call(*args)
-        except ValueError as e:
-            if "generic build" not in str(e):
-                raise
-            raise _NeedsGenericBuild from None
+            fn(*args)
         except (TypeError, RuntimeError) as e:
             raise name_ffi_error(OP, e, _BINDING_ARGS, args) from None
 

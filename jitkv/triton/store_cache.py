@@ -7,7 +7,8 @@ and of V with masked loads/stores, 64-bit offsets and runtime strides. "auto" co
 encodes round-to-nearest-even with integer arithmetic, so the bytes equal
 ``(x.float() / scale).clamp(-max, max).to(float8)`` on the GPU and under TRITON_INTERPRET=1 alike
 (the interpreter's own fp8 cast does not round to nearest even). NaN keeps the sign the division gives
-it, as torch does: 0x7F on GPUs (their division returns a positive NaN), 0x7F/0xFF on CPUs.
+it, as torch does: 0x7F on GPUs (their division returns a positive NaN), 0x7F/0xFF on CPUs. Per-head
+scales (PER_HEAD): head h divides by scale[h * stride] (stride 0: one scale for the side).
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ def _fp8_bits(x, MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, MIN_
 
 
 @triton.jit
-def _store_side(src, dst, scale_ptr, token, slot, ok, h, H, D, s_tok, s_head, block_size, c_blk, c_tok, c_head,
-                BLOCK_D: tl.constexpr, QUANT: tl.constexpr, MAX: tl.constexpr, MANT: tl.constexpr,
-                BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, MAGIC: tl.constexpr, MAGIC_BITS: tl.constexpr):
+def _store_side(src, dst, scale_ptr, scale_stride, token, slot, ok, h, H, D, s_tok, s_head, block_size, c_blk, c_tok,
+                c_head, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, PER_HEAD: tl.constexpr, MAX: tl.constexpr,
+                MANT: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, MAGIC: tl.constexpr,
+                MAGIC_BITS: tl.constexpr):
     blk = slot // block_size
     dst_row = blk * c_blk + (slot - blk * block_size) * c_tok
     d = tl.arange(0, BLOCK_D)
@@ -56,20 +58,25 @@ def _store_side(src, dst, scale_ptr, token, slot, ok, h, H, D, s_tok, s_head, bl
     h64 = h.to(tl.int64)[:, None]
     x = tl.load(src + token * s_tok + h64 * s_head + d[None, :], mask=mask)
     if QUANT:
-        scale = tl.load(scale_ptr)
+        if PER_HEAD:
+            scale = tl.load(scale_ptr + h64 * scale_stride, mask=h[:, None] < H, other=1.0)
+        else:
+            scale = tl.load(scale_ptr)
         q = tl.math.div_rn(x.to(tl.float32), scale)
         x = _fp8_bits(q, MAX, MANT, BIAS, MIN_NORMAL_BITS, MAGIC, MAGIC_BITS)
     tl.store(dst + dst_row + h64 * c_head + d[None, :], x, mask=mask)
 
 
 # Scalars that only bound masks or compare with slots: no recompile per value.
-@triton.jit(do_not_specialize=["loc_map_size", "skip_slot", "num_slots", "H", "kc_bs", "vc_bs"])
-def _store_cache_kernel(k, v, k_cache, v_cache, slots, loc_map, k_scale, v_scale,
+@triton.jit(do_not_specialize=["loc_map_size", "skip_slot", "num_slots", "H", "kc_bs", "vc_bs", "k_scale_stride",
+                             "v_scale_stride"])
+def _store_cache_kernel(k, v, k_cache, v_cache, slots, loc_map, k_scale, v_scale, k_scale_stride, v_scale_stride,
                         loc_map_size, skip_slot, num_slots, H, DK, DV,
                         k_s_tok, k_s_head, v_s_tok, v_s_head, kc_bs, vc_bs,
                         kc_s_blk, kc_s_tok, kc_s_head, vc_s_blk, vc_s_tok, vc_s_head,
                         HAS_LOC_MAP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr,
-                        BLOCK_DV: tl.constexpr, QUANT: tl.constexpr, MAX: tl.constexpr, MANT: tl.constexpr,
+                        BLOCK_DV: tl.constexpr, QUANT: tl.constexpr, PER_HEAD: tl.constexpr, MAX: tl.constexpr,
+                        MANT: tl.constexpr,
                         BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, MAGIC: tl.constexpr,
                         MAGIC_BITS: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
@@ -82,10 +89,10 @@ def _store_cache_kernel(k, v, k_cache, v_cache, slots, loc_map, k_scale, v_scale
     ok = ok & (slot < num_slots)
     slot = tl.where(ok, slot, 0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    _store_side(k, k_cache, k_scale, token, slot, ok, h, H, DK, k_s_tok, k_s_head, kc_bs, kc_s_blk, kc_s_tok,
-                kc_s_head, BLOCK_DK, QUANT, MAX, MANT, BIAS, MIN_NORMAL_BITS, MAGIC, MAGIC_BITS)
-    _store_side(v, v_cache, v_scale, token, slot, ok, h, H, DV, v_s_tok, v_s_head, vc_bs, vc_s_blk, vc_s_tok,
-                vc_s_head, BLOCK_DV, QUANT, MAX, MANT, BIAS, MIN_NORMAL_BITS, MAGIC, MAGIC_BITS)
+    _store_side(k, k_cache, k_scale, k_scale_stride, token, slot, ok, h, H, DK, k_s_tok, k_s_head, kc_bs, kc_s_blk,
+                kc_s_tok, kc_s_head, BLOCK_DK, QUANT, PER_HEAD, MAX, MANT, BIAS, MIN_NORMAL_BITS, MAGIC, MAGIC_BITS)
+    _store_side(v, v_cache, v_scale, v_scale_stride, token, slot, ok, h, H, DV, v_s_tok, v_s_head, vc_bs, vc_s_blk,
+                vc_s_tok, vc_s_head, BLOCK_DV, QUANT, PER_HEAD, MAX, MANT, BIAS, MIN_NORMAL_BITS, MAGIC, MAGIC_BITS)
 
 
 def _fp8_constants(kv_dtype: str) -> dict:
@@ -95,7 +102,7 @@ def _fp8_constants(kv_dtype: str) -> dict:
                 MAGIC=float(2.0 ** magic_exp), MAGIC_BITS=(127 + magic_exp) << 23)
 
 
-_COPY_CONSTANTS = dict(QUANT=False, MAX=0.0, MANT=3, BIAS=7, MIN_NORMAL_BITS=0, MAGIC=1.0, MAGIC_BITS=0)
+_COPY_CONSTANTS = dict(QUANT=False, PER_HEAD=False, MAX=0.0, MANT=3, BIAS=7, MIN_NORMAL_BITS=0, MAGIC=1.0, MAGIC_BITS=0)
 
 
 def store_cache_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -103,8 +110,9 @@ def store_cache_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
                        k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
     """Validated inputs: k [n', H, DK], v [n', H, DV] (any token/head strides, last dim contiguous);
     k_cache [nb, bs, H, DK], v_cache [nb, bs, H, DV] views with arbitrary strides; slot_mapping and
-    loc_map 1-D int32/int64; kv_dtype "auto", "fp8"/"fp8_e4m3" or "fp8_e5m2"; scales 1-element float32
-    tensors for fp8 (ignored for "auto"). Writes K and V rows of the first slot_mapping.numel() tokens."""
+    loc_map 1-D int32/int64; kv_dtype "auto", "fp8"/"fp8_e4m3" or "fp8_e5m2"; scales float32 tensors
+    of 1 or H elements for fp8 (ignored for "auto"). Writes K and V rows of the first slot_mapping.numel()
+    tokens."""
     n = slot_mapping.numel()
     if n == 0:
         return
@@ -114,9 +122,11 @@ def store_cache_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
         view = _COPY_VIEW[k.element_size()]
         k, v, k_cache, v_cache = (t.view(view) for t in (k, v, k_cache, v_cache))
         consts, k_scale, v_scale = _COPY_CONSTANTS, slot_mapping, slot_mapping  # scales unused
+        k_stride = v_stride = 0
     else:
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-        consts = _fp8_constants(kv_dtype)
+        k_stride, v_stride = (s.stride(0) if s.numel() > 1 else 0 for s in (k_scale, v_scale))
+        consts = dict(_fp8_constants(kv_dtype), PER_HEAD=bool(k_stride or v_stride))
     nb, bs, H, DK = k_cache.shape
     DV = v_cache.shape[3]
     block_dk, block_dv = triton.next_power_of_2(DK), triton.next_power_of_2(DV)
@@ -124,8 +134,8 @@ def store_cache_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
     has_loc_map = loc_map is not None
     grid = (n, triton.cdiv(H, block_h))
     _store_cache_kernel[grid](
-        k, v, k_cache, v_cache, slot_mapping, loc_map if has_loc_map else slot_mapping, k_scale, v_scale,
-        loc_map.numel() if has_loc_map else 0, skip_slot, nb * bs, H, DK, DV,
+        k, v, k_cache, v_cache, slot_mapping, loc_map if has_loc_map else slot_mapping, k_scale, v_scale, k_stride,
+        v_stride, loc_map.numel() if has_loc_map else 0, skip_slot, nb * bs, H, DK, DV,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), bs, v_cache.shape[1],
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

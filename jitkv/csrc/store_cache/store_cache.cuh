@@ -1,5 +1,348 @@
-// store_cache on CUDA: scatter K and V rows of n tokens into flat / paged-NHD / paged-HND caches in
-// one launch, copying bytes ("auto") or quantizing bf16/fp16/fp32 to FP8 on the way.
+// store_cache: scatter K and V rows of n tokens into flat / paged-NHD / paged-HND caches, copying bytes
+// ("auto") or quantizing bf16/fp16/fp32 to FP8 on the way (docs/design.md §2-§4).
+//
+// The family's one parameter block (StoreCacheParams) and its argument parser, shared by the CUDA
+// binding (store_cache_cuda.cu) and the CPU binding (store_cache_cpu.cpp, which sees only this host
+// part), then the CUDA kernels (compiled by nvcc only).
+//
+// Arguments. k, v: [n', H, D] or [n', H*D], n' >= n = slot_mapping.numel(). Caches: flat [S, H, D] /
+// [S, H*D] or paged [num_blocks, block_size, H, D] (logical shape; an HND cache arrives as a permuted
+// view, its strides carry the layout). Only the innermost dim must be contiguous; every other stride
+// is honoured and kept in BYTES. Heads: H comes from whichever of the four tensors has a head dim (all
+// must agree; none: H = 1); a 2-D tensor's row is split into H heads of D = row / H, contiguous inside
+// the row. K and V may have different head dims but the same H. Slot s lives at
+// dst + (s / block_size) * dst_stride_block + (s % block_size) * dst_stride_token, head h at
+// + h * dst_stride_head; flat caches have block_size 1 and dst_stride_block == dst_stride_token == the
+// row stride.
+//
+// kv_cache_dtype arrives as its code (jitkv/layouts.py FP8_CODES, whose values are the build arguments
+// JITKV_COPY_CODE, JITKV_E4M3_CODE, JITKV_E5M2_CODE): a plain copy (cache dtype == source dtype;
+// scales ignored), e4m3fn (max 448) or e5m2 (max 57344). fp8 caches are float8_e4m3fn / float8_e5m2
+// (matching the code) or uint8; fp8 sources are bf16 / fp16 / fp32. (A String argument would cost
+// ~0.6 s of build time in tvm-ffi's argument unpacking.)
+//
+// Scales (fp8 only). Convention with the Python wrapper:
+//   * k_scale given as a tensor: float32, same device, 1 element (any shape) or [num_heads] (vLLM's
+//     per-head quantization: head h of every row is divided by k_scale[h]); read by the kernel, so CUDA
+//     graphs may replay with new values; k_scale_value is then ignored.
+//   * k_scale given as a Python float: k_scale = None and k_scale_value = the float. It is rounded to
+//     float32 and must be finite and > 0 after rounding (ValueError otherwise).
+//   * k_scale not given (None): the wrapper passes k_scale = None and k_scale_value = -1.0 exactly;
+//     that means "missing" (ValueError: fp8 needs a scale). No silent 1.0.
+// Same for v. The quantized value is fp8(clamp(x / scale, -max, max)), division in float32.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "jitkv/check.h"
+
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "jitkv/cuda/fp8.cuh"
+#include "jitkv/cuda/launch.cuh"
+#endif
+
+#if !defined(JITKV_COPY_CODE) || !defined(JITKV_E4M3_CODE) || !defined(JITKV_E5M2_CODE)
+#error "store_cache needs -DJITKV_COPY_CODE, -DJITKV_E4M3_CODE and -DJITKV_E5M2_CODE (jitkv/layouts.py FP8_CODES)"
+#endif
+
+namespace jitkv::store_cache {
+
+// The cache format: a plain copy or one of the fp8 formats (codes: see the top of this file).
+enum class Fp8 : int { kNone = JITKV_COPY_CODE, kE4M3 = JITKV_E4M3_CODE, kE5M2 = JITKV_E5M2_CODE };
+
+// One of K / V: its source rows and its cache. Strides in bytes.
+struct Side {
+  const char* src;
+  int64_t src_stride_token, src_stride_head;
+  char* dst;
+  int64_t num_slots, block_size, dst_stride_block, dst_stride_token, dst_stride_head;
+  int32_t head_vecs, row_vecs;  // CUDA: kVec-byte destination vectors per head and per row
+  int32_t block_shift;          // CUDA: slot / block_size = (umulhi(slot, block_magic) + slot) >> block_shift
+  uint32_t block_magic;         // (the CUDA binding sets these four; exact for every slot of a cache it accepts)
+  const float* scale_ptr;       // fp8: a float32 tensor on the caches' device, or nullptr: `scale`
+  float scale;
+  int32_t scale_stride;         // elements from one head's scale to the next: 0 for one scale for all heads
+};
+
+// The kernels read the fields up to same_blocks; the rest is for the host.
+struct StoreCacheParams {
+  Side k, v;
+  const void* slots;
+  const void* loc_map;  // nullptr: no translation
+  int64_t loc_map_size, n, skip_slot;
+  int32_t slot_i64, loc_i64;
+  int32_t same_blocks;  // 1: K and V caches have the same block size (a slot's block and row agree)
+  int64_t num_heads, k_head_dim, v_head_dim;  // elements per head
+  DLDataType src_dtype;                       // dtype of k and v
+  Fp8 kv_dtype;
+  DLDevice device;
+};
+
+inline bool is_fp8_source_dtype(DLDataType d) {
+  return d.lanes == 1 && ((d.code == kDLFloat && (d.bits == 16 || d.bits == 32)) ||
+                          (d.code == kDLBfloat && d.bits == 16));
+}
+
+inline Fp8 parse_kv_dtype(const char* op, int64_t code) {
+  for (Fp8 f : {Fp8::kNone, Fp8::kE4M3, Fp8::kE5M2}) {
+    if (code == static_cast<int64_t>(f)) return f;
+  }
+  TVM_FFI_THROW(ValueError) << op << ": kv_cache_dtype: expected code " << JITKV_COPY_CODE << " (\"auto\"), "
+                            << JITKV_E4M3_CODE << " (\"fp8_e4m3\") or " << JITKV_E5M2_CODE << " (\"fp8_e5m2\"), got "
+                            << code;
+  return Fp8::kNone;
+}
+
+inline const char* kv_dtype_name(Fp8 d) {
+  return d == Fp8::kNone ? "auto" : d == Fp8::kE4M3 ? "fp8_e4m3" : "fp8_e5m2";
+}
+
+// Cache dtype against the source dtype and kv_cache_dtype (see the top of this file).
+inline void check_cache_dtype(const char* op, const char* name, const TensorView& cache, DLDataType src, Fp8 kv) {
+  DLDataType c = cache.dtype();
+  if (kv == Fp8::kNone) {
+    if (c == src) return;
+    if (is_float8(c) && !is_float8(src)) {
+      TVM_FFI_THROW(ValueError) << op << ": kv_cache_dtype: \"auto\" needs " << name << " of the source "
+                                << "dtype " << src << ", got an fp8 " << name << " (" << c << "); pass "
+                                << "kv_cache_dtype=\"fp8_e4m3\" or \"fp8_e5m2\" with a scale to quantize";
+    }
+    TVM_FFI_THROW(TypeError) << op << ": " << name << ": expected dtype " << src << " (the dtype of k, "
+                             << "kv_cache_dtype=\"auto\"), got " << c;
+  }
+  uint8_t want = kv == Fp8::kE4M3 ? kDLFloat8_e4m3fn : kDLFloat8_e5m2;
+  bool is_u8 = c.code == kDLUInt && c.bits == 8 && c.lanes == 1;
+  if ((c.code == want && c.lanes == 1) || is_u8) return;
+  if (is_float8(c)) {
+    TVM_FFI_THROW(ValueError) << op << ": " << name << ": dtype " << c << " does not match kv_cache_dtype=\""
+                              << kv_dtype_name(kv) << "\" (expected "
+                              << (want == kDLFloat8_e4m3fn ? "float8_e4m3fn" : "float8_e5m2") << " or uint8)";
+  }
+  TVM_FFI_THROW(ValueError) << op << ": kv_cache_dtype: \"" << kv_dtype_name(kv) << "\" needs an fp8 "
+                            << name << " (" << (want == kDLFloat8_e4m3fn ? "float8_e4m3fn" : "float8_e5m2")
+                            << " or uint8), got " << c;
+}
+
+// Head structure of one tensor: heads = 0 when it has no head dim (2-D).
+struct HeadShape {
+  int64_t heads, head_dim, row;
+};
+
+inline HeadShape head_shape(const TensorView& t) {
+  int64_t last = t.size(t.ndim() - 1);
+  if (t.ndim() < 3) return {0, 0, last};
+  int64_t h = t.size(t.ndim() - 2);
+  return {h, last, h * last};
+}
+
+inline void check_rank(const char* op, const char* name, const TensorView& t, bool is_cache) {
+  int nd = t.ndim();
+  bool ok = is_cache ? (nd >= 2 && nd <= 4) : (nd == 2 || nd == 3);
+  if (!ok) {
+    TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected shape "
+                              << (is_cache ? "[num_slots, H, D], [num_slots, H*D] or "
+                                             "[num_blocks, block_size, H, D]"
+                                           : "[n, H, D] or [n, H*D]")
+                              << ", got " << shape_str(t);
+  }
+}
+
+// (heads, head_dim, row) of one source/cache pair; heads = 0 when neither tensor has a head dim.
+inline HeadShape pair_shape(const char* op, const char* src_name, const char* cache_name, const TensorView& src,
+                            const TensorView& cache) {
+  HeadShape s = head_shape(src), c = head_shape(cache);
+  if (s.heads && c.heads && (s.heads != c.heads || s.head_dim != c.head_dim)) {
+    TVM_FFI_THROW(ValueError) << op << ": " << cache_name << ": expected heads x head_dim = " << s.heads << " x "
+                              << s.head_dim << " (from " << src_name << "), got " << c.heads << " x "
+                              << c.head_dim;
+  }
+  if (s.row != c.row) {
+    TVM_FFI_THROW(ValueError) << op << ": " << cache_name << ": expected a row of " << s.row
+                              << " elements (H*D of " << src_name << "), got " << c.row << " (shape "
+                              << shape_str(cache) << ")";
+  }
+  return s.heads ? s : c;
+}
+
+// The source fields of a side: [n', H, D] or [n', H*D] (heads of head_bytes, contiguous in the row).
+inline void set_source(Side& s, const TensorView& t, int64_t head_bytes, int64_t es) {
+  s.src = data_ptr(t);
+  s.src_stride_token = t.stride(0) * es;
+  s.src_stride_head = t.ndim() == 3 ? t.stride(1) * es : head_bytes;
+}
+
+// The cache fields of a side: paged 4-D, or flat (block_size 1).
+inline void set_cache(Side& s, const TensorView& t, int64_t head_bytes) {
+  const int64_t es = elem_bytes(t.dtype());
+  s.dst = data_ptr(t);
+  if (t.ndim() == 4) {
+    s.num_slots = t.size(0) * t.size(1);
+    s.block_size = t.size(1);
+    s.dst_stride_block = t.stride(0) * es;
+    s.dst_stride_token = t.stride(1) * es;
+    s.dst_stride_head = t.stride(2) * es;
+  } else {
+    s.num_slots = t.size(0);
+    s.block_size = 1;
+    s.dst_stride_block = s.dst_stride_token = t.stride(0) * es;
+    s.dst_stride_head = t.ndim() == 3 ? t.stride(1) * es : head_bytes;
+  }
+}
+
+// Scale: tensor (pointer; one element, or [heads] per-head scales) or Python float (value; -1.0 exactly
+// means "not given").
+inline void parse_scale(const char* op, const char* name, const Optional<TensorView>& t, double value,
+                        DLDevice dev, Fp8 kv, int64_t heads, Side& side) {
+  side.scale_ptr = nullptr;
+  side.scale = 1.0f;
+  side.scale_stride = 0;
+  if (t.has_value()) {
+    const TensorView& s = t.value();
+    check_device(op, name, s, dev, "k_cache");
+    if (!(s.dtype().code == kDLFloat && s.dtype().bits == 32 && s.dtype().lanes == 1)) {
+      TVM_FFI_THROW(TypeError) << op << ": " << name << ": expected a float32 tensor, got " << s.dtype();
+    }
+    const bool per_head = s.ndim() == 1 && s.size(0) == heads && heads > 1;
+    if (s.numel() != 1 && !per_head) {
+      TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected a 1-element tensor or [num_heads] = [" << heads
+                                << "] per-head scales, got shape " << shape_str(s);
+    }
+    if (per_head && (s.stride(0) < 0 || s.stride(0) > INT32_MAX)) {
+      TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected a stride below 2^31, got " << s.stride(0);
+    }
+    side.scale_ptr = reinterpret_cast<const float*>(data_ptr(s));
+    side.scale_stride = per_head ? static_cast<int32_t>(s.stride(0)) : 0;
+    return;
+  }
+  if (value == -1.0) {
+    TVM_FFI_THROW(ValueError) << op << ": " << name << ": kv_cache_dtype=\"" << kv_dtype_name(kv)
+                              << "\" requires a scale (a Python float or a 1-element float32 tensor, "
+                              << "finite and > 0), got None";
+  }
+  float f = static_cast<float>(value);
+  if (!(std::isfinite(f) && f > 0.0f)) {
+    TVM_FFI_THROW(ValueError) << op << ": " << name << ": must be finite and > 0 (as float32), got " << value;
+  }
+  side.scale = f;
+}
+
+// Checks every argument (device types are the bindings' business; the parser checks that all tensors
+// share one device) and fills everything but the CUDA binding's fields of Side.
+inline StoreCacheParams parse_params(const char* op, const TensorView& k, const TensorView& v,
+                                     const TensorView& k_cache, const TensorView& v_cache,
+                                     const TensorView& slot_mapping, const Optional<TensorView>& loc_map,
+                                     int64_t skip_slot, int64_t kv_cache_dtype, const Optional<TensorView>& k_scale,
+                                     const Optional<TensorView>& v_scale, double k_scale_value,
+                                     double v_scale_value) {
+  const Fp8 kv = parse_kv_dtype(op, kv_cache_dtype);
+  const DLDevice dev = k_cache.device();
+  check_device(op, "k", k, dev, "k_cache");
+  check_device(op, "v", v, dev, "k_cache");
+  check_device(op, "v_cache", v_cache, dev, "k_cache");
+  check_device(op, "slot_mapping", slot_mapping, dev, "k_cache");
+
+  // dtypes
+  const DLDataType src = k.dtype();
+  if (kv == Fp8::kNone ? !is_copy_dtype(src) : !is_fp8_source_dtype(src)) {
+    TVM_FFI_THROW(TypeError) << op << ": k: expected dtype "
+                             << (kv == Fp8::kNone ? "bfloat16, float16, float32, uint8, float8_e4m3fn or float8_e5m2"
+                                                  : "bfloat16, float16 or float32 (quantized to fp8)")
+                             << " with kv_cache_dtype=\"" << kv_dtype_name(kv) << "\", got " << src;
+  }
+  check_same_dtype(op, "v", v, src, "k");
+  check_cache_dtype(op, "k_cache", k_cache, src, kv);
+  check_cache_dtype(op, "v_cache", v_cache, src, kv);
+
+  // shapes
+  check_rank(op, "k", k, false);
+  check_rank(op, "v", v, false);
+  check_rank(op, "k_cache", k_cache, true);
+  check_rank(op, "v_cache", v_cache, true);
+  check_last_dim_contiguous(op, "k", k);
+  check_last_dim_contiguous(op, "v", v);
+  check_last_dim_contiguous(op, "k_cache", k_cache);
+  check_last_dim_contiguous(op, "v_cache", v_cache);
+  const HeadShape ks = pair_shape(op, "k", "k_cache", k, k_cache);
+  const HeadShape vs = pair_shape(op, "v", "v_cache", v, v_cache);
+  if (ks.heads && vs.heads && ks.heads != vs.heads) {
+    TVM_FFI_THROW(ValueError) << op << ": v: expected " << ks.heads << " heads (as k), got " << vs.heads;
+  }
+  const int64_t heads = ks.heads ? ks.heads : vs.heads ? vs.heads : 1;
+  if (ks.row % heads != 0) {
+    TVM_FFI_THROW(ValueError) << op << ": k: row of " << ks.row << " elements does not split into the "
+                              << heads << " heads of v";
+  }
+  if (vs.row % heads != 0) {
+    TVM_FFI_THROW(ValueError) << op << ": v: row of " << vs.row << " elements does not split into the "
+                              << heads << " heads of k";
+  }
+  const int64_t k_dim = ks.row / heads, v_dim = vs.row / heads;
+
+  const bool slot_i64 = check_index(op, "slot_mapping", slot_mapping);
+  const int64_t n = slot_mapping.numel();
+  check_rows_at_least(op, "k", k, n, "slot_mapping");
+  check_rows_at_least(op, "v", v, n, "slot_mapping");
+
+  const int64_t src_es = elem_bytes(src);
+  StoreCacheParams p{};
+  set_source(p.k, k, k_dim * src_es, src_es);
+  set_source(p.v, v, v_dim * src_es, src_es);
+  set_cache(p.k, k_cache, k_dim * elem_bytes(k_cache.dtype()));
+  set_cache(p.v, v_cache, v_dim * elem_bytes(v_cache.dtype()));
+  if (p.k.num_slots != p.v.num_slots) {
+    TVM_FFI_THROW(ValueError) << op << ": v_cache: expected " << p.k.num_slots << " slots (as k_cache), got "
+                              << p.v.num_slots << " (shape " << shape_str(v_cache) << ")";
+  }
+  p.slots = data_ptr(slot_mapping);
+  p.loc_map = nullptr;
+  p.loc_map_size = 0;
+  p.n = n;
+  p.skip_slot = skip_slot;
+  p.slot_i64 = slot_i64;
+  p.loc_i64 = 0;
+  if (loc_map.has_value()) {
+    const TensorView& lm = loc_map.value();
+    check_device(op, "loc_map", lm, dev, "k_cache");
+    p.loc_i64 = check_index(op, "loc_map", lm);
+    p.loc_map = data_ptr(lm);
+    p.loc_map_size = lm.numel();
+  }
+  p.same_blocks = p.k.block_size == p.v.block_size;
+  p.k.scale_ptr = p.v.scale_ptr = nullptr;
+  p.k.scale = p.v.scale = 1.0f;
+  p.k.scale_stride = p.v.scale_stride = 0;
+  if (kv != Fp8::kNone) {
+    parse_scale(op, "k_scale", k_scale, k_scale_value, dev, kv, heads, p.k);
+    parse_scale(op, "v_scale", v_scale, v_scale_value, dev, kv, heads, p.v);
+  }
+  p.num_heads = heads;
+  p.k_head_dim = k_dim;
+  p.v_head_dim = v_dim;
+  p.src_dtype = src;
+  p.kv_dtype = kv;
+  p.device = dev;
+  return p;
+}
+
+// The kv_cache_dtype "auto" entry point of a binding `kFull` (the CPU or CUDA store_cache): its first
+// seven arguments, no fp8 ones. The decode path calls it eagerly; tvm-ffi converts each argument on
+// every call (the benchmark's "bare tvm-ffi binding" row measures it).
+using StoreCacheFn = void (*)(TensorView, TensorView, TensorView, TensorView, TensorView, Optional<TensorView>,
+                              int64_t, int64_t, Optional<TensorView>, Optional<TensorView>, double, double);
+template <StoreCacheFn kFull>
+void store_cache_copy(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache, TensorView slot_mapping,
+                      Optional<TensorView> loc_map, int64_t skip_slot) {
+  kFull(k, v, k_cache, v_cache, slot_mapping, loc_map, skip_slot, static_cast<int64_t>(Fp8::kNone),
+        Optional<TensorView>(), Optional<TensorView>(), -1.0, -1.0);
+}
+
+#if defined(__CUDACC__)
+
+// ---- CUDA kernels ----
 //
 // Algorithm. A token's K row (and V row) is cut into chunks of 32 * kUnroll destination vectors of
 // kVec bytes (kVec = 16 in specialised builds). One warp owns one (token, chunk): it reads the slot,
@@ -23,17 +366,13 @@
 // Measured on H200 (H=8, D=128, e4m3): n = 1 latency kernel 1.3 us, bulk kernel 3.1 us; n = 131072
 // bulk kernel 203 us, with the latency kernel's division 225 us.
 //
-// This file has a host-visible part (parameter block, launcher declaration) for the g++-compiled
-// binding and a device part for nvcc.
-#pragma once
-
-#include <stdint.h>
-
-namespace jitkv {
-namespace store_cache {
+// Per-head scales (kPerHead, fp8 builds; the binding takes these kernels when a scale has a per-head
+// stride): a lane's vector lies in one head (head bytes are multiples of the vector width), so each
+// lane divides by the scale of its vector's head: its offset is computed with the addresses, the
+// scale loaded where the shared one was. The other kernels are compiled without any of it.
+// python -m jitkv.benchmark --op store_cache has the "fp8 e4m3 per-head" rows.
 
 enum class SrcType : int { kBytes = 0, kBF16 = 1, kF16 = 2, kF32 = 3 };  // kBytes: plain copy
-enum class Fp8 : int { kNone = 0, kE4M3 = 1, kE5M2 = 2 };                // values of jitkv::KVDtype
 
 // Source bytes per destination byte, and destination vectors one lane moves per side and chunk: bulk
 // chunks carry 2 KB of source per warp and side (8 independent 16-byte loads per lane for K+V);
@@ -46,47 +385,6 @@ constexpr int kMaxWarpsPerBlock = 8;
 constexpr bool split_sides(Fp8 f, int k_head_bytes, int v_head_bytes, bool bulk) {
   return f != Fp8::kNone && k_head_bytes == v_head_bytes && !bulk;
 }
-
-// One of K / V. Strides in bytes; head_vecs / row_vecs count kVec-byte destination vectors.
-struct Side {
-  const char* src;
-  int64_t src_stride_token, src_stride_head;
-  char* dst;
-  int64_t num_slots, block_size, dst_stride_block, dst_stride_token, dst_stride_head;
-  int32_t head_vecs, row_vecs;
-  int32_t block_shift;   // slot / block_size = (umulhi(slot, block_magic) + slot) >> block_shift
-  uint32_t block_magic;  // (see the binding; exact for every slot of a cache the binding accepts)
-  const float* scale_ptr;  // fp8: device scale, or nullptr to use `scale`
-  float scale;
-};
-
-struct Params {
-  Side k, v;
-  const void* slots;
-  const void* loc_map;  // nullptr: no translation
-  int64_t loc_map_size, n, skip_slot;
-  int32_t slot_i64, loc_i64;
-  int32_t same_blocks;  // 1: K and V caches have the same block size (a slot's block and row agree)
-};
-
-}  // namespace store_cache
-}  // namespace jitkv
-
-// Launches on `stream` (a cudaStream_t) under a device guard for `device`; kVec = `vec` bytes (16 in
-// specialised builds; 16/8/4/2/1 in the generic build). Returns nullptr, or the CUDA error string.
-extern "C" const char* jitkv_store_cache_launch(const jitkv::store_cache::Params* p, int32_t vec,
-                                                int32_t device, void* stream);
-
-#if defined(__CUDACC__)
-
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-
-#include "jitkv/cuda/fp8.cuh"
-#include "jitkv/cuda/launch.cuh"
-
-namespace jitkv {
-namespace store_cache {
 
 // ---- N-byte register packs (words, so they stay in whole registers), loaded read-only (sources)
 // and stored plainly (caches) ----
@@ -143,7 +441,7 @@ __device__ __forceinline__ void store_pack(char* p, const Pack<N>& v) {
   }
 }
 
-using cuda::Divider;  // exact division by a warp-uniform scale (jitkv/cuda/fp8.cuh)
+using cuda::Divider;  // exact division by a scale, one per lane (jitkv/cuda/fp8.cuh)
 
 // ---- conversion of one destination vector ----
 // kBulk: each element through __fdiv_rn, converted as soon as it is ready (short live ranges, few
@@ -242,17 +540,21 @@ __device__ __forceinline__ int64_t load_index(const void* p, bool i64, int64_t i
 // after the slot, and a lone warp at a few cycles per instruction puts ~400 instructions on the
 // latency of an n = 1 write. Bulk kernels leave it sunk (fewer live registers, more warps per SM).
 // kHeadBytes: destination bytes per head when compiled in, 0 when taken from Side::head_vecs.
-template <int kHeadBytes, int kVec, class Cv, bool kPin>
+// kPerHead: vector u divides by the scale of its own head (else one scale for the side).
+template <int kHeadBytes, int kVec, class Cv, bool kPin, bool kPerHead>
 struct SideChunk {
   static constexpr int kSrcVec = kVec * Cv::kRatio;
   static constexpr int kUnroll = Cv::kUnroll;
+  static constexpr int kScales = kPerHead ? kUnroll : 1;
   static_assert(kHeadBytes % kVec == 0, "head bytes must be a multiple of the vector width");
+  static_assert(!kPerHead || Cv::kQuant, "per-head scales are fp8's");
 
   Pack<kSrcVec> data[kUnroll];
   uint64_t src_addr[kUnroll];  // this lane's source vectors
   int64_t dst_off[kUnroll];    // and their byte offsets in the destination row
   int32_t count;               // vectors u < count lie in the row (after load(): are written)
-  Divider div;                 // fp8 only
+  int64_t scale_off[kScales];  // per-head scales: element offset of vector u's head's scale
+  Divider div[kScales];        // fp8 only
 
   __device__ __forceinline__ static uint32_t head_vecs(const Side& s) {
     return kHeadBytes ? uint32_t(kHeadBytes / kVec) : uint32_t(s.head_vecs);
@@ -276,12 +578,23 @@ struct SideChunk {
       src_addr[u] = src_row + vec_offset(i, hv, s.src_stride_head, kSrcVec);
       dst_off[u] = vec_offset(i, hv, s.dst_stride_head, kVec);
       if constexpr (kPin) asm volatile("" : "+l"(src_addr[u]), "+l"(dst_off[u]));
+      if constexpr (kPerHead) {
+        scale_off[u] = int64_t(i / hv) * s.scale_stride;
+        if constexpr (kPin) asm volatile("" : "+l"(scale_off[u]));
+      }
     }
   }
 
-  // fp8: the scale (a device scale may come from the previous kernel: after the PDL wait).
+  // fp8: the scale (a device scale may come from the previous kernel: after the PDL wait). Per head,
+  // a vector past the row (u >= count) reads none.
   __device__ __forceinline__ void load_scale(const Side& s) {
-    if constexpr (Cv::kQuant) div = Divider(s.scale_ptr ? __ldg(s.scale_ptr) : s.scale);
+    if constexpr (kPerHead) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        div[u] = Divider(s.scale_ptr != nullptr && u < count ? __ldg(s.scale_ptr + scale_off[u]) : s.scale);
+    } else if constexpr (Cv::kQuant) {
+      div[0] = Divider(s.scale_ptr ? __ldg(s.scale_ptr) : s.scale);
+    }
   }
 
   __device__ __forceinline__ void load(bool ok) {
@@ -295,7 +608,7 @@ struct SideChunk {
     if (count == 0) return;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (u < count) store_pack<kVec>(row + dst_off[u], Cv::template run<kVec>(data[u], div));
+      if (u < count) store_pack<kVec>(row + dst_off[u], Cv::template run<kVec>(data[u], div[kPerHead ? u : 0]));
   }
 };
 
@@ -332,7 +645,7 @@ __device__ __forceinline__ char* slot_row(const Side& s, int64_t slot) {
 
 // Destination slot of a slot_mapping entry, or -1 when the row is skipped (padding, skip_slot, outside
 // loc_map or mapped below 0; skip_slot is compared before the translation).
-__device__ __forceinline__ int64_t resolve_slot(const Params& p, int64_t slot) {
+__device__ __forceinline__ int64_t resolve_slot(const StoreCacheParams& p, int64_t slot) {
   if (slot < 0 || slot == p.skip_slot) return -1;
   if (p.loc_map == nullptr) return slot;
   if (slot >= p.loc_map_size) return -1;  // never read out of bounds
@@ -343,8 +656,8 @@ __device__ __forceinline__ int64_t resolve_slot(const Params& p, int64_t slot) {
 // read only the parameter block); after it a warp issues the slot load and its source loads together
 // (every token < n has source rows, padding included, so reading them is safe; they are written only
 // for a kept slot), lets the next kernel launch, then resolves the slot and stores.
-template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8>
-__device__ __forceinline__ void latency_write(const Params& p) {
+template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8, bool kPerHead>
+__device__ __forceinline__ void latency_write(const StoreCacheParams& p) {
   using Cv = Convert<kSrc, kFp8, false>;
   cuda::warm_params(p);
   const int64_t token = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -353,8 +666,8 @@ __device__ __forceinline__ void latency_write(const Params& p) {
   // With split sides (grid.z = 2) blockIdx.z picks K or V: one code path with the side picked by
   // data (with two, the compiler computes both).
   const Side& first_side = kSplit && blockIdx.z ? p.v : p.k;
-  SideChunk<kKHeadBytes, kVec, Cv, true> k;
-  SideChunk<kVHeadBytes, kVec, Cv, true> v;
+  SideChunk<kKHeadBytes, kVec, Cv, true, kPerHead> k;
+  SideChunk<kVHeadBytes, kVec, Cv, true, kPerHead> v;
   k.prepare(first_side, token, first);
   if constexpr (!kSplit) v.prepare(p.v, token, first);
   if (token >= p.n) return;
@@ -382,8 +695,8 @@ __device__ __forceinline__ void latency_write(const Params& p) {
 
 // Bulk kernel: the slot first, then a padding or out-of-range row is dropped before anything of it
 // is read (at large n every skipped row saves its bytes).
-template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8>
-__device__ __forceinline__ void bulk_write(const Params& p) {
+template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8, bool kPerHead>
+__device__ __forceinline__ void bulk_write(const StoreCacheParams& p) {
   using Cv = Convert<kSrc, kFp8, true>;
   cuda::pdl_wait();  // sources and indices may come from the previous kernel
   cuda::pdl_launch_dependents();
@@ -391,8 +704,8 @@ __device__ __forceinline__ void bulk_write(const Params& p) {
   if (token >= p.n) return;
   const int64_t entry = load_index(p.slots, p.slot_i64, token);
   const uint32_t first = blockIdx.y * (32 * Cv::kUnroll) + (threadIdx.x & 31);
-  SideChunk<kKHeadBytes, kVec, Cv, false> k;
-  SideChunk<kVHeadBytes, kVec, Cv, false> v;
+  SideChunk<kKHeadBytes, kVec, Cv, false, kPerHead> k;
+  SideChunk<kVHeadBytes, kVec, Cv, false, kPerHead> v;
   k.prepare(p.k, token, first);
   v.prepare(p.v, token, first);
   const int64_t slot = resolve_slot(p, entry);
@@ -408,17 +721,16 @@ __device__ __forceinline__ void bulk_write(const Params& p) {
 // grid = (ceil(n / warps_per_block), chunks, sides), block = 32 * warps_per_block; one warp per
 // (token, chunk), writing K and V. With split_sides (sides = 2), one warp per (token, chunk, side),
 // which halves each warp's fp8 conversion chain; bf16 copies stay on one warp (measured slower split).
-template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8, bool kBulk>
+template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8, bool kBulk, bool kPerHead>
 __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
-    store_cache_kernel(const __grid_constant__ Params p) {
+    store_cache_kernel(const __grid_constant__ StoreCacheParams p) {
   if constexpr (kBulk) {
-    bulk_write<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8>(p);
+    bulk_write<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, kPerHead>(p);
   } else {
-    latency_write<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8>(p);
+    latency_write<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, kPerHead>(p);
   }
 }
 
-}  // namespace store_cache
-}  // namespace jitkv
-
 #endif  // __CUDACC__
+
+}  // namespace jitkv::store_cache

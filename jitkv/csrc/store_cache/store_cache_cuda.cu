@@ -1,124 +1,212 @@
-// store_cache CUDA launcher: instantiates store_cache_kernel (store_cache.cuh) for this module's
-// template arguments and launches it on the caller's stream under a device guard.
+// tvm-ffi binding of store_cache on CUDA: parses and checks the arguments (store_cache.cuh), checks them
+// against this module's template arguments, picks the vector width, the kernel and the launch shape,
+// and launches on the caller's current stream (jitkv/cuda/launch.cuh: PDL from sm_90, device guard).
 //
-// Template arguments (defines; the Python side builds one module per distinct tuple):
+// Template arguments (JitSpec args; the Python side builds one module per distinct tuple):
 //   JITKV_K_HEAD_BYTES, JITKV_V_HEAD_BYTES  cache bytes per K / V head (head_dim * cache element size),
 //       multiples of 16, for caches and sources whose base addresses and strides are 16-byte aligned;
-//       0 and 0 select the generic build: any head size and alignment, vector width picked per call
-//       (16, 8, 4, 2 or 1 bytes).
+//       0 and 0 select the any-alignment ("generic") build: any head size and alignment, vector width
+//       picked per call (16, 8, 4, 2 or 1 bytes). Python picks the build from the arguments
+//       (ops/store_cache.py, _cuda_variant); a 16-byte build refuses a less aligned call with ValueError.
 //   JITKV_SRC_DTYPE  0: plain byte copy (kv_cache_dtype "auto", any dtype); 1 bf16, 2 fp16, 3 fp32
 //       (sources quantized to fp8).
-//   JITKV_KV_DTYPE   0 auto, 1 fp8_e4m3, 2 fp8_e5m2 (jitkv::KVDtype values).
-// Kernels launch with programmatic dependent launch on SM90+ (jitkv/cuda/launch.cuh).
+//   JITKV_KV_DTYPE   the cache format's code (jitkv/layouts.py FP8_CODES; see store_cache.cuh).
+//   JITKV_PDL        0 launches without programmatic dependent launch (tests).
 // Launch shape: one warp per (token, chunk[, side]); 1, 2, 4 or 8 warps per block so that small n
 // spreads over SMs and large n fills them. Each build holds two kernels (store_cache.cuh): the latency
 // kernel while its warps per token side fit in kLatencyWarpsPerSM per SM, the bulk kernel beyond.
-#include <cuda_runtime.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/function.h>
 
 #include <algorithm>
-#include <atomic>
-#include <mutex>
+#include <cstdint>
+#include <initializer_list>
 
 #include "store_cache/store_cache.cuh"
+
+#if !defined(JITKV_K_HEAD_BYTES) || !defined(JITKV_V_HEAD_BYTES) || !defined(JITKV_SRC_DTYPE) || \
+    !defined(JITKV_KV_DTYPE) || !defined(JITKV_PDL)
+#error "store_cache_cuda.cu needs -DJITKV_K_HEAD_BYTES, _V_HEAD_BYTES, _SRC_DTYPE, _KV_DTYPE and _PDL"
+#endif
 
 namespace {
 
 using namespace jitkv::store_cache;
+using jitkv::cuda::DeviceInfo;
+using tvm::ffi::Optional;
+using tvm::ffi::TensorView;
 
+constexpr const char* kOp = "store_cache";
 constexpr int kKHeadBytes = JITKV_K_HEAD_BYTES;
 constexpr int kVHeadBytes = JITKV_V_HEAD_BYTES;
 constexpr SrcType kSrc = static_cast<SrcType>(JITKV_SRC_DTYPE);
 constexpr Fp8 kFp8 = static_cast<Fp8>(JITKV_KV_DTYPE);
 constexpr bool kGeneric = kKHeadBytes == 0;
+constexpr bool kPdl = JITKV_PDL != 0;
+constexpr int kRatio = src_ratio(kSrc, kFp8);
 static_assert((kKHeadBytes == 0) == (kVHeadBytes == 0), "K and V are both specialised or both generic");
 static_assert(kKHeadBytes % 16 == 0 && kVHeadBytes % 16 == 0, "specialised head bytes must be multiples of 16");
+static_assert(kFp8 == Fp8::kNone || kFp8 == Fp8::kE4M3 || kFp8 == Fp8::kE5M2, "JITKV_KV_DTYPE: an FP8_CODES value");
 
-constexpr int kMaxDevices = 64;
 // Latency kernels while n x chunks (x 2 sides for fp8) stays within this many warps per SM. NVIDIA
 // H100, H=8 D=128, CUDA-graph replay (python -m jitkv.benchmark --op store_cache): bf16 latency vs
 // bulk kernel n = 1024 4.4 vs 4.9 us, 2048 7.3 vs 7.9, 4096 13.4 vs 13.4 (256 warps per SM: 13.6);
 // e4m3 n = 4096 10.4 vs 13.4 us, 16,384 35.9 vs 38.8.
 constexpr int64_t kLatencyWarpsPerSM = kFp8 == Fp8::kNone ? 64 : 256;
 
-struct DeviceInfo {
-  int sms, major;
-};
+SrcType src_type_of(DLDataType d) {
+  if (d.code == kDLBfloat) return SrcType::kBF16;
+  if (d.code == kDLFloat && d.bits == 16) return SrcType::kF16;
+  return SrcType::kF32;
+}
 
-// Cached per device (attribute queries cost about a microsecond); `ready` is published last.
-cudaError_t device_info(int device, DeviceInfo* out) {
-  static DeviceInfo cache[kMaxDevices];
-  static std::atomic<bool> ready[kMaxDevices];
-  const bool cached = device >= 0 && device < kMaxDevices;
-  if (cached && ready[device].load(std::memory_order_acquire)) {
-    *out = cache[device];
-    return cudaSuccess;
+// Largest power of two <= 16 dividing every value (0 divides into anything).
+int64_t common_alignment(std::initializer_list<int64_t> values) {
+  uint64_t bits = 16;
+  for (int64_t v : values) bits |= static_cast<uint64_t>(v);
+  return static_cast<int64_t>(bits & (~bits + 1));
+}
+
+// Alignment of one side's cache and source. Strides of size-1 dims never enter an address, so they do
+// not count (ops/store_cache.py applies the same rule to choose the build).
+int64_t dst_alignment(const Side& s, int64_t heads, int64_t head_bytes) {
+  const bool one_block = s.num_slots <= s.block_size;
+  return common_alignment({reinterpret_cast<int64_t>(s.dst), head_bytes, one_block ? 0 : s.dst_stride_block,
+                           s.block_size == 1 ? 0 : s.dst_stride_token, heads == 1 ? 0 : s.dst_stride_head});
+}
+
+int64_t src_alignment(const Side& s, int64_t n, int64_t heads) {
+  return common_alignment(
+      {reinterpret_cast<int64_t>(s.src), n == 1 ? 0 : s.src_stride_token, heads == 1 ? 0 : s.src_stride_head});
+}
+
+// Destination vector width: every cache address is a multiple of it, every source address a multiple
+// of the bytes one source load covers (min(16, vec * ratio)).
+int pick_vec(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_head_bytes) {
+  int64_t vec = std::min(dst_alignment(p.k, p.num_heads, k_head_bytes), dst_alignment(p.v, p.num_heads, v_head_bytes));
+  const int64_t src = std::min(src_alignment(p.k, p.n, p.num_heads), src_alignment(p.v, p.n, p.num_heads));
+  while (vec > 1 && std::min<int64_t>(16, vec * kRatio) > src) vec /= 2;
+  return static_cast<int>(vec);
+}
+
+bool is_pow2(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
+
+// The call against this module's template arguments and the kernels' limits.
+void check_module(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_head_bytes, int vec) {
+  if (p.device.device_type != kDLCUDA) {
+    TVM_FFI_THROW(ValueError) << kOp << ": k_cache: expected a CUDA tensor, got " << jitkv::device_str(p.device);
   }
-  DeviceInfo info;
-  cudaError_t err = cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device);
-  if (err != cudaSuccess) return err;
-  if (cached) {
-    static std::mutex mu;
-    std::lock_guard<std::mutex> lock(mu);
-    if (!ready[device].load(std::memory_order_relaxed)) {
-      cache[device] = info;
-      ready[device].store(true, std::memory_order_release);
+  if (p.kv_dtype != kFp8) {
+    TVM_FFI_THROW(ValueError) << kOp << ": kv_cache_dtype: this module was built for JITKV_KV_DTYPE="
+                              << JITKV_KV_DTYPE << ", got " << static_cast<int>(p.kv_dtype);
+  }
+  if (kFp8 != Fp8::kNone && src_type_of(p.src_dtype) != kSrc) {
+    TVM_FFI_THROW(ValueError) << kOp << ": k: this module was built for JITKV_SRC_DTYPE=" << JITKV_SRC_DTYPE
+                              << ", got dtype " << p.src_dtype;
+  }
+  if (!kGeneric && (k_head_bytes != kKHeadBytes || v_head_bytes != kVHeadBytes)) {
+    TVM_FFI_THROW(ValueError) << kOp << ": k_cache: this module was built for " << kKHeadBytes << "/"
+                              << kVHeadBytes << " cache bytes per K/V head, got " << k_head_bytes << "/"
+                              << v_head_bytes;
+  }
+  if (!kGeneric && vec != 16) {
+    TVM_FFI_THROW(ValueError) << kOp << ": k: an address or stride of k/v/k_cache/v_cache is only " << vec
+                              << "-byte aligned; this module needs 16 (the any-alignment build has "
+                              << "JITKV_K_HEAD_BYTES=0 and JITKV_V_HEAD_BYTES=0)";
+  }
+  const int64_t row_vecs = p.num_heads * std::max(k_head_bytes, v_head_bytes) / vec;
+  if ((row_vecs + 31) / 32 > 65535) {  // grid.y = chunks of at least 32 vectors
+    TVM_FFI_THROW(ValueError) << kOp << ": k: rows of " << p.num_heads << " x " << p.k_head_dim
+                              << " elements are too large for the CUDA kernel";
+  }
+  for (const Side* s : {&p.k, &p.v}) {
+    if (!is_pow2(s->block_size) && s->num_slots > int64_t(UINT32_MAX)) {
+      TVM_FFI_THROW(ValueError) << kOp << ": k_cache: a block_size that is not a power of two (" << s->block_size
+                                << ") needs fewer than 2^32 slots, got " << s->num_slots;
     }
   }
-  *out = info;
-  return cudaSuccess;
+}
+
+// Division of a slot by block_size as (umulhi(slot, magic) + slot) >> shift (round-up method:
+// shift = ceil(log2(block_size)), magic = floor(2^32 (2^shift - block_size) / block_size) + 1). Exact
+// for slots < 2^32; for a power of two magic is 1, umulhi is 0 and the shift is exact for any slot.
+void set_block_division(Side& s) {
+  int32_t shift = 0;
+  while ((int64_t(1) << shift) < s.block_size) ++shift;
+  s.block_shift = shift;
+  s.block_magic =
+      static_cast<uint32_t>((((uint64_t(1) << shift) - uint64_t(s.block_size)) << 32) / uint64_t(s.block_size) + 1);
+}
+
+// The fields of a side only the CUDA kernels read: vectors of `vec` bytes per head and row, the block division.
+void set_kernel_fields(Side& s, int64_t heads, int64_t head_bytes, int vec) {
+  s.head_vecs = static_cast<int32_t>(head_bytes / vec);
+  s.row_vecs = static_cast<int32_t>(heads * head_bytes / vec);
+  set_block_division(s);
 }
 
 // Warps per token: chunks of 32 * unroll destination vectors over the longer of the K and V rows.
-int64_t chunks_per_token(const Params& p, bool bulk) {
+int64_t chunks_per_token(const StoreCacheParams& p, bool bulk) {
   const int64_t chunk = 32 * chunk_unroll(kSrc, kFp8, bulk);
   return (std::max(p.k.row_vecs, p.v.row_vecs) + chunk - 1) / chunk;
 }
 
+using Kernel = void (*)(StoreCacheParams);
+
+// The kernel for kVec-byte vectors: fp8 builds also hold kernels that divide each head by its own scale.
 template <int kVec, bool kBulk>
-cudaError_t launch(const Params& p, const DeviceInfo& info, cudaStream_t stream) {
-  const int64_t chunks = chunks_per_token(p, kBulk);
-  const int wpb = jitkv::cuda::spread_warps_per_block(p.n * chunks, info.sms, kMaxWarpsPerBlock);
-  return jitkv::cuda::launch(store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, kBulk>,
-                             dim3(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks),
-                                  split_sides(kFp8, kKHeadBytes, kVHeadBytes, kBulk) ? 2u : 1u),
-                             dim3(32 * wpb), stream, info.major >= 9, p);
-}
-
-template <int kVec>
-cudaError_t launch(const Params& p, int device, cudaStream_t stream) {
-  DeviceInfo info;
-  cudaError_t err = device_info(device, &info);
-  if (err != cudaSuccess) return err;
-  if (p.n * chunks_per_token(p, false) <= kLatencyWarpsPerSM * info.sms) return launch<kVec, false>(p, info, stream);
-  return launch<kVec, true>(p, info, stream);
-}
-
-cudaError_t dispatch(const Params& p, int vec, int device, cudaStream_t stream) {
-  if constexpr (kGeneric) {
-    switch (vec) {
-      case 16: return launch<16>(p, device, stream);
-      case 8: return launch<8>(p, device, stream);
-      case 4: return launch<4>(p, device, stream);
-      case 2: return launch<2>(p, device, stream);
-      case 1: return launch<1>(p, device, stream);
-      default: return cudaErrorInvalidValue;
-    }
-  } else {
-    return vec == 16 ? launch<16>(p, device, stream) : cudaErrorInvalidValue;
+Kernel kernel(bool per_head) {
+  if constexpr (kFp8 != Fp8::kNone) {
+    if (per_head) return store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, kBulk, true>;
   }
+  return store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, kBulk, false>;
+}
+
+// Launches the latency kernel while its warps fit in kLatencyWarpsPerSM per SM, the bulk kernel beyond,
+// with kVec-byte destination vectors.
+template <int kVec>
+cudaError_t launch(const StoreCacheParams& p, const DeviceInfo& info, cudaStream_t stream) {
+  const bool bulk = p.n * chunks_per_token(p, false) > kLatencyWarpsPerSM * info.sms;
+  const bool per_head = p.k.scale_stride != 0 || p.v.scale_stride != 0;
+  const int64_t chunks = chunks_per_token(p, bulk);
+  const int wpb = jitkv::cuda::spread_warps_per_block(p.n * chunks, info.sms, kMaxWarpsPerBlock);
+  const dim3 grid(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks),
+                  split_sides(kFp8, kKHeadBytes, kVHeadBytes, bulk) ? 2u : 1u);
+  return jitkv::cuda::launch(bulk ? kernel<kVec, true>(per_head) : kernel<kVec, false>(per_head), grid,
+                             dim3(32 * wpb), stream, kPdl && info.pdl(), p);
+}
+
+void store_cache(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache, TensorView slot_mapping,
+                 Optional<TensorView> loc_map, int64_t skip_slot, int64_t kv_cache_dtype,
+                 Optional<TensorView> k_scale, Optional<TensorView> v_scale, double k_scale_value,
+                 double v_scale_value) {
+  StoreCacheParams p = parse_params(kOp, k, v, k_cache, v_cache, slot_mapping, loc_map, skip_slot, kv_cache_dtype,
+                                    k_scale, v_scale, k_scale_value, v_scale_value);
+  const int64_t cache_elem = p.kv_dtype == Fp8::kNone ? jitkv::elem_bytes(p.src_dtype) : 1;
+  const int64_t k_head_bytes = p.k_head_dim * cache_elem, v_head_bytes = p.v_head_dim * cache_elem;
+  const int vec = pick_vec(p, k_head_bytes, v_head_bytes);
+  check_module(p, k_head_bytes, v_head_bytes, vec);
+  if (p.n == 0) return;
+  set_kernel_fields(p.k, p.num_heads, k_head_bytes, vec);
+  set_kernel_fields(p.v, p.num_heads, v_head_bytes, vec);
+  const int device = p.device.device_id;
+  const DeviceInfo info = jitkv::cuda::device_info(device);
+  jitkv::cuda::DeviceGuard guard(device);
+  const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
+  cudaError_t err;
+  if constexpr (kGeneric) {
+    err = vec == 16  ? launch<16>(p, info, stream)
+          : vec == 8 ? launch<8>(p, info, stream)
+          : vec == 4 ? launch<4>(p, info, stream)
+          : vec == 2 ? launch<2>(p, info, stream)
+                     : launch<1>(p, info, stream);
+  } else {
+    err = launch<16>(p, info, stream);  // check_module refused any other width
+  }
+  jitkv::cuda::check_launch(kOp, err);
 }
 
 }  // namespace
 
-extern "C" const char* jitkv_store_cache_launch(const Params* p, int32_t vec, int32_t device, void* stream) {
-  int prev = -1;
-  cudaError_t err = cudaGetDevice(&prev);
-  if (err == cudaSuccess && prev != device) err = cudaSetDevice(device);
-  if (err == cudaSuccess) err = dispatch(*p, vec, device, static_cast<cudaStream_t>(stream));
-  if (prev >= 0 && prev != device) {
-    cudaError_t restore = cudaSetDevice(prev);
-    if (err == cudaSuccess) err = restore;
-  }
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
-}
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(store_cache, store_cache);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(store_cache_copy, store_cache_copy<store_cache>);

@@ -4,12 +4,14 @@ device present (CPU: jit, torch; CUDA adds triton)."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
 import jitkv
 from jitkv import reference
+from jitkv.layouts import FP8_MAX
 from jitkv.tests.conftest import DEVICES, assert_bitwise, gpu, rand, slots
 
 BACKENDS = {"cpu": ["jit", "torch"], "cuda": ["jit", "triton", "torch"]}
@@ -116,9 +118,70 @@ def test_cuda_variant_short_path_matches_any_layout(layout, cache_dtype, src_2d)
         k, v = k.view(n, h * dk), v.view(n, h * dv)
     kc = _cache(layout, 4, 16, h, dk, torch.bfloat16, "cpu").to(cache_dtype)
     vc = _cache(layout, 4, 16, h, dv, torch.bfloat16, "cpu").to(cache_dtype)
-    got = _cuda_variant(k, kc, v, vc, "auto")[:2]
+    got = _cuda_variant(k, v, kc, vc, slots(64, n), "auto")[:2]
     assert got == _head_bytes_any_layout(k, kc, v, vc)
     assert got == (dk * kc.element_size(), dv * vc.element_size())
+
+
+def _view(shape, strides, offset, dtype):
+    """A strided view into a fresh 64-byte aligned buffer, ``offset`` elements in."""
+    need = offset + sum((size - 1) * stride for size, stride in zip(shape, strides)) + 1
+    return torch.empty(need, dtype=dtype).as_strided(shape, strides, offset)
+
+
+def _every_head_start_aligned(t, rows) -> bool:
+    """Whether the address of element 0 of every head of the first ``rows`` rows is a multiple of 16
+    bytes (2-D tensors: every index of the first dim; heads inside the row are a head's bytes apart)."""
+    offsets = torch.zeros(1, dtype=torch.int64)
+    for size, stride in zip((rows, *t.shape[1:-1]), t.stride()[:-1]):
+        offsets = (offsets[:, None] + torch.arange(size) * stride).flatten()
+    return bool(((t.data_ptr() + offsets * t.element_size()) % 16 == 0).all())
+
+
+# (k [n', H, D] strides and element offset, k_cache shape, strides and offset): each a layout the
+# 16-byte build takes or must refuse.
+ALIGNMENT_CASES = [
+    ((1024, 128, 1), 0, (64, 8, 128), (1024, 128, 1), 0),  # dense
+    ((1024, 128, 1), 1, (64, 8, 128), (1024, 128, 1), 0),  # source base 2 bytes off
+    ((1024, 128, 1), 0, (64, 8, 128), (1024, 128, 1), 4),  # cache base 8 bytes off
+    ((6144, 128, 1), 0, (64, 8, 128), (1024, 128, 1), 0),  # fused qkv source (token stride 48 heads)
+    ((6148, 128, 1), 0, (64, 8, 128), (1024, 128, 1), 0),  # token stride 8 bytes off: n > 1 reads it
+    ((1024, 132, 1), 0, (64, 8, 128), (1024, 128, 1), 0),  # head stride 8 bytes off
+    ((1024, 128, 1), 0, (4, 16, 8, 128), (16388, 128, 2048, 1), 0),  # HND, block stride 8 bytes off
+    ((1024, 128, 1), 0, (4, 16, 8, 128), (16384, 128, 2048, 1), 0),  # HND
+    ((1024, 128, 1), 0, (1, 16, 8, 128), (3, 128, 2048, 1), 0),  # one block: its odd stride is never used
+    ((1024, 128, 1), 0, (64, 1, 128), (1024, 4, 1), 0),  # one head: its odd stride is never used
+    ((1024, 128, 1), 0, (64, 1, 128), (1028, 4, 1), 0),  # one head, row stride 8 bytes off
+    ((1028, 128, 1), 0, (64, 8, 128), (1024, 128, 1), 0),  # k token stride 8 bytes off (n = 1: unused)
+]
+
+
+@pytest.mark.parametrize("case", range(len(ALIGNMENT_CASES)))
+@pytest.mark.parametrize("n", [1, 5])
+def test_cuda_variant_alignment_is_every_address(case, n):
+    """The variant's alignment (chosen in Python, before the call) is ALIGNED exactly when every head
+    the kernels address starts on 16 bytes: checked address by address, for views the 16-byte build
+    takes and views it would refuse (then the any-alignment build, head bytes GENERIC)."""
+    from jitkv.ops.store_cache import ALIGNED, ANY_ALIGNMENT, GENERIC, _cuda_variant
+
+    k_strides, k_off, c_shape, c_strides, c_off = ALIGNMENT_CASES[case]
+    h, d = c_shape[-2], c_shape[-1]
+    k = _view((8, h, d), k_strides if h > 1 else (k_strides[0], d, 1), k_off, torch.bfloat16)
+    v = rand((8, h, d), torch.bfloat16)
+    kc, vc = _view(c_shape, c_strides, c_off, torch.bfloat16), rand(c_shape, torch.bfloat16)
+    rows = c_shape[0]
+    expect = all(_every_head_start_aligned(t, r) for t, r in ((k, n), (v, n), (kc, rows), (vc, rows)))
+    got = _cuda_variant(k, v, kc, vc, slots(64, n), "auto")
+    assert got == ((2 * d, 2 * d, 0, 0, ALIGNED) if expect else (*GENERIC, 0, 0, ANY_ALIGNMENT))
+
+
+def test_cuda_variant_of_heads_not_16_byte_multiples():
+    from jitkv.ops.store_cache import ANY_ALIGNMENT, GENERIC, _cuda_variant
+
+    k, kc = rand((4, 2, 36), torch.bfloat16), rand((64, 2, 36), torch.bfloat16)
+    assert _cuda_variant(k, k, kc, kc, slots(64, 4), "auto") == (*GENERIC, 0, 0, ANY_ALIGNMENT)
+    kc8 = rand((64, 2, 36), torch.float8_e5m2)
+    assert _cuda_variant(k, k, kc8, kc8, slots(64, 4), "fp8_e5m2") == (*GENERIC, 1, 2, ANY_ALIGNMENT)
 
 
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
@@ -201,6 +264,45 @@ def test_fp8_saturates_and_keeps_nan(device, backend):
     assert vals[:3] == [448.0, -448.0, 448.0] and math.isnan(vals[3]) and vals[4] == 0.0
 
 
+def _per_head_expected(rows, cache, sm, scale, fp8):
+    """``cache`` after writing ``rows`` ([n', H, D] or [n', H*D]) at the slots ``sm`` (paged or flat,
+    < 0 skipped), head h of row i as torch casts it: (rows[i, h].float() / scale[h]).clamp(-max, max)
+    .to(fp8), scale a [H] tensor."""
+    out, m = cache.clone(), FP8_MAX[fp8]
+    heads = rows.reshape(rows.shape[0], scale.numel(), -1)
+    for i, slot in enumerate(sm.tolist()):
+        if slot < 0:
+            continue
+        q = (heads[i].float() / scale.reshape(-1, 1)).clamp(-m, m).to(fp8)
+        dst = out[slot // out.shape[1], slot % out.shape[1]] if out.dim() == 4 else out[slot]
+        dst.view(torch.uint8).copy_(q.view(torch.uint8).reshape(dst.shape))
+    return out
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+@pytest.mark.parametrize("kv_dtype,fp8", FP8)
+@pytest.mark.parametrize("layout", ["nhd", "hnd", "flat3d", "flat2d"])
+@pytest.mark.parametrize("v_kind", ["per-head view", "float", "1-element"])
+def test_fp8_per_head_scales(device, backend, kv_dtype, fp8, layout, v_kind):
+    """k_scale of [H] divides head h by k_scale[h]; v_scale per head too (a strided view of a larger
+    tensor), or one float, or one element: bit-exact with the reference and with torch's cast, head by
+    head, over the whole caches (K a [n', H, D] source, V a [n', H*D] one, padding rows and -1 slots)."""
+    h, d, nb, bs, n = 8, 64, 16, 8, 45
+    k = _wide_range((n + 3, h, d), torch.bfloat16, device)
+    v = _wide_range((n + 3, h * d), torch.bfloat16, device)
+    kc, vc = _cache(layout, nb, bs, h, d, fp8, device), _cache(layout, nb, bs, h, d, fp8, device)
+    sm = slots(nb * bs, n, torch.int64, device)
+    sm[::6] = -1
+    k_scale = (torch.rand(h) * 3 + 0.05).to(device)
+    v_scale = {"per-head view": (torch.rand(2 * h) * 3 + 0.05).to(device)[::2], "float": 0.37,
+               "1-element": torch.tensor([2.5], device=device)}[v_kind]
+    got_k, got_v = _run(k, v, kc, vc, sm, backend, kv_cache_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
+    assert_bitwise(got_k, _per_head_expected(k, kc, sm, k_scale, fp8))
+    v_heads = v_scale if isinstance(v_scale, torch.Tensor) and v_scale.numel() == h else None
+    if v_heads is not None:
+        assert_bitwise(got_v, _per_head_expected(v, vc, sm, v_heads, fp8))
+
+
 # ----------------------------------------------------------------------------------- bad inputs
 
 
@@ -245,7 +347,7 @@ FP8_BAD = [
     ("nan scale", lambda kw: kw.update(k_scale=float("nan")), ValueError, "k_scale"),
     ("inf scale", lambda kw: kw.update(v_scale=float("inf")), ValueError, "v_scale"),
     ("scale tensor f64", None, TypeError, "k_scale"),
-    ("scale tensor 2 elements", None, ValueError, "v_scale"),
+    ("scale tensor 3 elements", None, ValueError, "v_scale"),  # 2 heads: neither 1 element nor per head
     ("e5m2 string, e4m3 cache", lambda kw: kw.update(kv_cache_dtype="fp8_e5m2"), ValueError, "k_cache"),
 ]
 
@@ -272,11 +374,36 @@ def test_bad_fp8_input(device, backend, case):
     args, kw = _fp8(device)
     if case[0] == "scale tensor f64":
         kw["k_scale"] = torch.tensor([1.0], dtype=torch.float64, device=device)
-    elif case[0] == "scale tensor 2 elements":
-        kw["v_scale"] = torch.ones(2, dtype=torch.float32, device=device)
+    elif case[0] == "scale tensor 3 elements":
+        kw["v_scale"] = torch.ones(3, dtype=torch.float32, device=device)
     else:
         mutate(kw)
     with pytest.raises(exc, match=rf"store_cache: {name}\b"):
+        jitkv.store_cache(*args.values(), backend=backend, **kw)
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("shape", [(3,), (1, 2), (2, 1), (2, 2)])  # the caches have 2 heads
+def test_bad_per_head_scale_shape(device, backend, name, shape):
+    """A scale tensor of neither 1 element nor [num_heads] ([num_heads + 1], 2-D) raises ValueError
+    naming it, before anything is written."""
+    args, kw = _fp8(device)
+    kw[name] = torch.ones(shape, dtype=torch.float32, device=device)
+    before = [args["k_cache"].clone(), args["v_cache"].clone()]
+    want = rf"store_cache: {name}: expected a 1-element tensor or \[num_heads\] = \[2\] per-head scales, got shape "
+    with pytest.raises(ValueError, match=want + re.escape(str(list(shape)))):
+        jitkv.store_cache(*args.values(), backend=backend, **kw)
+    assert_bitwise(args["k_cache"], before[0])
+    assert_bitwise(args["v_cache"], before[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS["cpu"])
+def test_bad_per_head_scale_value_cpu(backend):
+    """Every per-head value of a CPU scale tensor is checked on the host; the message names the head."""
+    args, kw = _fp8("cpu")
+    kw["v_scale"] = torch.tensor([0.5, float("nan")])
+    with pytest.raises(ValueError, match=r"store_cache: v_scale\[1\]: must be finite and > 0, got nan"):
         jitkv.store_cache(*args.values(), backend=backend, **kw)
 
 
@@ -354,19 +481,27 @@ def test_out_of_range_gpu_skipped_or_raises_under_debug(backend, monkeypatch):
 
 def _kv_case(n, h, dk, dv, num_slots, device, kv_dtype):
     """Sources, caches and keyword arguments for one store_cache call: "auto" copies bf16 into bf16
-    caches; an fp8 format writes wide-range bf16 into e4m3 caches with device-tensor scales."""
+    caches; an fp8 format writes wide-range bf16 into e4m3 caches with device-tensor scales, one per
+    side, or one per head for "fp8_e4m3 per-head"."""
     fp8 = kv_dtype != "auto"
     src, cache_dtype = (_wide_range, torch.float8_e4m3fn) if fp8 else (rand, torch.bfloat16)
     k, v = src((n, h, dk), torch.bfloat16, device), src((n, h, dv), torch.bfloat16, device)
     kc, vc = rand((num_slots, h, dk), cache_dtype, device), rand((num_slots, h, dv), cache_dtype, device)
     if not fp8:
         return k, v, kc, vc, {}
-    scales = dict(k_scale=torch.tensor([0.37], device=device), v_scale=torch.tensor([2.5], device=device))
-    return k, v, kc, vc, dict(kv_cache_dtype=kv_dtype, **scales)
+    if kv_dtype.endswith(" per-head"):
+        scales = dict(k_scale=torch.linspace(0.05, 3.0, h, device=device),
+                      v_scale=torch.linspace(4.0, 0.5, h, device=device))
+    else:
+        scales = dict(k_scale=torch.tensor([0.37], device=device), v_scale=torch.tensor([2.5], device=device))
+    return k, v, kc, vc, dict(kv_cache_dtype=kv_dtype.split()[0], **scales)
+
+
+KV_KINDS = ["auto", "fp8_e4m3", "fp8_e4m3 per-head"]
 
 
 @gpu
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_dtype", KV_KINDS)
 @pytest.mark.parametrize(
     "h,dk,dv,n",
     [(8, 128, 128, 1), (8, 128, 128, 3000), (32, 128, 128, 700), (8, 128, 64, 5), (8, 128, 64, 3000), (4, 36, 36, 9),
@@ -375,7 +510,8 @@ def _kv_case(n, h, dk, dv, num_slots, device, kv_dtype):
 def test_latency_and_bulk_kernels(kv_dtype, h, dk, dv, n):
     """Small n runs the CUDA latency kernel (fp8 with equal K and V heads: K and V in separate warps),
     large n the bulk kernel (rows of 2 KB or more split across warps); 36-dim heads take the generic
-    build. Each writes the reference's bytes over the whole caches."""
+    build; per-head scales their own kernels of each. Each writes the reference's bytes over the whole
+    caches."""
     k, v, kc, vc, kw = _kv_case(n, h, dk, dv, 4096, "cuda", kv_dtype)
     sm = slots(4096, n, torch.int64, "cuda")
     sm[::7] = -1
@@ -383,7 +519,7 @@ def test_latency_and_bulk_kernels(kv_dtype, h, dk, dv, n):
 
 
 @gpu
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_dtype", KV_KINDS)
 def test_bulk_kernel_at_large_n(kv_dtype):
     """n x chunks beyond the latency kernel's limit (256 warps per SM for fp8 on a 132-SM GPU:
     32 heads x 128 fp8 = 8 chunks per side, 6000 tokens) runs the bulk kernel; padding and skip_slot
@@ -397,10 +533,11 @@ def test_bulk_kernel_at_large_n(kv_dtype):
 
 @gpu
 @pytest.mark.parametrize("backend", ["jit", "triton"])
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_dtype", KV_KINDS)
 @pytest.mark.parametrize("n", [1, 64, 3000])
 def test_cuda_graph_replay_with_new_inputs_and_scales(backend, kv_dtype, n):
-    """A captured store_cache replays with new slots, sources and (fp8) device-tensor scales."""
+    """A captured store_cache replays with new slots, sources and (fp8) device-tensor scales, per-head
+    ones included."""
     k, v, kc, vc, kw = _kv_case(n, 8, 128, 128, 8192, "cuda", kv_dtype)
     sm = slots(8192, n, torch.int32, "cuda")
     jitkv.store_cache(k, v, kc, vc, sm, backend=backend, **kw)  # build/compile before capture
@@ -412,8 +549,8 @@ def test_cuda_graph_replay_with_new_inputs_and_scales(backend, kv_dtype, n):
         k.copy_(rand(k.shape, torch.bfloat16, "cuda"))
         v.copy_(rand(v.shape, torch.bfloat16, "cuda"))
         if kw:
-            kw["k_scale"].fill_(0.5 + step)
-            kw["v_scale"].fill_(0.125 * (step + 1))
+            kw["k_scale"].copy_(torch.linspace(0.5, 2.0, kw["k_scale"].numel()) + step)
+            kw["v_scale"].copy_(torch.linspace(3.0, 0.1, kw["v_scale"].numel()) * (step + 1))
         ref_k, ref_v = kc.clone(), vc.clone()
         reference.store_cache(k, v, ref_k, ref_v, sm, **kw)
         graph.replay()
@@ -440,7 +577,7 @@ def test_side_stream(backend, kv_dtype):
 
 
 @gpu
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_dtype", [*KV_KINDS, "fp8_e5m2"])
 @pytest.mark.parametrize("n", [5, 777, 3000])
 def test_every_backend_same_bytes(kv_dtype, n):
     if kv_dtype == "fp8_e5m2":
@@ -463,12 +600,69 @@ def test_every_backend_same_bytes(kv_dtype, n):
 @gpu
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
 def test_misaligned_view_takes_the_generic_variant(kv_dtype):
-    """Rows of 16-byte multiples but a source only 2-byte aligned: the specialised build refuses it and
-    the any-alignment variant is dispatched (recorded in backend_info under its own variant)."""
+    """Rows of 16-byte multiples but a source only 2-byte aligned: the dispatcher picks the
+    any-alignment variant before the call (recorded in backend_info); an aligned call after it goes
+    back to the 16-byte build."""
     n, h, d = 37, 8, 128
     k, v, kc, vc, kw = _kv_case(n, h, d, d, 512, "cuda", kv_dtype)
-    k = rand((n * h * d + 1,), torch.bfloat16, "cuda")[1:].view(n, h, d)  # 2-byte aligned base
+    k_odd = rand((n * h * d + 1,), torch.bfloat16, "cuda")[1:].view(n, h, d)  # 2-byte aligned base
     sm = slots(512, n, torch.int64, "cuda")
     sm[::5] = -1
-    _run(k, v, kc, vc, sm, None, **kw)
-    _run(k, v, kc, vc, sm, "jit", **kw)
+    for backend in (None, "jit"):
+        _run(k_odd, v, kc, vc, sm, backend, **kw)
+        info = jitkv.backend_info("store_cache")["cuda:0"]
+        assert info["backend"] == "jit" and info["alignment"].startswith("any"), info
+        assert "k_head_bytes0_v_head_bytes0" in info["key"], info
+        _run(k, v, kc, vc, sm, backend, **kw)
+        info = jitkv.backend_info("store_cache")["cuda:0"]
+        assert info["alignment"] == "16 bytes" and "k_head_bytes128_v_head_bytes128" in info["key"], info
+
+
+def _binding_args(k, v, kc, vc, sm, kw):
+    """The positional arguments of the module's full entry point for a _kv_case call."""
+    from jitkv.ops.store_cache import _KV_CODE  # noqa: PLC0415
+
+    if not kw:
+        return (k, v, kc, vc, sm, None, -1, _KV_CODE["auto"], None, None, -1.0, -1.0)
+    return (k, v, kc, vc, sm, None, -1, _KV_CODE[kw["kv_cache_dtype"]], kw["k_scale"], kw["v_scale"], -1.0, -1.0)
+
+
+def _module(kv_dtype, head_bytes, **spec_kw):
+    from jitkv.jit import cuda_arch, get_function  # noqa: PLC0415
+    from jitkv.ops.store_cache import _KV_CODE, _SRC_CODE, cuda_spec  # noqa: PLC0415
+
+    kv_dtype = kv_dtype.split()[0]  # a KV_KINDS entry: one module for both kinds of scales
+    src = 0 if kv_dtype == "auto" else _SRC_CODE[torch.bfloat16]
+    spec = cuda_spec(cuda_arch(torch.device("cuda")), head_bytes, head_bytes, src, _KV_CODE[kv_dtype], **spec_kw)
+    return get_function(spec, "store_cache")
+
+
+@gpu
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_16_byte_build_refuses_a_misaligned_call(kv_dtype):
+    """Called directly with a view the dispatcher would not send it, the 16-byte build raises a
+    ValueError naming the alignment, before writing anything."""
+    n, h, d = 5, 8, 128
+    k, v, kc, vc, kw = _kv_case(n, h, d, d, 64, "cuda", kv_dtype)
+    k = rand((n * h * d + 1,), torch.bfloat16, "cuda")[1:].view(n, h, d)
+    fn = _module(kv_dtype, d * kc.element_size())
+    before = kc.clone()
+    with pytest.raises(ValueError, match="store_cache: k: an address or stride .* only 2-byte aligned"):
+        fn(*_binding_args(k, v, kc, vc, slots(64, n, torch.int64, "cuda"), kw))
+    assert_bitwise(kc, before)
+
+
+@gpu
+@pytest.mark.parametrize("kv_dtype", KV_KINDS)
+@pytest.mark.parametrize("generic", [False, True])
+@pytest.mark.parametrize("n", [1, 3000])
+def test_kernels_without_pdl(kv_dtype, generic, n):
+    """Modules built with pdl=False (latency kernel at n = 1, bulk kernel at 3000 for 32 heads) write
+    the reference's bytes."""
+    k, v, kc, vc, kw = _kv_case(n, 32, 128, 128, 4096, "cuda", kv_dtype)
+    sm = slots(4096, n, torch.int64, "cuda")
+    ref_k, ref_v = kc.clone(), vc.clone()
+    reference.store_cache(k, v, ref_k, ref_v, sm, **kw)
+    _module(kv_dtype, 0 if generic else 128 * kc.element_size(), pdl=False)(*_binding_args(k, v, kc, vc, sm, kw))
+    assert_bitwise(kc, ref_k)
+    assert_bitwise(vc, ref_v)

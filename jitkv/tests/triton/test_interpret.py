@@ -104,13 +104,15 @@ for kv_dtype, cdt in (("auto", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn
     sm[::4] = -1
     loc_map = torch.randperm(48)
     loc_map[sm[1]] = -1
-    scale = torch.tensor([0.37])
-    got_k, got_v, ref_k, ref_v = kc.clone(), vc.clone(), kc.clone(), vc.clone()
-    store_cache_triton(k, v, got_k, got_v, sm, loc_map, 5, kv_dtype, scale, scale)
-    kw = {} if kv_dtype == "auto" else dict(k_scale=scale, v_scale=scale)
-    reference.store_cache(k, v, ref_k, ref_v, sm, kv_cache_dtype=kv_dtype, loc_map=loc_map, skip_slot=5, **kw)
-    assert_bitwise(got_k, ref_k)
-    assert_bitwise(got_v, ref_v)
+    # one scale per side; then per-head scales, V's a strided view
+    per_head = (torch.rand(h) * 3 + 0.05, (torch.rand(2 * h) * 3 + 0.05)[::2])
+    for k_scale, v_scale in ((torch.tensor([0.37]),) * 2, per_head)[: 1 if kv_dtype == "auto" else 2]:
+        got_k, got_v, ref_k, ref_v = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        store_cache_triton(k, v, got_k, got_v, sm, loc_map, 5, kv_dtype, k_scale, v_scale)
+        kw = {} if kv_dtype == "auto" else dict(k_scale=k_scale, v_scale=v_scale)
+        reference.store_cache(k, v, ref_k, ref_v, sm, kv_cache_dtype=kv_dtype, loc_map=loc_map, skip_slot=5, **kw)
+        assert_bitwise(got_k, ref_k)
+        assert_bitwise(got_v, ref_v)
 print("OK")
 """
 
