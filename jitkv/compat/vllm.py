@@ -19,8 +19,8 @@ from .. import set_mla_kv_buffer, store_cache
 
 __all__ = ["concat_and_cache_mla", "reshape_and_cache_flash"]
 
-# vLLM's MLA cache formats that quantize on write; jitkv's MLA writer copies only (for now).
-MLA_FP8_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
+# vLLM's MLA cache formats (concat_and_cache_mla's kv_cache_dtype).
+MLA_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
 
 
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
@@ -55,8 +55,8 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
             not check (an out-of-bounds write); jitkv's CUDA kernels skip such rows instead, or raise
             on the host under ``JITKV_DEBUG=1``.
 
-    Per-head scales run one jitkv launch per head (jitkv's op takes one scale per cache); one-element
-    scales run one launch for K and V together.
+    K and V go in one launch, per-head scales included (passed to ``jitkv.store_cache`` as
+    ``[num_heads]`` tensors).
     """
     if kv_cache_dtype == "auto":
         store_cache(key, value, key_cache, value_cache, slot_mapping)
@@ -66,12 +66,8 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
         store_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype=kv_cache_dtype,
                     k_scale=k_scale, v_scale=v_scale)
         return
-    _require_paged(key_cache, value_cache)
-    k_scales, v_scales = k_scale.reshape(heads), v_scale.reshape(heads)
-    for h in range(heads):
-        one = slice(h, h + 1)
-        store_cache(key[:, one], value[:, one], key_cache[:, :, one], value_cache[:, :, one], slot_mapping,
-                    kv_cache_dtype=kv_cache_dtype, k_scale=k_scales[one], v_scale=v_scales[one])
+    store_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype=kv_cache_dtype,
+                k_scale=k_scale.reshape(heads), v_scale=v_scale.reshape(heads))
 
 
 def _per_head_scales(key, k_scale, v_scale):
@@ -89,17 +85,6 @@ def _per_head_scales(key, k_scale, v_scale):
     return heads
 
 
-def _require_paged(key_cache, value_cache):
-    """Per-head scales slice the caches' head dim, which only the 4-D paged shape vLLM uses has."""
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if not (isinstance(cache, torch.Tensor) and cache.dim() == 4):
-            got = list(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
-            raise ValueError(
-                f"reshape_and_cache_flash: {name}: per-head scales need [num_blocks, block_size, num_heads, "
-                f"head_size], got {got}"
-            )
-
-
 def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale):
     """Write MLA rows ``[kv_c | k_pe]`` into a paged cache, as vLLM's ``concat_and_cache_mla``.
 
@@ -113,31 +98,34 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
             stride(1)``), so the cache is one ``[num_blocks * block_size, W]`` row view. Written in
             place.
         slot_mapping: ``[n]`` int64 (vLLM's type) or int32. Slot < 0 is padding and is skipped.
-        kv_cache_dtype: "auto" (a bitwise copy).
-        scale: ignored for "auto" (vLLM passes its float32 ``_k_scale`` tensor).
+        kv_cache_dtype: "auto" (a bitwise copy); "fp8" or "fp8_e4m3", "fp8_e5m2": each value stored as
+            fp8(satfinite(x / scale)) into a uint8 or float8 cache of the same width; "fp8_ds_mla":
+            vLLM's 656-byte DeepSeek record (512 nope values as e4m3 in 4 tiles of 128, each tile's
+            fp32 scale, then the 64 rope values as 16-bit floats) into a uint8 ``[..., 656]`` cache.
+        scale: float32 tensor of one element (vLLM's ``_k_scale``) or a float, for "fp8"/"fp8_e4m3"/
+            "fp8_e5m2"; ignored for "auto" and "fp8_ds_mla" (whose scales are per tile), as in vLLM.
 
     Raises:
-        NotImplementedError: an fp8 kv_cache_dtype ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla"):
-            jitkv's MLA writer has no quantize-on-write yet.
         ValueError: any other kv_cache_dtype; a cache that is not 3-D, whose row width is not
             kv_lora_rank + pe_dim, or whose blocks are not packed; and the ValueError/TypeError of
             ``jitkv.set_mla_kv_buffer`` (dtype, device, shape, layout).
         IndexError: a slot >= num_blocks * block_size, on CPU (nothing is written); vLLM does not
             check, jitkv's CUDA kernels skip the row (``JITKV_DEBUG=1``: raise on the host).
     """
-    if kv_cache_dtype in MLA_FP8_DTYPES:
-        raise NotImplementedError(
-            f"concat_and_cache_mla: kv_cache_dtype={kv_cache_dtype!r} is not supported yet (jitkv's MLA writer "
-            "has no fp8 quantize-on-write); use kv_cache_dtype='auto'"
-        )
-    if kv_cache_dtype != "auto":
+    if kv_cache_dtype not in MLA_DTYPES:
         raise ValueError(
-            f"concat_and_cache_mla: kv_cache_dtype: expected 'auto' (fp8 formats are not supported yet), "
-            f"got {kv_cache_dtype!r}"
+            f"concat_and_cache_mla: kv_cache_dtype: expected one of {', '.join(MLA_DTYPES)}, got {kv_cache_dtype!r}"
         )
     rows = _paged_rows(kv_cache)
-    _require_full_width(rows, kv_c, k_pe)
-    set_mla_kv_buffer(rows, slot_mapping, kv_c, k_pe)
+    if kv_cache_dtype == "auto":
+        _require_full_width(rows, kv_c, k_pe)
+        set_mla_kv_buffer(rows, slot_mapping, kv_c, k_pe)
+    elif kv_cache_dtype == "fp8_ds_mla":
+        set_mla_kv_buffer(rows, slot_mapping, kv_c, k_pe, kv_cache_dtype="fp8_ds_mla")
+    else:
+        _require_full_width(rows, kv_c, k_pe)
+        fmt = "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
+        set_mla_kv_buffer(rows, slot_mapping, kv_c, k_pe, kv_cache_dtype=fmt, scale=scale)
 
 
 def _paged_rows(kv_cache):

@@ -259,15 +259,51 @@ def _mla_args(device, width_extra=0):
     return [kv_c, k_pe, kv_cache, slots(64, 8, torch.int64, device), "auto", torch.ones(1, device=device)]
 
 
+def _ds_mla_record(kv_c, k_pe):
+    """vLLM's fp8_ds_mla rule for rows [n, 512] + [n, 64]: per tile of 128 nope values, scale =
+    max(amax / 448, FLT_MIN) in float32; values e4m3(satfinite(x / scale)); record = [512 e4m3 bytes |
+    4 fp32 scales | the 64 rope values' 16-bit patterns]."""
+    n = kv_c.shape[0]
+    tiles = kv_c.float().reshape(n, 4, 128)
+    scale = torch.maximum(tiles.abs().amax(-1) / torch.tensor(448.0, device=kv_c.device),
+                          torch.tensor(torch.finfo(torch.float32).tiny, device=kv_c.device))
+    q = (tiles / scale.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).reshape(n, 512)
+    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8).reshape(n, 16),
+                      k_pe.reshape(n, 64).contiguous().view(torch.uint8)], dim=1)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla"])
-def test_concat_and_cache_mla_fp8_not_implemented(device, kv_cache_dtype):
-    args = _mla_args(device)
-    args[4] = kv_cache_dtype
-    before = args[2].clone()
-    with pytest.raises(NotImplementedError, match=rf"concat_and_cache_mla: kv_cache_dtype='{kv_cache_dtype}'"):
-        vllm.concat_and_cache_mla(*args)
-    assert_bitwise(args[2], before)
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("as_uint8", [True, False])
+@pytest.mark.parametrize("scale_kind", ["tensor", "float"])
+def test_concat_and_cache_mla_fp8(device, kv_cache_dtype, as_uint8, scale_kind):
+    fp8 = FORMATS[kv_cache_dtype]
+    kv_c, k_pe = _mla_sources(70, 512, 64, torch.bfloat16, device)
+    kv_cache = rand((8, 16, 576), torch.uint8 if as_uint8 else fp8, device)
+    sm = _slot_mapping(128, 64, torch.int64, device)
+    scale = torch.tensor([0.37], device=device) if scale_kind == "tensor" else 0.37
+    got, want = kv_cache.clone(), kv_cache.clone()
+    vllm.concat_and_cache_mla(kv_c, k_pe, got, sm, kv_cache_dtype, scale)
+    quant = _quantizer(fp8, scale, device)
+    rows = (sm >= 0).nonzero().flatten()
+    s = sm[rows].long()
+    vals = quant(torch.cat([kv_c[rows], k_pe[rows]], dim=1).unsqueeze(1)).squeeze(1)
+    _bits(want)[s // 16, s % 16] = _bits(vals).to(_bits(want).dtype) if as_uint8 else _bits(vals)
+    assert_bitwise(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_concat_and_cache_mla_fp8_ds_mla(device, dtype):
+    kv_c, k_pe = _mla_sources(70, 512, 64, dtype, device)
+    kv_cache = rand((8, 16, 656), torch.uint8, device)
+    sm = _slot_mapping(128, 64, torch.int32, device)
+    got, want = kv_cache.clone(), kv_cache.clone()
+    vllm.concat_and_cache_mla(kv_c, k_pe, got, sm, "fp8_ds_mla", torch.ones(1, device=device))
+    rows = (sm >= 0).nonzero().flatten()
+    s = sm[rows].long()
+    want[s // 16, s % 16] = _ds_mla_record(kv_c[rows], k_pe[rows])
+    assert_bitwise(got, want)
 
 
 MLA_BAD = [
