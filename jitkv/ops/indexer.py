@@ -109,7 +109,7 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, *, block_size, scale_fm
     if torch.compiler.is_compiling():
         return torch.ops.jitkv.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, block_size, scale_fmt, backend)
     _call(_WRITE, device_index(WRITE_OP, "kv_cache", kv_cache), backend,
-          (k, kv_cache, slot_mapping, block_size, _scale_fmt_code(scale_fmt)), _VECTOR_VIEWS["write"])
+          (k, kv_cache, slot_mapping, block_size, _scale_fmt_code(scale_fmt)), _VECTOR_VIEWS["write"], _check_write)
 
 
 def gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, *, block_size, backend=None):
@@ -140,7 +140,7 @@ def gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq
         return torch.ops.jitkv.gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens,
                                                             block_size, backend)
     _call(_GATHER, device_index(GATHER_OP, "kv_cache", kv_cache), backend,
-          (kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size), _VECTOR_VIEWS["gather"])
+          (kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size), _VECTOR_VIEWS["gather"], _check_gather)
 
 
 def _scale_fmt_code(scale_fmt) -> int:
@@ -165,15 +165,18 @@ _VECTOR_VIEWS = {
 }
 
 
-def _call(dispatcher, index, backend, args, views):
+def _call(dispatcher, index, backend, args, views, check):
     """Run the op on a device index. On CUDA the variant is the first view the CUDA kernels cannot take
     (16-byte vectors; 4-byte scales), decided here from the arguments: such a view runs on Triton, then
-    torch, recorded in backend_info and warned about once."""
+    torch, recorded in backend_info and warned about once. Arguments with such a view are checked
+    first (``check``), so bad input raises its own error whatever backend would take it."""
     if index < 0:
         dispatcher.get_cpu(backend)(*args)
         return
     bad = next((f"{name}: the CUDA kernels need a {n}-byte aligned base and row stride"
                 for at, name, n in views if not _aligned(args[at], n)), None)
+    if bad is not None:
+        check(*args)
     dispatcher.get_cuda(index, backend, () if bad is None else (bad,))(*args)
 
 
