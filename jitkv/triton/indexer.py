@@ -63,15 +63,15 @@ def _write_kernel(k_ptr, k_stride, cache, slot_ptr, n, num_slots, block_size, bl
 
 @triton.jit
 def _gather_kernel(cache, dst_k, dst_k_stride, dst_scale, dst_scale_stride, block_table, bt_stride, cu, batch,
-                   search_steps, max_blocks, num_tokens, num_blocks, block_size, block_stride,
-                   HEAD: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_T: tl.constexpr):
+                   max_blocks, num_tokens, num_blocks, block_size, block_stride,
+                   HEAD: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, SEARCH_STEPS: tl.constexpr):
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     live = t < num_tokens
     # The request of t: the last b with cu[b] <= t (lo ends at the first entry > t).
     lo = tl.zeros_like(t)
     hi = tl.zeros_like(t) + batch + 1
     start = tl.zeros_like(t)
-    for _ in range(search_steps):
+    for _ in tl.static_range(SEARCH_STEPS):  # a constexpr: a runtime trip count trips Triton 3.6's interpreter
         active = live & (lo < hi)
         mid = (lo + hi) // 2
         c = tl.load(cu + mid, mask=active, other=0).to(tl.int64)
@@ -127,6 +127,6 @@ def gather_indexer_k_quant_cache_triton(kv_cache, dst_k, dst_scale_bytes, block_
         cache = _flat_bytes(kv_cache, block_size)
     _gather_kernel[(triton.cdiv(num_tokens, _GATHER_BLOCK_T),)](
         cache, dst_k, dst_k.stride(0), dst_scale_bytes, dst_scale_bytes.stride(0), block_table, block_table.stride(0),
-        cu_seq_lens, batch, (batch + 1).bit_length(), block_table.shape[1], num_tokens, kv_cache.shape[0], block_size,
+        cu_seq_lens, batch, block_table.shape[1], num_tokens, kv_cache.shape[0], block_size,
         kv_cache.stride(0), HEAD=INDEXER_HEAD_DIM, SCALE_BYTES=INDEXER_SCALE_BYTES, BLOCK_T=_GATHER_BLOCK_T,
-        num_warps=4)
+        SEARCH_STEPS=(batch + 1).bit_length(), num_warps=4)

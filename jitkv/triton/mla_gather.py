@@ -59,7 +59,8 @@ def _entries(t, rows, cu_ptr, starts_ptr, bt_ptr, num_reqs, bt_stride, max_block
     valid = write & (pos >= 0) & (blk < max_blocks)
     phys = tl.load(bt_ptr + lo * bt_stride + blk, mask=valid, other=-1).to(tl.int64)
     valid = valid & (phys >= 0) & (phys < num_blocks)
-    entry = tl.where(valid, phys * block_stride + (pos - blk * block_size) * token_stride, 0)
+    # A multiply, not tl.where: Triton 3.6 mis-assigns layouts to a select here (RemoveLayoutConversions).
+    entry = (phys * block_stride + (pos - blk * block_size) * token_stride) * valid.to(tl.int64)
     return write, valid, entry
 
 
