@@ -39,7 +39,9 @@ def _e5m2_decode(b):
 @triton.jit
 def _entries(t, rows, cu_ptr, starts_ptr, bt_ptr, num_reqs, bt_stride, max_blocks, num_blocks, block_size,
              block_stride, token_stride, HAS_STARTS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    """(write, valid, entry offset in cache elements) of output rows t (int64)."""
+    """(write, valid, entry offset in cache elements) of output rows t (int64 [BLOCK_T, 1]). Everything
+    stays 2-D: Triton 3.6 mis-assigns layouts to 1-D row values that later broadcast against columns
+    (RemoveLayoutConversions fails on their select and cast)."""
     live = t < rows
     lo = tl.zeros_like(t)
     hi = tl.zeros_like(t) + num_reqs
@@ -59,8 +61,7 @@ def _entries(t, rows, cu_ptr, starts_ptr, bt_ptr, num_reqs, bt_stride, max_block
     valid = write & (pos >= 0) & (blk < max_blocks)
     phys = tl.load(bt_ptr + lo * bt_stride + blk, mask=valid, other=-1).to(tl.int64)
     valid = valid & (phys >= 0) & (phys < num_blocks)
-    # A multiply, not tl.where: Triton 3.6 mis-assigns layouts to a select here (RemoveLayoutConversions).
-    entry = (phys * block_stride + (pos - blk * block_size) * token_stride) * valid.to(tl.int64)
+    entry = tl.where(valid, phys * block_stride + (pos - blk * block_size) * token_stride, 0)
     return write, valid, entry
 
 
@@ -71,14 +72,14 @@ def _gather_kernel(out_ptr, cache_ptr, bt_ptr, cu_ptr, starts_ptr, scale_ptr, sc
                    BLOCK_D: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_T: tl.constexpr,
                    DS_NOPE: tl.constexpr, DS_TILE: tl.constexpr, DS_SCALE_AT: tl.constexpr, DS_ROPE_AT: tl.constexpr,
                    DS_ROPE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = (tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
     write, valid, entry = _entries(t, rows, cu_ptr, starts_ptr, bt_ptr, num_reqs, bt_stride, max_blocks, num_blocks,
                                    block_size, block_stride, token_stride, HAS_STARTS, SEARCH_STEPS)
     dst = out_ptr + t * out_stride
     if FORMAT == _DS_MLA:  # fp8_ds_mla: bytes -> bf16 bits
         tiles: tl.constexpr = DS_NOPE // DS_TILE
-        e3 = entry[:, None, None]
-        v3 = valid[:, None, None]
+        e3 = entry[:, :, None]
+        v3 = valid[:, :, None]
         tile = tl.arange(0, tiles)[None, :, None]
         scale_bits = tl.zeros([BLOCK_T, tiles, 1], dtype=tl.int32)
         for k in tl.static_range(4):  # little-endian fp32
@@ -87,15 +88,15 @@ def _gather_kernel(out_ptr, cache_ptr, bt_ptr, cu_ptr, starts_ptr, scale_ptr, sc
         dims = tile * DS_TILE + tl.arange(0, DS_TILE)[None, None, :]
         q = tl.load(cache_ptr + e3 + dims, mask=v3, other=0).to(tl.int32)
         val = _bf16_bits(_e4m3_decode(q) * scale_bits.to(tl.float32, bitcast=True))
-        tl.store(dst[:, None, None] + dims, tl.where(v3, val, 0).to(tl.int16), mask=write[:, None, None])
+        tl.store(dst[:, :, None] + dims, tl.where(v3, val, 0).to(tl.int16), mask=write[:, :, None])
         r = tl.arange(0, DS_ROPE)[None, :]
-        at = entry[:, None] + DS_ROPE_AT + 2 * r
-        lo = tl.load(cache_ptr + at, mask=valid[:, None], other=0).to(tl.int32)
-        hi = tl.load(cache_ptr + at + 1, mask=valid[:, None], other=0).to(tl.int32)
-        tl.store(dst[:, None] + DS_NOPE + r, (lo | (hi << 8)).to(tl.int16), mask=write[:, None])
+        at = entry + DS_ROPE_AT + 2 * r
+        lo = tl.load(cache_ptr + at, mask=valid, other=0).to(tl.int32)
+        hi = tl.load(cache_ptr + at + 1, mask=valid, other=0).to(tl.int32)
+        tl.store(dst + DS_NOPE + r, (lo | (hi << 8)).to(tl.int16), mask=write)
     else:
         d = tl.arange(0, BLOCK_D)[None, :]
-        x = tl.load(cache_ptr + entry[:, None] + d, mask=valid[:, None] & (d < D), other=0)
+        x = tl.load(cache_ptr + entry + d, mask=valid & (d < D), other=0)
         if FORMAT != _COPY:  # per-tensor fp8 -> bf16 bits
             if HAS_SCALE_PTR:
                 scale = tl.load(scale_ptr)
@@ -106,8 +107,8 @@ def _gather_kernel(out_ptr, cache_ptr, bt_ptr, cu_ptr, starts_ptr, scale_ptr, sc
                 f = _e5m2_decode(b)
             else:
                 f = _e4m3_decode(b)
-            x = tl.where(valid[:, None], _bf16_bits(f * scale), 0).to(tl.int16)
-        tl.store(dst[:, None] + d, x, mask=write[:, None] & (d < D))
+            x = tl.where(valid, _bf16_bits(f * scale), 0).to(tl.int16)
+        tl.store(dst + d, x, mask=write & (d < D))
 
 
 def gather_mla_cache_triton(out, kv_cache, block_table, cu_seq_lens, seq_starts, fmt, scale):
