@@ -65,13 +65,15 @@ def _write_kernel(k_ptr, k_stride, cache, slot_ptr, n, num_slots, block_size, bl
 def _gather_kernel(cache, dst_k, dst_k_stride, dst_scale, dst_scale_stride, block_table, bt_stride, cu, batch,
                    max_blocks, num_tokens, num_blocks, block_size, block_stride,
                    HEAD: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    # Row values stay 2-D [BLOCK_T, 1]: Triton 3.6 fails to lay out 1-D row values that later broadcast
+    # against columns (RemoveLayoutConversions on their select).
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
     live = t < num_tokens
     # The request of t: the last b with cu[b] <= t (lo ends at the first entry > t).
     lo = tl.zeros_like(t)
     hi = tl.zeros_like(t) + batch + 1
     start = tl.zeros_like(t)
-    for _ in tl.static_range(SEARCH_STEPS):  # a constexpr: a runtime trip count trips Triton 3.6's interpreter
+    for _ in tl.static_range(SEARCH_STEPS):  # constexpr: Triton 3.6's interpreter refuses a runtime trip count
         active = live & (lo < hi)
         mid = (lo + hi) // 2
         c = tl.load(cu + mid, mask=active, other=0).to(tl.int64)
@@ -88,13 +90,12 @@ def _gather_kernel(cache, dst_k, dst_k_stride, dst_scale, dst_scale_stride, bloc
     valid = valid & (phys >= 0) & (phys < num_blocks)
     base = tl.where(valid, phys, 0) * block_stride
     pos = tl.where(valid, i - j * block_size, 0)
-    v2, w2 = valid[:, None], write[:, None]
-    d = tl.arange(0, HEAD)
-    data = tl.load(cache + (base + pos * HEAD)[:, None] + d[None, :], mask=v2, other=0)
-    tl.store(dst_k + (t * dst_k_stride)[:, None] + d[None, :], data, mask=w2)
-    c = tl.arange(0, SCALE_BYTES)
-    scale = tl.load(cache + (base + block_size * HEAD + pos * SCALE_BYTES)[:, None] + c[None, :], mask=v2, other=0)
-    tl.store(dst_scale + (t * dst_scale_stride)[:, None] + c[None, :], scale, mask=w2)
+    d = tl.arange(0, HEAD)[None, :]
+    data = tl.load(cache + base + pos * HEAD + d, mask=valid, other=0)
+    tl.store(dst_k + t * dst_k_stride + d, data, mask=write)
+    c = tl.arange(0, SCALE_BYTES)[None, :]
+    scale = tl.load(cache + base + block_size * HEAD + pos * SCALE_BYTES + c, mask=valid, other=0)
+    tl.store(dst_scale + t * dst_scale_stride + c, scale, mask=write)
 
 
 def _flat_bytes(kv_cache, block_size):
