@@ -139,6 +139,7 @@ def indexer_rows(ns=(1, 133, 4096)) -> list[Row]:
         rows.append(Row("gather_indexer_k_quant_cache", "1 request", n, "torch reference", base, moved, base))
         us = median_us(lambda: jitkv.gather_indexer_k_quant_cache(*args, block_size=bs))
         rows.append(Row("gather_indexer_k_quant_cache", "1 request", n, "jitkv jit", us, moved, base))
+    return rows
 
 
 def mla_gather_rows(reqs=4, tokens=1024, block_size=64) -> list[Row]:
@@ -157,6 +158,7 @@ def mla_gather_rows(reqs=4, tokens=1024, block_size=64) -> list[Row]:
         rows.append(Row("gather_mla_cache", case, reqs * tokens, "torch reference", base, moved, base))
         us = median_us(lambda: jitkv.gather_mla_cache(out, cache, table, cu, **kw))
         rows.append(Row("gather_mla_cache", case, reqs * tokens, "jitkv jit", us, moved, base))
+    return rows
 
 
 def mla_fp8_rows(ns=(1, 133, 4096)) -> list[Row]:

@@ -374,6 +374,7 @@ def indexer_rows(bw: float, floor_us: float) -> list[Row]:
         rows += _timed_rows("gather_indexer_k_quant_cache", f"{reqs} req x {length}", tokens, moved,
                             with_ceiling(cases, moved), bw, floor_us, eager=("torch reference", CEILING))
         del tables, dst_k, dst_scale
+    return rows
 
 
 def mla_gather_rows(bw: float, floor_us: float) -> list[Row]:

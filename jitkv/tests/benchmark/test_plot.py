@@ -127,3 +127,16 @@ def test_missing_matplotlib_fails_before_benchmarking(monkeypatch, capsys):
         bench_main.main(["--device", "cpu", "--op", "set_mla_kv_buffer", "--plot", "x.png"])
     assert e.value.code == 2
     assert "pip install 'jitkv[plot]'" in capsys.readouterr().err
+
+
+def test_every_cpu_section_returns_rows():
+    """Each CPU benchmark section, cut to its smallest case, returns the rows it printed."""
+    sections = {
+        "mla": lambda: cpu.mla_rows(ns=(1,)),
+        "mla fp8": lambda: cpu.mla_fp8_rows(ns=(1,)),
+        "indexer": lambda: cpu.indexer_rows(ns=(1,)),
+        "mla gather": lambda: cpu.mla_gather_rows(reqs=1, tokens=64, block_size=16),
+    }
+    for name, run in sections.items():
+        rows = run()
+        assert isinstance(rows, list) and rows and all(r.us > 0 for r in rows), name
