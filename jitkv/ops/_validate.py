@@ -141,10 +141,22 @@ def mla(kv_buffer, loc, k_nope, k_rope):
         tensor(op, name, t)
     if kv_buffer.dtype not in COPY_DTYPES:
         raise TypeError(f"{op}: kv_buffer: expected dtype bf16, fp16, fp32, uint8 or float8, got {kv_buffer.dtype}")
+    for name, t in (("k_nope", k_nope), ("k_rope", k_rope)):
+        same_dtype(op, name, t, kv_buffer.dtype, "kv_buffer")
+    buf, nope, rope = _mla_rows(op, kv_buffer, loc, k_nope, k_rope)
+    if buf.shape[1] < nope.shape[1] + rope.shape[1]:
+        raise ValueError(
+            f"{op}: kv_buffer: row width {buf.shape[1]} is smaller than nope + rope = {nope.shape[1]} + {rope.shape[1]}"
+        )
+    return buf, nope, rope
+
+
+def _mla_rows(op, kv_buffer, loc, k_nope, k_rope):
+    """The checks every set_mla_kv_buffer format shares, after the dtypes: loc, one device, 2-D row
+    views, at least loc.numel() source rows. Returns the views (kv_buffer, k_nope, k_rope)."""
     dev = kv_buffer.device
     index(op, "loc", loc, dev, "kv_buffer")
     for name, t in (("k_nope", k_nope), ("k_rope", k_rope)):
-        same_dtype(op, name, t, kv_buffer.dtype, "kv_buffer")
         same_device(op, name, t, dev, "kv_buffer")
     buf = _row_view(op, "kv_buffer", kv_buffer, "W")
     nope = _row_view(op, "k_nope", k_nope, "nope")
@@ -152,10 +164,6 @@ def mla(kv_buffer, loc, k_nope, k_rope):
     n = loc.numel()
     rows_at_least(op, "k_nope", nope, n, "loc")
     rows_at_least(op, "k_rope", rope, n, "loc")
-    if buf.shape[1] < nope.shape[1] + rope.shape[1]:
-        raise ValueError(
-            f"{op}: kv_buffer: row width {buf.shape[1]} is smaller than nope + rope = {nope.shape[1]} + {rope.shape[1]}"
-        )
     return buf, nope, rope
 
 
@@ -182,16 +190,7 @@ def mla_fp8(kv_buffer, loc, k_nope, k_rope, kv_cache_dtype, scale_arg, debug=Fal
     if kv_buffer.dtype not in allowed:
         raise ValueError(f"{op}: kv_buffer: kv_cache_dtype={kv_cache_dtype!r} writes a "
                          f"{' or '.join(str(d) for d in allowed)} buffer, got {kv_buffer.dtype}")
-    dev = kv_buffer.device
-    index(op, "loc", loc, dev, "kv_buffer")
-    for name, t in (("k_nope", k_nope), ("k_rope", k_rope)):
-        same_device(op, name, t, dev, "kv_buffer")
-    buf = _row_view(op, "kv_buffer", kv_buffer, "W")
-    nope = _row_view(op, "k_nope", k_nope, "nope")
-    rope = _row_view(op, "k_rope", k_rope, "rope")
-    n = loc.numel()
-    rows_at_least(op, "k_nope", nope, n, "loc")
-    rows_at_least(op, "k_rope", rope, n, "loc")
+    buf, nope, rope = _mla_rows(op, kv_buffer, loc, k_nope, k_rope)
     if ds:
         for name, t, want in (("k_nope", nope, DS_MLA_NOPE), ("k_rope", rope, DS_MLA_ROPE)):
             if t.shape[1] != want:
@@ -205,7 +204,7 @@ def mla_fp8(kv_buffer, loc, k_nope, k_rope, kv_cache_dtype, scale_arg, debug=Fal
         raise ValueError(
             f"{op}: kv_buffer: row width {buf.shape[1]} is smaller than nope + rope = {nope.shape[1]} + {rope.shape[1]}"
         )
-    return buf, nope, rope, scale(op, "scale", scale_arg, dev, "kv_buffer", debug)
+    return buf, nope, rope, scale(op, "scale", scale_arg, kv_buffer.device, "kv_buffer", debug)
 
 
 # --------------------------------------------------------------------------------------- store_cache
