@@ -71,10 +71,10 @@ def store_cache(
     small n a latency kernel (one vector per lane, all address math done while the slot load is in
     flight; fp8: K and V in separate warps), beyond it a bulk kernel (one warp per row, rows >= 2 KB
     split across warps); with per-head scales each lane divides by its vector's head's scale (its
-    own kernels). Heads that are not a multiple of 16 bytes, and views whose base or strides
-    are not 16-byte aligned, take the any-alignment build (the widest vector the call allows), chosen
-    before the call and recorded in ``backend_info`` ("alignment"). Triton (one program per row) as
-    the fallback.
+    own kernels). Heads that are not a multiple of 16 bytes, and views whose base or used strides
+    are not 16-byte aligned (the 16-byte build checks them and answers before launching), take the
+    any-alignment build (the widest vector the call allows), recorded in ``backend_info``
+    ("alignment"). Triton (one program per row) as the fallback.
     """
     if is_compiling():
         ks_t, ks_v = _scale_args(k_scale, "k_scale", kv_cache_dtype)
@@ -84,10 +84,15 @@ def store_cache(
         )
     index = device_index(OP, "k_cache", k_cache)
     if index < 0:
-        impl = _DISPATCH.get_cpu(backend)
-    else:
-        impl = _DISPATCH.get_cuda(index, backend, _cuda_variant(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype))
-    impl(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot)
+        _DISPATCH.get_cpu(backend)(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map,
+                                   skip_slot)
+        return
+    variant = _cuda_variant(k, v, k_cache, v_cache, kv_cache_dtype)
+    impl = _DISPATCH.get_cuda(index, backend, variant)
+    if impl(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot):
+        # NEEDS_ANY_ALIGNMENT: the 16-byte build found an address or stride it cannot use, before any launch.
+        impl = _DISPATCH.get_cuda(index, backend, any_alignment(variant))
+        impl(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot)
 
 
 def _scale_args(scale, name, kv_cache_dtype):
@@ -108,18 +113,18 @@ _FP8_CODE_ARGS = (("copy_code", COPY), ("e4m3_code", FP8_CODES[torch.float8_e4m3
 _SRC_CODE = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}  # JITKV_SRC_DTYPE of fp8 builds; 0: a copy
 GENERIC = (0, 0)  # head bytes of the any-alignment build: vector width picked per call
 ALIGNED, ANY_ALIGNMENT = 16, 1  # the variant's last field: the bytes every address is a multiple of
+NEEDS_ANY_ALIGNMENT = 1  # a 16-byte binding's answer to a view it cannot address (store_cache.cuh Status)
 
 
-def _cuda_variant(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype) -> tuple:
+def _cuda_variant(k, v, k_cache, v_cache, kv_cache_dtype) -> tuple:
     """The CUDA build for these arguments: (K head bytes, V head bytes, source dtype code, fp8 code,
-    alignment), where alignment is ALIGNED (16-byte build for these head bytes) or ANY_ALIGNMENT
-    (the any-alignment build, head bytes GENERIC).
-
-    Head bytes are those of the cache (head_dim * cache element size); heads that are not a multiple
-    of 16 bytes, and views ``_aligned16`` refuses, take the any-alignment build. Unknown inputs also
-    map to it, whose binding then raises the precise error. Runs on every eager call: caches with a
-    head dim (3-D flat, 4-D paged) give head_dim as their last dim, read once from each shape, and
-    both caches have one element size (else the binding raises)."""
+    alignment). Head bytes are those of the cache (head_dim * cache element size). Heads of whole
+    16-byte multiples take the 16-byte build (ALIGNED), whose binding checks every address and stride
+    and answers NEEDS_ANY_ALIGNMENT (before any launch) to a view it cannot address; other heads, and
+    arguments this cannot read (the binding then raises the precise error), take the any-alignment
+    build (head bytes GENERIC). Runs on every eager call: caches with a head dim (3-D flat, 4-D paged)
+    give head_dim as their last dim, read once from each shape, and both caches have one element size
+    (else the binding raises)."""
     try:
         kv = _KV_CODE[kv_cache_dtype]
         ks, vs = k_cache.shape, v_cache.shape
@@ -129,39 +134,16 @@ def _cuda_variant(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype) -> tuple
         else:
             kb, vb = _head_bytes_any_layout(k, k_cache, v, v_cache)
         src = _SRC_CODE.get(k.dtype, 0) if kv != COPY else 0
-        if (kb | vb) % 16 == 0 and kb > 0 and vb > 0 and _aligned16(k, v, k_cache, v_cache, slot_mapping):
+        if (kb | vb) % 16 == 0 and kb > 0 and vb > 0:
             return (kb, vb, src, kv, ALIGNED)
     except (AttributeError, KeyError, TypeError, ZeroDivisionError):
         return (*GENERIC, 0, COPY, ANY_ALIGNMENT)
     return (*GENERIC, src, kv, ANY_ALIGNMENT)
 
 
-def _aligned16(k, v, k_cache, v_cache, slot_mapping) -> bool:
-    """Whether every address the 16-byte build forms is a multiple of 16 bytes, given heads of whole
-    16-byte multiples: the base pointers, and the byte strides of dims with more than one index (a
-    source's first dim counts slot_mapping.numel() rows). store_cache_cuda.cu's pick_vec applies the
-    same rule, and refuses a call that breaks it. Runs on every eager CUDA call, cheapest test first:
-    a contiguous tensor's strides are multiples of a head; any tensor's, of their gcd."""
-    if (k.data_ptr() | v.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) & 15:
-        return False
-    if k.is_contiguous() and v.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous():
-        return True
-    if _strides16(k) and _strides16(v) and _strides16(k_cache) and _strides16(v_cache):
-        return True
-    n = slot_mapping.numel()  # a gcd that misses 16 may come from a dim of one index
-    return all(_used_strides16(t, rows) for t, rows in ((k, n), (v, n), (k_cache, k_cache.shape[0]),
-                                                        (v_cache, v_cache.shape[0])))
-
-
-def _strides16(t) -> bool:
-    return t.is_contiguous() or (math.gcd(*t.stride()[:-1]) * t.element_size()) % 16 == 0
-
-
-def _used_strides16(t, rows: int) -> bool:
-    """Every stride but the last of ``t`` (its first dim taken as ``rows`` indices) is a multiple of
-    16 bytes where its dim has more than one index."""
-    es = t.element_size()
-    return all(size <= 1 or stride * es % 16 == 0 for size, stride in zip((rows, *t.shape[1:-1]), t.stride()[:-1]))
+def any_alignment(variant: tuple) -> tuple:
+    """The any-alignment build of a variant's sources and cache format."""
+    return (*GENERIC, *variant[2:4], ANY_ALIGNMENT)
 
 
 def _head_bytes_any_layout(k, k_cache, v, v_cache) -> tuple[int, int]:
@@ -229,6 +211,8 @@ def _binding_caller(fn, copy_fn, debug=False):
     ``copy_fn``)."""
 
     def run(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, skip):
+        """The binding's status: 0 done, NEEDS_ANY_ALIGNMENT from a 16-byte build given a view it
+        cannot address (nothing launched)."""
         if debug:
             _validate.store_cache(k, v, k_cache, v_cache, slot_mapping, kv_dtype, k_scale, v_scale, loc_map, debug)
             _host_range_check(k_cache, slot_mapping, loc_map, skip)
@@ -241,7 +225,7 @@ def _binding_caller(fn, copy_fn, debug=False):
                 raise name_ffi_error(OP, e, _BINDING_ARGS, args) from None
         args = (k, v, k_cache, v_cache, slot_mapping, loc_map, skip, *_fp8_scale_args(kv_dtype, k_scale, v_scale))
         try:
-            fn(*args)
+            return fn(*args)
         except (TypeError, RuntimeError) as e:
             raise name_ffi_error(OP, e, _BINDING_ARGS, args) from None
 

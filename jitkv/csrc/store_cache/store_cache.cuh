@@ -328,16 +328,21 @@ inline StoreCacheParams parse_params(const char* op, const TensorView& k, const 
   return p;
 }
 
+// What a binding returns: kDone after the write (every CPU call), or kNeedsAnyAlignment from a 16-byte
+// CUDA build given a view it cannot address with 16-byte vectors, before anything runs; the op then
+// dispatches the any-alignment build (ops/store_cache.py).
+enum Status : int64_t { kDone = 0, kNeedsAnyAlignment = 1 };
+
 // The kv_cache_dtype "auto" entry point of a binding `kFull` (the CPU or CUDA store_cache): its first
 // seven arguments, no fp8 ones. The decode path calls it eagerly; tvm-ffi converts each argument on
 // every call (the benchmark's "bare tvm-ffi binding" row measures it).
-using StoreCacheFn = void (*)(TensorView, TensorView, TensorView, TensorView, TensorView, Optional<TensorView>,
-                              int64_t, int64_t, Optional<TensorView>, Optional<TensorView>, double, double);
+using StoreCacheFn = int64_t (*)(TensorView, TensorView, TensorView, TensorView, TensorView, Optional<TensorView>,
+                                 int64_t, int64_t, Optional<TensorView>, Optional<TensorView>, double, double);
 template <StoreCacheFn kFull>
-void store_cache_copy(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache, TensorView slot_mapping,
-                      Optional<TensorView> loc_map, int64_t skip_slot) {
-  kFull(k, v, k_cache, v_cache, slot_mapping, loc_map, skip_slot, static_cast<int64_t>(Fp8::kNone),
-        Optional<TensorView>(), Optional<TensorView>(), -1.0, -1.0);
+int64_t store_cache_copy(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache, TensorView slot_mapping,
+                         Optional<TensorView> loc_map, int64_t skip_slot) {
+  return kFull(k, v, k_cache, v_cache, slot_mapping, loc_map, skip_slot, static_cast<int64_t>(Fp8::kNone),
+               Optional<TensorView>(), Optional<TensorView>(), -1.0, -1.0);
 }
 
 #if defined(__CUDACC__)

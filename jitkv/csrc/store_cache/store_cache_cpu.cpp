@@ -127,10 +127,10 @@ int64_t resolve(const StoreCacheParams& p, cpu::RowSlot* out) {
                             p.loc_i64, p.loc_map_size, p.k.num_slots, out);
 }
 
-void store_cache_cpu(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache, TensorView slot_mapping,
-                     Optional<TensorView> loc_map, int64_t skip_slot, int64_t kv_cache_dtype,
-                     Optional<TensorView> k_scale, Optional<TensorView> v_scale, double k_scale_value,
-                     double v_scale_value) {
+int64_t store_cache_cpu(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache, TensorView slot_mapping,
+                        Optional<TensorView> loc_map, int64_t skip_slot, int64_t kv_cache_dtype,
+                        Optional<TensorView> k_scale, Optional<TensorView> v_scale, double k_scale_value,
+                        double v_scale_value) {
   if (k_cache.device().device_type != kDLCPU) {
     TVM_FFI_THROW(ValueError) << kOp << ": k_cache: expected a CPU tensor for the CPU kernel, got device_type "
                               << k_cache.device().device_type;
@@ -138,11 +138,11 @@ void store_cache_cpu(TensorView k, TensorView v, TensorView k_cache, TensorView 
   const StoreCacheParams p = store_cache::parse_params(kOp, k, v, k_cache, v_cache, slot_mapping, loc_map, skip_slot,
                                                        kv_cache_dtype, k_scale, v_scale, k_scale_value,
                                                        v_scale_value);
-  if (p.n == 0) return;
+  if (p.n == 0) return store_cache::kDone;
 
   cpu::RowSlotBuffer buf(p.n);
   const int64_t m = p.slot_i64 ? resolve<int64_t>(p, buf.data()) : resolve<int32_t>(p, buf.data());
-  if (m == 0) return;
+  if (m == 0) return store_cache::kDone;
 
   const int64_t src_es = elem_bytes(p.src_dtype), dst_es = elem_bytes(k_cache.dtype());
   SideRows ks = side_rows(p.k, p.num_heads, p.k_head_dim, src_es, dst_es);
@@ -152,6 +152,7 @@ void store_cache_cpu(TensorView k, TensorView v, TensorView k_cache, TensorView 
     vs.scale = p.v.scale_ptr ? *p.v.scale_ptr : p.v.scale;
   }
   write_all(p, ks, vs, buf.data(), m);
+  return store_cache::kDone;
 }
 
 }  // namespace

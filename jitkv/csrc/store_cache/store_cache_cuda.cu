@@ -6,8 +6,9 @@
 //   JITKV_K_HEAD_BYTES, JITKV_V_HEAD_BYTES  cache bytes per K / V head (head_dim * cache element size),
 //       multiples of 16, for caches and sources whose base addresses and strides are 16-byte aligned;
 //       0 and 0 select the any-alignment ("generic") build: any head size and alignment, vector width
-//       picked per call (16, 8, 4, 2 or 1 bytes). Python picks the build from the arguments
-//       (ops/store_cache.py, _cuda_variant); a 16-byte build refuses a less aligned call with ValueError.
+//       picked per call (16, 8, 4, 2 or 1 bytes). Python picks the build from the head bytes
+//       (ops/store_cache.py, _cuda_variant); a 16-byte build given a less aligned view returns
+//       kNeedsAnyAlignment before launching, and the op dispatches the any-alignment build.
 //   JITKV_SRC_DTYPE  0: plain byte copy (kv_cache_dtype "auto", any dtype); 1 bf16, 2 fp16, 3 fp32
 //       (sources quantized to fp8).
 //   JITKV_KV_DTYPE   the cache format's code (jitkv/layouts.py FP8_CODES; see store_cache.cuh).
@@ -68,7 +69,7 @@ int64_t common_alignment(std::initializer_list<int64_t> values) {
 }
 
 // Alignment of one side's cache and source. Strides of size-1 dims never enter an address, so they do
-// not count (ops/store_cache.py applies the same rule to choose the build).
+// not count.
 int64_t dst_alignment(const Side& s, int64_t heads, int64_t head_bytes) {
   const bool one_block = s.num_slots <= s.block_size;
   return common_alignment({reinterpret_cast<int64_t>(s.dst), head_bytes, one_block ? 0 : s.dst_stride_block,
@@ -108,11 +109,6 @@ void check_module(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_hea
     TVM_FFI_THROW(ValueError) << kOp << ": k_cache: this module was built for " << kKHeadBytes << "/"
                               << kVHeadBytes << " cache bytes per K/V head, got " << k_head_bytes << "/"
                               << v_head_bytes;
-  }
-  if (!kGeneric && vec != 16) {
-    TVM_FFI_THROW(ValueError) << kOp << ": k: an address or stride of k/v/k_cache/v_cache is only " << vec
-                              << "-byte aligned; this module needs 16 (the any-alignment build has "
-                              << "JITKV_K_HEAD_BYTES=0 and JITKV_V_HEAD_BYTES=0)";
   }
   const int64_t row_vecs = p.num_heads * std::max(k_head_bytes, v_head_bytes) / vec;
   if ((row_vecs + 31) / 32 > 65535) {  // grid.y = chunks of at least 32 vectors
@@ -176,17 +172,20 @@ cudaError_t launch(const StoreCacheParams& p, const DeviceInfo& info, cudaStream
                              dim3(32 * wpb), stream, kPdl && info.pdl(), p);
 }
 
-void store_cache(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache, TensorView slot_mapping,
-                 Optional<TensorView> loc_map, int64_t skip_slot, int64_t kv_cache_dtype,
-                 Optional<TensorView> k_scale, Optional<TensorView> v_scale, double k_scale_value,
-                 double v_scale_value) {
+// kNeedsAnyAlignment when this 16-byte build cannot address the view (an address or a used stride of
+// k/v/k_cache/v_cache that is not a multiple of 16 bytes), else kDone after the launch.
+int64_t store_cache(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache, TensorView slot_mapping,
+                    Optional<TensorView> loc_map, int64_t skip_slot, int64_t kv_cache_dtype,
+                    Optional<TensorView> k_scale, Optional<TensorView> v_scale, double k_scale_value,
+                    double v_scale_value) {
   StoreCacheParams p = parse_params(kOp, k, v, k_cache, v_cache, slot_mapping, loc_map, skip_slot, kv_cache_dtype,
                                     k_scale, v_scale, k_scale_value, v_scale_value);
   const int64_t cache_elem = p.kv_dtype == Fp8::kNone ? jitkv::elem_bytes(p.src_dtype) : 1;
   const int64_t k_head_bytes = p.k_head_dim * cache_elem, v_head_bytes = p.v_head_dim * cache_elem;
   const int vec = pick_vec(p, k_head_bytes, v_head_bytes);
   check_module(p, k_head_bytes, v_head_bytes, vec);
-  if (p.n == 0) return;
+  if (!kGeneric && vec != 16) return kNeedsAnyAlignment;
+  if (p.n == 0) return kDone;
   set_kernel_fields(p.k, p.num_heads, k_head_bytes, vec);
   set_kernel_fields(p.v, p.num_heads, v_head_bytes, vec);
   const int device = p.device.device_id;
@@ -201,9 +200,10 @@ void store_cache(TensorView k, TensorView v, TensorView k_cache, TensorView v_ca
           : vec == 2 ? launch<2>(p, info, stream)
                      : launch<1>(p, info, stream);
   } else {
-    err = launch<16>(p, info, stream);  // check_module refused any other width
+    err = launch<16>(p, info, stream);  // any other width returned kNeedsAnyAlignment above
   }
   jitkv::cuda::check_launch(kOp, err);
+  return kDone;
 }
 
 }  // namespace

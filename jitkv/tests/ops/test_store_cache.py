@@ -118,15 +118,15 @@ def test_cuda_variant_short_path_matches_any_layout(layout, cache_dtype, src_2d)
         k, v = k.view(n, h * dk), v.view(n, h * dv)
     kc = _cache(layout, 4, 16, h, dk, torch.bfloat16, "cpu").to(cache_dtype)
     vc = _cache(layout, 4, 16, h, dv, torch.bfloat16, "cpu").to(cache_dtype)
-    got = _cuda_variant(k, v, kc, vc, slots(64, n), "auto")[:2]
+    got = _cuda_variant(k, v, kc, vc, "auto")[:2]
     assert got == _head_bytes_any_layout(k, kc, v, vc)
     assert got == (dk * kc.element_size(), dv * vc.element_size())
 
 
 def _view(shape, strides, offset, dtype):
-    """A strided view into a fresh 64-byte aligned buffer, ``offset`` elements in."""
+    """A strided view of random values into a fresh 64-byte aligned buffer, ``offset`` elements in."""
     need = offset + sum((size - 1) * stride for size, stride in zip(shape, strides)) + 1
-    return torch.empty(need, dtype=dtype).as_strided(shape, strides, offset)
+    return rand((need,), dtype, "cuda").as_strided(shape, strides, offset)
 
 
 def _every_head_start_aligned(t, rows) -> bool:
@@ -156,32 +156,44 @@ ALIGNMENT_CASES = [
 ]
 
 
+@gpu
 @pytest.mark.parametrize("case", range(len(ALIGNMENT_CASES)))
 @pytest.mark.parametrize("n", [1, 5])
-def test_cuda_variant_alignment_is_every_address(case, n):
-    """The variant's alignment (chosen in Python, before the call) is ALIGNED exactly when every head
-    the kernels address starts on 16 bytes: checked address by address, for views the 16-byte build
-    takes and views it would refuse (then the any-alignment build, head bytes GENERIC)."""
-    from jitkv.ops.store_cache import ALIGNED, ANY_ALIGNMENT, GENERIC, _cuda_variant
+def test_16_byte_build_takes_exactly_the_aligned_views(case, n):
+    """The 16-byte build writes a call exactly when every head it addresses starts on 16 bytes
+    (checked address by address) and otherwise answers NEEDS_ANY_ALIGNMENT with nothing written; the
+    op then writes the reference's bytes through the any-alignment build."""
+    from jitkv.ops.store_cache import NEEDS_ANY_ALIGNMENT  # noqa: PLC0415
 
     k_strides, k_off, c_shape, c_strides, c_off = ALIGNMENT_CASES[case]
     h, d = c_shape[-2], c_shape[-1]
     k = _view((8, h, d), k_strides if h > 1 else (k_strides[0], d, 1), k_off, torch.bfloat16)
-    v = rand((8, h, d), torch.bfloat16)
-    kc, vc = _view(c_shape, c_strides, c_off, torch.bfloat16), rand(c_shape, torch.bfloat16)
+    v = rand((8, h, d), torch.bfloat16, "cuda")
+    kc, vc = _view(c_shape, c_strides, c_off, torch.bfloat16), rand(c_shape, torch.bfloat16, "cuda")
     rows = c_shape[0]
-    expect = all(_every_head_start_aligned(t, r) for t, r in ((k, n), (v, n), (kc, rows), (vc, rows)))
-    got = _cuda_variant(k, v, kc, vc, slots(64, n), "auto")
-    assert got == ((2 * d, 2 * d, 0, 0, ALIGNED) if expect else (*GENERIC, 0, 0, ANY_ALIGNMENT))
+    aligned = all(_every_head_start_aligned(t, r) for t, r in ((k, n), (v, n), (kc, rows), (vc, rows)))
+    sm = slots(math.prod(c_shape[:-2]), n, torch.int64, "cuda")
+    ref_k, ref_v = kc.clone(), vc.clone()
+    reference.store_cache(k, v, ref_k, ref_v, sm)
+    got_k, got_v = kc.clone(), vc.clone()
+    status = _module("auto", 2 * d)(*_binding_args(k, v, got_k, got_v, sm, {}))
+    if aligned:
+        assert status == 0
+        assert_bitwise(got_k, ref_k)
+    else:
+        assert status == NEEDS_ANY_ALIGNMENT
+        assert_bitwise(got_k, kc)
+        assert_bitwise(got_v, vc)
+        _run(k, v, kc, vc, sm, "jit")
 
 
 def test_cuda_variant_of_heads_not_16_byte_multiples():
     from jitkv.ops.store_cache import ANY_ALIGNMENT, GENERIC, _cuda_variant
 
     k, kc = rand((4, 2, 36), torch.bfloat16), rand((64, 2, 36), torch.bfloat16)
-    assert _cuda_variant(k, k, kc, kc, slots(64, 4), "auto") == (*GENERIC, 0, 0, ANY_ALIGNMENT)
+    assert _cuda_variant(k, k, kc, kc, "auto") == (*GENERIC, 0, 0, ANY_ALIGNMENT)
     kc8 = rand((64, 2, 36), torch.float8_e5m2)
-    assert _cuda_variant(k, k, kc8, kc8, slots(64, 4), "fp8_e5m2") == (*GENERIC, 1, 2, ANY_ALIGNMENT)
+    assert _cuda_variant(k, k, kc8, kc8, "fp8_e5m2") == (*GENERIC, 1, 2, ANY_ALIGNMENT)
 
 
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
@@ -600,9 +612,9 @@ def test_every_backend_same_bytes(kv_dtype, n):
 @gpu
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
 def test_misaligned_view_takes_the_generic_variant(kv_dtype):
-    """Rows of 16-byte multiples but a source only 2-byte aligned: the dispatcher picks the
-    any-alignment variant before the call (recorded in backend_info); an aligned call after it goes
-    back to the 16-byte build."""
+    """Rows of 16-byte multiples but a source only 2-byte aligned: the 16-byte build answers
+    NEEDS_ANY_ALIGNMENT and the op dispatches the any-alignment variant (recorded in backend_info);
+    an aligned call after it goes back to the 16-byte build."""
     from jitkv.ops import store_cache as op  # noqa: PLC0415
 
     op.reset()  # backend_info records a variant when it is resolved: start from none
@@ -643,18 +655,27 @@ def _module(kv_dtype, head_bytes, **spec_kw):
 
 @gpu
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
-def test_16_byte_build_refuses_a_misaligned_call(kv_dtype):
-    """Called directly with a view the dispatcher would not send it, the 16-byte build raises a
-    ValueError naming the alignment, before writing anything."""
+def test_16_byte_build_answers_a_misaligned_call(kv_dtype):
+    """Called directly with a view it cannot address, the 16-byte build returns NEEDS_ANY_ALIGNMENT
+    from both entry points and writes nothing (an fp8 build counts source bytes per cache byte)."""
+    from jitkv.jit import cuda_arch, get_function  # noqa: PLC0415
+    from jitkv.ops.store_cache import COPY_ENTRY, NEEDS_ANY_ALIGNMENT  # noqa: PLC0415
+
     n, h, d = 5, 8, 128
     k, v, kc, vc, kw = _kv_case(n, h, d, d, 64, "cuda", kv_dtype)
-    k = rand((n * h * d + 1,), torch.bfloat16, "cuda")[1:].view(n, h, d)
+    k = rand((n * h * d + 1,), torch.bfloat16, "cuda")[1:].view(n, h, d)  # 2-byte aligned base
     fn = _module(kv_dtype, d * kc.element_size())
-    before = kc.clone()
-    # the source is 2-byte aligned; an fp8 module counts source bytes per destination byte, so 1
-    with pytest.raises(ValueError, match="store_cache: k: an address or stride .* only [12]-byte aligned"):
-        fn(*_binding_args(k, v, kc, vc, slots(64, n, torch.int64, "cuda"), kw))
-    assert_bitwise(kc, before)
+    before_k, before_v = kc.clone(), vc.clone()
+    sm = slots(64, n, torch.int64, "cuda")
+    assert fn(*_binding_args(k, v, kc, vc, sm, kw)) == NEEDS_ANY_ALIGNMENT
+    if kv_dtype == "auto":
+        from jitkv.ops.store_cache import cuda_spec  # noqa: PLC0415
+
+        copy = get_function(cuda_spec(cuda_arch(torch.device("cuda")), 2 * d, 2 * d, 0, 0), COPY_ENTRY)
+        assert copy(k, v, kc, vc, sm, None, -1) == NEEDS_ANY_ALIGNMENT
+    torch.cuda.synchronize()
+    assert_bitwise(kc, before_k)
+    assert_bitwise(vc, before_v)
 
 
 @gpu
