@@ -38,3 +38,18 @@ def assert_bitwise(actual, expected):
 def slots(num_slots, n, dtype=torch.int64, device="cpu"):
     """n distinct random slots (unique: with duplicates the winner is unspecified)."""
     return torch.randperm(num_slots)[:n].to(dtype).to(device)
+
+
+# Scales around the CUDA fp8 writers' quick-division window (jitkv/cuda/fp8.cuh Divider: 2^-80 <= scale
+# < 2^100 divides without a per-value check): outside, on both edges, inside.
+QUICK_WINDOW_SCALES = [2.0**-81, 2.0**-80, 1.5 * 2.0**-80, 1e-20, 0.37, 1.0, 3e5, 1.9 * 2.0**99, 2.0**100, 1e30,
+                       2.0**127]
+
+
+def every_16_bit_value(dtype, width):
+    """Every bit pattern of a 16-bit float dtype (NaNs, infinities, subnormals, ±0 included), in rows of
+    ``width`` values, the last row filled from the start."""
+    bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    rows = -(-bits.numel() // width)
+    bits = torch.cat([bits, bits[: rows * width - bits.numel()]])
+    return bits.view(dtype).view(rows, width)

@@ -506,10 +506,11 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 #if defined(JITKV_DSMLA_BYTES)
 // ---- FP8 writers ----
-// stored = cvt.rn.satfinite(x / scale) with the correctly rounded fp32 quotient (cuda::Divider, or
-// __fdiv_rn for vectors with a value outside its exact window), then the hardware's round-to-nearest-even
-// conversion, which saturates finite overflow and +-inf to +-max (the bytes of clamp(-max, max) first)
-// and gives 0x7F for NaN: bit-equal to torch's (x.float() / scale).clamp(-max, max).to(float8) on the GPU.
+// stored = cvt.rn.satfinite(x / scale) with the correctly rounded fp32 quotient (cuda::Divider: quick
+// for every value when the scale lies in its window, __fdiv_rn otherwise), then the hardware's
+// round-to-nearest-even conversion, which saturates finite overflow and +-inf to +-max (the bytes of
+// clamp(-max, max) first) and gives 0x7F for NaN: bit-equal to torch's
+// (x.float() / scale).clamp(-max, max).to(float8) on the GPU.
 
 enum class Src16 : int { kBF16 = 1, kF16 = 2 };  // k_nope/k_rope dtype of an fp8 module (JitSpec src_dtype)
 
@@ -536,26 +537,7 @@ struct Src16Traits {
   }
 };
 
-// Largest magnitude (the low 15 bits) of a 16-byte vector's 8 values and, with kMin, the smallest
-// nonzero one (0x8000 when all are zero), by packed 16-bit max/min: a few instructions per word.
-struct VecMags {
-  uint32_t max, min_nonzero;
-};
-template <bool kMin>
-__device__ __forceinline__ VecMags vec_mags(const uint4& v) {
-  const uint32_t a = v.x & 0x7fff7fffu, b = v.y & 0x7fff7fffu, c = v.z & 0x7fff7fffu, d = v.w & 0x7fff7fffu;
-  const uint32_t mx = __vmaxu2(__vmaxu2(a, b), __vmaxu2(c, d));
-  VecMags m{max(mx >> 16, mx & 0xffffu), 0u};
-  if constexpr (kMin) {
-    // (m - 1) mod 2^15 in each half (no carry crosses halves): zeros become the largest.
-    const auto dec = [](uint32_t x) { return (x + 0x7fff7fffu) & 0x7fff7fffu; };
-    const uint32_t mn = __vminu2(__vminu2(dec(a), dec(b)), __vminu2(dec(c), dec(d)));
-    m.min_nonzero = min(mn >> 16, mn & 0xffffu) + 1;
-  }
-  return m;
-}
-
-// Largest magnitude of a vector's values leaving NaN out (fmaxf's rule), for the rare vector with a NaN.
+// Largest magnitude of a vector's values leaving NaN out (fmaxf's rule), one by one.
 template <Src16 kSrc>
 __device__ __forceinline__ uint32_t max_mag_no_nan(const uint4& v) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
@@ -567,28 +549,17 @@ __device__ __forceinline__ uint32_t max_mag_no_nan(const uint4& v) {
   return best;
 }
 
-// The 16-bit magnitudes whose quotient Divider::quick gets exactly: a vector takes it when every nonzero
-// magnitude m has lo <= m < hi.
+// Largest magnitude (a 16-bit pattern without its sign) of a 16-byte vector's 8 values, NaN left out
+// (fmaxf's rule): packed 16-bit max; a vector whose largest half is a NaN pattern (the carry of
+// adding 0x7fff - inf reaches the half's top bit) takes max_mag_no_nan.
 template <Src16 kSrc>
-struct QuickRange {
-  uint32_t lo, hi;
-  __device__ __forceinline__ explicit QuickRange(const cuda::Divider& d) {
-    if constexpr (kSrc == Src16::kBF16) {  // a bf16 magnitude is the fp32 biased exponent << 7 | 7 mantissa bits
-      lo = d.lo << 7;
-      hi = (d.lo + d.span) << 7;
-    } else {  // every finite nonzero fp16 value has an fp32 biased exponent in [103, 142]
-      lo = 0;
-      hi = d.lo <= 103 && d.lo + d.span > 142 ? 0x7c00u : 0u;
-    }
-  }
-  __device__ __forceinline__ bool fast(const VecMags& m) const {
-    if constexpr (kSrc == Src16::kBF16) {
-      return m.max < hi && m.min_nonzero >= lo;
-    } else {
-      return m.max < hi;
-    }
-  }
-};
+__device__ __forceinline__ uint32_t vec_amax_no_nan(const uint4& v) {
+  constexpr uint32_t kNanCarry = (0x7fffu - Src16Traits<kSrc>::kInf) * 0x10001u;
+  const uint32_t a = v.x & 0x7fff7fffu, b = v.y & 0x7fff7fffu, c = v.z & 0x7fff7fffu, d = v.w & 0x7fff7fffu;
+  const uint32_t mx = __vmaxu2(__vmaxu2(a, b), __vmaxu2(c, d));
+  if ((mx + kNanCarry) & 0x80008000u) return max_mag_no_nan<kSrc>(v);
+  return max(mx >> 16, mx & 0xffffu);
+}
 
 template <KvFormat kFmt>
 constexpr __nv_fp8_interpretation_t fp8_interp() {
@@ -602,25 +573,17 @@ __device__ __forceinline__ uint32_t fp8x4(float a, float b, float c, float d) {
   return lo | (hi << 16);
 }
 
-// The 8 fp8 bytes of a 16-byte source vector: x / scale through Divider::quick when `fast`, else __fdiv_rn.
-template <Src16 kSrc, KvFormat kFmt>
-__device__ __forceinline__ uint2 quantize_vec(const uint4& v, const cuda::Divider& d, bool fast) {
+// The 8 fp8 bytes of a 16-byte source vector: x / scale through Divider::quick (kQuick, the scale in its
+// window) or Divider::exact.
+template <Src16 kSrc, KvFormat kFmt, bool kQuick>
+__device__ __forceinline__ uint2 quantize_vec(const uint4& v, const cuda::Divider& d) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
   float q[8];
-  if (fast) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float2 x = Src16Traits<kSrc>::pair(w[k]);
-      q[2 * k] = d.quick(x.x);
-      q[2 * k + 1] = d.quick(x.y);
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float2 x = Src16Traits<kSrc>::pair(w[k]);
-      q[2 * k] = __fdiv_rn(x.x, d.s);
-      q[2 * k + 1] = __fdiv_rn(x.y, d.s);
-    }
+  for (int k = 0; k < 4; ++k) {
+    const float2 x = Src16Traits<kSrc>::pair(w[k]);
+    q[2 * k] = kQuick ? d.quick(x.x) : d.exact(x.x);
+    q[2 * k + 1] = kQuick ? d.quick(x.y) : d.exact(x.y);
   }
   return make_uint2(fp8x4<kFmt>(q[0], q[1], q[2], q[3]), fp8x4<kFmt>(q[4], q[5], q[6], q[7]));
 }
@@ -683,7 +646,8 @@ __device__ __forceinline__ float ds_mla_scale(uint32_t amax) {
 // latency pattern of set_mla_kv_buffer_latency_kernel with kRowWarps warps per row. Addresses before
 // the PDL wait; after it each warp issues its slot load, the per-tensor scale and all of its source
 // loads at once (padding rows' sources are read, never written), lets the next kernel launch, quantizes,
-// and stores if the slot is kept. fp8_ds_mla: a tile's amax is a redux.sync max over the warp of the
+// and stores if the slot is kept. One branch on the scale, none per value: the conversions of a lane's
+// vectors form one block of straight-line code the scheduler interleaves. fp8_ds_mla: a tile's amax is a redux.sync max over the warp of the
 // lanes' largest magnitudes (NaN left out, as vLLM's fmaxf does), its scale max(amax / 448, FLT_MIN);
 // lane 0 stores the warp's tile scales and the rope vectors are copied unchanged.
 template <KvFormat kFmt, Src16 kSrc, int kNopeBytes, int kRopeBytes, int kRowWarps, typename TLoc>
@@ -691,7 +655,6 @@ __global__ void __launch_bounds__(32 * 8)
     set_mla_kv_buffer_fp8_kernel(const __grid_constant__ MlaParams p) {
   using R = Fp8Row<kNopeBytes, kRopeBytes, kRowWarps>;
   constexpr bool kDs = kFmt == KvFormat::kDsMla;
-  constexpr bool kBF16 = kSrc == Src16::kBF16;
   const int lane = threadIdx.x & 31;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int64_t row = warp / kRowWarps;
@@ -729,35 +692,45 @@ __global__ void __launch_bounds__(32 * 8)
     static_assert(32 % kVecsPerTile == 0 && R::kNopeShare % 32 == 0, "whole tiles per register row");
     static_assert(DsMla::kScaleOffset % 16 == 0 && DsMla::kRopeOffset % 16 == 0, "16-byte aligned record parts");
     const int tile_in_reg = lane / kVecsPerTile;
-    VecMags m[R::kNopeIters];
     uint32_t part[kWarpTiles];
 #pragma unroll
     for (int i = 0; i < R::kNopeIters; ++i) {
-      m[i] = vec_mags<kBF16>(vn[i]);
-      const uint32_t a = m[i].max <= Src16Traits<kSrc>::kNanAbove ? m[i].max : max_mag_no_nan<kSrc>(vn[i]);
+      const uint32_t a = vec_amax_no_nan<kSrc>(vn[i]);
 #pragma unroll
       for (int h = 0; h < kTilesPerReg; ++h) part[i * kTilesPerReg + h] = tile_in_reg == h ? a : 0u;
     }
-    uint32_t amax[kWarpTiles];
 #pragma unroll
-    for (int t = 0; t < kWarpTiles; ++t) amax[t] = __reduce_max_sync(0xffffffffu, part[t]);
-#pragma unroll
-    for (int t = 0; t < kWarpTiles; ++t) tile_scale[t] = ds_mla_scale<kSrc>(amax[t]);
+    for (int t = 0; t < kWarpTiles; ++t) tile_scale[t] = ds_mla_scale<kSrc>(__reduce_max_sync(0xffffffffu, part[t]));
+    cuda::Divider d[R::kNopeIters];
+    bool quick = true;
 #pragma unroll
     for (int i = 0; i < R::kNopeIters; ++i) {
       float s = tile_scale[i * kTilesPerReg];
 #pragma unroll
       for (int h = 1; h < kTilesPerReg; ++h) s = tile_in_reg == h ? tile_scale[i * kTilesPerReg + h] : s;
-      const cuda::Divider d(s);
-      qn[i] = quantize_vec<kSrc, kFmt>(vn[i], d, QuickRange<kSrc>(d).fast(m[i]));
+      d[i] = cuda::Divider(s);
+      quick &= d[i].quick_exact;
+    }
+    if (quick) {  // every tile scale but those of tiles with amax below 2^-71
+#pragma unroll
+      for (int i = 0; i < R::kNopeIters; ++i) qn[i] = quantize_vec<kSrc, kFmt, true>(vn[i], d[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < R::kNopeIters; ++i) qn[i] = quantize_vec<kSrc, kFmt, false>(vn[i], d[i]);
     }
   } else {
     const cuda::Divider d(scale);
-    const QuickRange<kSrc> range(d);
+    if (d.quick_exact) {
 #pragma unroll
-    for (int i = 0; i < R::kNopeIters; ++i) qn[i] = quantize_vec<kSrc, kFmt>(vn[i], d, range.fast(vec_mags<kBF16>(vn[i])));
+      for (int i = 0; i < R::kNopeIters; ++i) qn[i] = quantize_vec<kSrc, kFmt, true>(vn[i], d);
 #pragma unroll
-    for (int i = 0; i < R::kRopeIters; ++i) qr[i] = quantize_vec<kSrc, kFmt>(vr[i], d, range.fast(vec_mags<kBF16>(vr[i])));
+      for (int i = 0; i < R::kRopeIters; ++i) qr[i] = quantize_vec<kSrc, kFmt, true>(vr[i], d);
+    } else {
+#pragma unroll
+      for (int i = 0; i < R::kNopeIters; ++i) qn[i] = quantize_vec<kSrc, kFmt, false>(vn[i], d);
+#pragma unroll
+      for (int i = 0; i < R::kRopeIters; ++i) qr[i] = quantize_vec<kSrc, kFmt, false>(vr[i], d);
+    }
   }
 
   // Padding (slot < 0) fails the unsigned range check; out-of-range slots are never written.

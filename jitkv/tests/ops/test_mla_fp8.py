@@ -12,7 +12,16 @@ import torch
 import jitkv
 from jitkv import reference
 from jitkv.layouts import DS_MLA_RECORD_BYTES
-from jitkv.tests.conftest import DEVICES, HAS_CUDA, assert_bitwise, gpu, rand, slots
+from jitkv.tests.conftest import (
+    DEVICES,
+    HAS_CUDA,
+    QUICK_WINDOW_SCALES,
+    assert_bitwise,
+    every_16_bit_value,
+    gpu,
+    rand,
+    slots,
+)
 
 BACKENDS = {"cpu": ["jit", "torch"], "cuda": ["jit", "triton", "torch"]}
 DEV_BACKENDS = [(d, b) for d in DEVICES for b in BACKENDS[d]]
@@ -435,6 +444,29 @@ def test_every_cuda_kernel_keeps_the_contract(kernel, pdl, fmt, src, n, idx_dtyp
     tensor_scale, value = (scale, -1.0) if isinstance(scale, torch.Tensor) else (None, -1.0 if scale is None else scale)
     fn(got, loc, k_nope, k_rope, 17, CODES[fmt], tensor_scale, value)
     assert_bitwise(got, ref)
+
+
+@gpu
+@pytest.mark.parametrize("kernel", ["split", "row"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("src", SRC_DTYPES)
+def test_every_16_bit_value_around_the_quick_division_window(kernel, fmt, src):
+    """The fast kernels divide without a per-value range check when the scale lies in the quick window
+    (jitkv/cuda/fp8.cuh Divider) and with __fdiv_rn otherwise: torch's bytes for every bf16/fp16 value
+    at scales outside, on the edges of and inside that window, as a float and as a device tensor."""
+    from jitkv.ops.mla import FORMATS as CODES  # noqa: PLC0415
+
+    fn = _fp8_module(fmt, src, kernel)
+    x = every_16_bit_value(src, 576).cuda()
+    n = x.shape[0]
+    buf = rand((n + 3, 576), torch.uint8, "cuda")
+    loc = torch.randperm(n + 3, device="cuda")[:n]
+    for i, scale in enumerate(QUICK_WINDOW_SCALES):
+        ref, got = buf.clone(), buf.clone()
+        reference.set_mla_kv_buffer_fp8(ref, loc, x[:, :512], x[:, 512:], kv_cache_dtype=fmt, scale=scale)
+        tensor_scale = torch.tensor([scale], device="cuda") if i % 2 else None
+        fn(got, loc, x[:, :512], x[:, 512:], -1, CODES[fmt], tensor_scale, -1.0 if i % 2 else scale)
+        assert_bitwise(got, ref)
 
 
 @gpu

@@ -12,7 +12,15 @@ import torch
 import jitkv
 from jitkv import reference
 from jitkv.layouts import FP8_MAX
-from jitkv.tests.conftest import DEVICES, assert_bitwise, gpu, rand, slots
+from jitkv.tests.conftest import (
+    DEVICES,
+    QUICK_WINDOW_SCALES,
+    assert_bitwise,
+    every_16_bit_value,
+    gpu,
+    rand,
+    slots,
+)
 
 BACKENDS = {"cpu": ["jit", "torch"], "cuda": ["jit", "triton", "torch"]}
 DEV_BACKENDS = [(d, b) for d in DEVICES for b in BACKENDS[d]]
@@ -175,16 +183,19 @@ def test_16_byte_build_takes_exactly_the_aligned_views(case, n):
     sm = slots(math.prod(c_shape[:-2]), n, torch.int64, "cuda")
     ref_k, ref_v = kc.clone(), vc.clone()
     reference.store_cache(k, v, ref_k, ref_v, sm)
-    got_k, got_v = kc.clone(), vc.clone()
+
+    def same_view(t):  # a copy of a cache with its layout (clone() would make it contiguous)
+        return _view(c_shape, t.stride(), t.storage_offset(), t.dtype).copy_(t)
+
+    got_k, got_v = same_view(kc), vc.clone()
     status = _module("auto", 2 * d)(*_binding_args(k, v, got_k, got_v, sm, {}))
-    if aligned:
-        assert status == 0
-        assert_bitwise(got_k, ref_k)
-    else:
-        assert status == NEEDS_ANY_ALIGNMENT
+    assert status == (0 if aligned else NEEDS_ANY_ALIGNMENT)
+    if not aligned:
         assert_bitwise(got_k, kc)
         assert_bitwise(got_v, vc)
-        _run(k, v, kc, vc, sm, "jit")
+        jitkv.store_cache(k, v, got_k, got_v, sm, backend="jit")
+    assert_bitwise(got_k, ref_k)
+    assert_bitwise(got_v, ref_v)
 
 
 def test_cuda_variant_of_heads_not_16_byte_multiples():
@@ -613,11 +624,10 @@ def test_every_backend_same_bytes(kv_dtype, n):
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
 def test_misaligned_view_takes_the_generic_variant(kv_dtype):
     """Rows of 16-byte multiples but a source only 2-byte aligned: the 16-byte build answers
-    NEEDS_ANY_ALIGNMENT and the op dispatches the any-alignment variant (recorded in backend_info);
-    an aligned call after it goes back to the 16-byte build."""
+    NEEDS_ANY_ALIGNMENT and the op dispatches the any-alignment variant; an aligned call takes the
+    16-byte build (backend_info records a variant when it is resolved, so each call starts from none)."""
     from jitkv.ops import store_cache as op  # noqa: PLC0415
 
-    op.reset()  # backend_info records a variant when it is resolved: start from none
     n, h, d = 37, 8, 128
     k, v, kc, vc, kw = _kv_case(n, h, d, d, 512, "cuda", kv_dtype)
     head_bytes = d * kc.element_size()
@@ -625,10 +635,12 @@ def test_misaligned_view_takes_the_generic_variant(kv_dtype):
     sm = slots(512, n, torch.int64, "cuda")
     sm[::5] = -1
     for backend in (None, "jit"):
+        op.reset()
         _run(k_odd, v, kc, vc, sm, backend, **kw)
         info = jitkv.backend_info("store_cache")["cuda:0"]
         assert info["backend"] == "jit" and info["alignment"].startswith("any"), info
         assert "k_head_bytes0_v_head_bytes0" in info["key"], info
+        op.reset()
         _run(k, v, kc, vc, sm, backend, **kw)
         info = jitkv.backend_info("store_cache")["cuda:0"]
         assert info["alignment"] == "16 bytes" and f"k_head_bytes{head_bytes}_v_head_bytes{head_bytes}" in info["key"], info
@@ -692,3 +704,36 @@ def test_kernels_without_pdl(kv_dtype, generic, n):
     _module(kv_dtype, 0 if generic else 128 * kc.element_size(), pdl=False)(*_binding_args(k, v, kc, vc, sm, kw))
     assert_bitwise(kc, ref_k)
     assert_bitwise(vc, ref_v)
+
+
+def _every_float32_binade(n_rows, width):
+    """float32 values with random mantissas over every binade (2^-149 ... 2^127), both signs, with ±0,
+    ±inf and NaN among them."""
+    exp = torch.randint(-149, 128, (n_rows, width)).double()
+    x = (torch.rand(n_rows, width, dtype=torch.float64) + 1) * torch.pow(2.0, exp)
+    x = torch.where(torch.rand(n_rows, width) < 0.5, -x, x).float()
+    x.view(-1)[:5] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan])
+    return x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_value_around_the_quick_division_window(device, kv_dtype, src):
+    """The CUDA latency kernels divide without a per-value range check when the scale lies in the
+    quick window (jitkv/cuda/fp8.cuh Divider) and with __fdiv_rn otherwise: the reference's bytes for
+    every bf16/fp16 value (float32: every binade) at scales outside, on the edges of and inside that
+    window, per side and per head (CPU too)."""
+    h, d = 8, 128
+    if src == torch.float32:
+        x = _every_float32_binade(64 * h, d).view(-1, h, d).to(device)
+    else:
+        x = every_16_bit_value(src, h * d).view(-1, h, d).to(device)
+    n = x.shape[0]
+    cache_dtype = torch.float8_e4m3fn if kv_dtype == "fp8_e4m3" else torch.float8_e5m2
+    kc, vc = rand((n + 7, h, d), cache_dtype, device), rand((n + 7, h, d), cache_dtype, device)
+    sm = slots(n + 7, n, torch.int64, device)
+    scales = QUICK_WINDOW_SCALES
+    for i, scale in enumerate(scales):
+        per_head = torch.tensor([scales[(i + j) % len(scales)] for j in range(h)], device=device)
+        _run(x, x.flip(0), kc, vc, sm, "jit", kv_cache_dtype=kv_dtype, k_scale=scale, v_scale=per_head)

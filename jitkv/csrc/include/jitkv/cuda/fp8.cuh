@@ -10,36 +10,38 @@
 namespace jitkv {
 namespace cuda {
 
-// Bit-identical to __fdiv_rn(x, s) but without a branch per element. __fdiv_rn's fast path is
-// r = rcp.approx(s) refined by one Newton step, q = x * r, q' = q + r * (x - q * s), exact wherever its
-// FCHK range check passes, else a slow subroutine. Here r is computed once; each element runs the
-// same arithmetic (the residual enters negated so that x = -0 keeps its sign), and a vector with any
-// element outside a conservative window (|x| and |x / s| within 2^+-100, or x = +-0) is redone with
-// __fdiv_rn. Scales outside [2^-100, 2^101) always take __fdiv_rn.
+// Division by one scale, for an fp8 conversion: quick(x) is __fdiv_rn's own fast path (r = rcp.approx(s)
+// refined by one Newton step, q = x * r, q' = q + r * (x - q * s), the residual entering negated so
+// that x = -0 keeps its sign) without its per-element range check and branch. __fdiv_rn's result is
+// the correctly rounded quotient wherever no intermediate over- or underflows; for a scale with
+// 2^-80 <= s < 2^100 (quick_exact) the other cases give the same fp8 byte:
+//  - |x * r| >= 2^128: q = +-inf and q' NaN; quick returns q, saturated to +-max like the true
+//    quotient (at least 2^127 in magnitude). x = +-inf likewise; x NaN stays NaN.
+//  - |x| < 2^-103 (the residual may round): |x / s| < 2^-23 and q' within a few ulps of it, both
+//    below half the smallest subnormal of e4m3 (2^-9) and e5m2 (2^-16): +-0 with x's sign.
+// Other scales take exact() (__fdiv_rn) for every element. The CUDA tests feed every bf16 and fp16
+// value through each writer at scales on both sides of the window.
 struct Divider {
+  static constexpr uint32_t kLoExp = 127 - 80, kSpan = 100 + 80;  // biased exponents of 2^-80 ... 2^99
+
   float s, r;
-  uint32_t lo, span;  // fast iff biased exponent of x - lo < span (unsigned), or x == +-0
+  bool quick_exact;
 
   Divider() = default;
   __device__ __forceinline__ explicit Divider(float scale) : s(scale) {
     float r0;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(scale));
     r = __fmaf_rn(r0, __fmaf_rn(r0, -scale, 1.0f), r0);
-    const int eb = int(__float_as_uint(scale) >> 23);  // scale > 0: no sign bit
-    const int lo_e = max(27, eb - 100), hi_e = min(227, eb + 100);
-    lo = uint32_t(lo_e);
-    span = (eb >= 27 && eb <= 227) ? uint32_t(hi_e - lo_e + 1) : 0u;
-  }
-
-  __device__ __forceinline__ bool fast(float x) const {
-    const uint32_t a = __float_as_uint(x) & 0x7fffffffu;
-    return (a >> 23) - lo < span || a == 0;
+    quick_exact = (__float_as_uint(scale) >> 23) - kLoExp < kSpan;  // scale > 0: no sign bit
   }
 
   __device__ __forceinline__ float quick(float x) const {
     const float q = __fmul_rn(x, r);
-    return __fmaf_rn(-r, __fmaf_rn(q, s, -x), q);
+    const float refined = __fmaf_rn(-r, __fmaf_rn(q, s, -x), q);
+    return fabsf(q) == __int_as_float(0x7f800000) ? q : refined;
   }
+
+  __device__ __forceinline__ float exact(float x) const { return __fdiv_rn(x, s); }
 };
 
 }  // namespace cuda
