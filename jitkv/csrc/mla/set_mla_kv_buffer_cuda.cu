@@ -106,14 +106,13 @@ constexpr int kBulkWarps = 2;     // warps per block of the bulk kernels: best o
 constexpr int kTwoRowsPerSm = 16;  // above this many rows per SM a bulk warp takes two rows per step
 
 // The latency kernel takes 16-byte aligned rows that fit in registers, at every n, in blocks of 4 warps
-// up to 8 rows per SM and 8 warps beyond (see the top of this file).
+// up to 8 rows per SM and 8 warps beyond (jitkv/cuda/launch.cuh latency_warps_per_block).
 bool latency_fits(const MlaParams& p) { return tunable<16>() && vector_path_vec_bytes(p) == 16; }
-int latency_warps(int64_t n, int sms) { return n <= 8 * static_cast<int64_t>(sms) ? 4 : 8; }
 
 template <typename TLoc>
 cudaError_t launch_latency(const MlaParams& p, const DeviceInfo& info, cudaStream_t stream) {
   if constexpr (tunable<16>()) {
-    const int warps = latency_warps(p.n, info.sms);
+    const int warps = jitkv::cuda::latency_warps_per_block(p.n, info.sms);
     const unsigned blocks = static_cast<unsigned>((p.n + warps - 1) / warps);
     return jitkv::cuda::launch(set_mla_kv_buffer_latency_kernel<kNope, kRope, TLoc>, dim3(blocks), dim3(32 * warps),
                                stream, kPdl && info.pdl(), p);
@@ -227,9 +226,12 @@ void set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView k_nope, 
 //    and row parts of whole 16-byte vectors: "split" gives each row two warps (half the conversion
 //    chain per warp, for a lone row's latency), "row" one warp (twice the bytes in flight per warp);
 //  - the generic kernel for anything else (any alignment, any row length).
-// Auto takes split up to 8 rows per SM and row beyond, in blocks of 8 warps: the copy's latency-kernel
-// bounds, NOT yet measured for fp8 on a GPU; python -m jitkv.benchmark --op set_mla_kv_buffer has the
-// "jit split / row / generic" rows that measure them.
+// Auto takes split up to 8 rows per SM and row beyond. Split runs in blocks of 4 warps, row in blocks
+// of 8. Measured on an NVIDIA H100, 512+64 bf16 -> e4m3, CUDA-graph replay (python -m jitkv.benchmark
+// --op set_mla_kv_buffer has the "jit split / row / generic" rows): split at n = 16 / 64 / 512 / 1024
+// 0.99 / 1.04 / 1.23 / 1.42 us in blocks of 4 warps, 1.06 / 1.09 / 1.43 / 1.58 in blocks of 8, 1.04 /
+// 1.13 / 2.00 / 3.28 in blocks of 1 (one SM converting 8 warps' rows is issue-bound; many one-warp
+// blocks cost more to schedule); row at n = 2048 1.86 us against split's 2.08.
 constexpr KvFormat kFormat = static_cast<KvFormat>(JITKV_KV_FORMAT);
 constexpr Src16 kSrc = static_cast<Src16>(JITKV_SRC_DTYPE);
 static_assert(JITKV_KV_FORMAT >= 1 && JITKV_KV_FORMAT <= 3, "JITKV_KV_FORMAT: 1 e4m3, 2 e5m2, 3 fp8_ds_mla");
@@ -239,7 +241,7 @@ constexpr Fp8Kernel kKernel = static_cast<Fp8Kernel>(JITKV_KERNEL);
 static_assert(JITKV_KERNEL >= 0 && JITKV_KERNEL <= 3, "JITKV_KERNEL: 0 auto, 1 split, 2 row, 3 generic");
 constexpr bool kFastBuilt = kNope % 16 == 0 && kRope % 16 == 0;
 constexpr bool kSplitBuilt = kFastBuilt && fp8_row_splits<kNope, kRope>();
-constexpr int kBlockWarps = 8;
+constexpr int kSplitBlockWarps = 4, kRowBlockWarps = 8;
 constexpr int kSplitRowsPerSm = 8;
 
 // Whether the fast kernel's vectors fit these tensors.
@@ -272,17 +274,18 @@ cudaError_t launch_fast(const MlaParams& p, const DeviceInfo& info, cudaStream_t
   if constexpr (!kFastBuilt || (kRowWarps == 2 && !kSplitBuilt)) {
     return cudaErrorInvalidValue;
   } else {
-    const auto blocks = static_cast<unsigned>((p.n * kRowWarps + kBlockWarps - 1) / kBlockWarps);
+    constexpr int wpb = kRowWarps == 2 ? kSplitBlockWarps : kRowBlockWarps;
+    const auto blocks = static_cast<unsigned>((p.n * kRowWarps + wpb - 1) / wpb);
     return jitkv::cuda::launch(set_mla_kv_buffer_fp8_kernel<kFormat, kSrc, kNope, kRope, kRowWarps, TLoc>,
-                               dim3(blocks), dim3(32 * kBlockWarps), stream, kPdl && info.pdl(), p);
+                               dim3(blocks), dim3(32 * wpb), stream, kPdl && info.pdl(), p);
   }
 }
 
 template <typename TLoc>
 cudaError_t launch_generic(const MlaParams& p, const DeviceInfo& info, cudaStream_t stream) {
-  const auto blocks = static_cast<unsigned>((p.n + kBlockWarps - 1) / kBlockWarps);
+  const auto blocks = static_cast<unsigned>((p.n + kRowBlockWarps - 1) / kRowBlockWarps);
   return jitkv::cuda::launch(set_mla_kv_buffer_fp8_generic_kernel<kFormat, kSrc, kNope, kRope, TLoc>, dim3(blocks),
-                             dim3(32 * kBlockWarps), stream, kPdl && info.pdl(), p);
+                             dim3(32 * kRowBlockWarps), stream, kPdl && info.pdl(), p);
 }
 
 template <typename TLoc>

@@ -13,8 +13,9 @@
 //       (sources quantized to fp8).
 //   JITKV_KV_DTYPE   the cache format's code (jitkv/layouts.py FP8_CODES; see store_cache.cuh).
 //   JITKV_PDL        0 launches without programmatic dependent launch (tests).
-// Launch shape: one warp per (token, chunk[, side]); 1, 2, 4 or 8 warps per block so that small n
-// spreads over SMs and large n fills them. Each build holds two kernels (store_cache.cuh): the latency
+// Launch shape: one warp per (token, chunk[, side]); the latency kernel in blocks of 4 or 8 warps
+// (jitkv/cuda/launch.cuh latency_warps_per_block), the bulk kernel in blocks of 1, 2, 4 or 8 warps so
+// that its grid spreads over the SMs first. Each build holds two kernels (store_cache.cuh): the latency
 // kernel while its warps per token side fit in kLatencyWarpsPerSM per SM, the bulk kernel beyond.
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
@@ -165,9 +166,10 @@ cudaError_t launch(const StoreCacheParams& p, const DeviceInfo& info, cudaStream
   const bool bulk = p.n * chunks_per_token(p, false) > kLatencyWarpsPerSM * info.sms;
   const bool per_head = p.k.scale_stride != 0 || p.v.scale_stride != 0;
   const int64_t chunks = chunks_per_token(p, bulk);
-  const int wpb = jitkv::cuda::spread_warps_per_block(p.n * chunks, info.sms, kMaxWarpsPerBlock);
-  const dim3 grid(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks),
-                  split_sides(kFp8, kKHeadBytes, kVHeadBytes, bulk) ? 2u : 1u);
+  const unsigned sides = split_sides(kFp8, kKHeadBytes, kVHeadBytes, bulk) ? 2u : 1u;
+  const int wpb = bulk ? jitkv::cuda::spread_warps_per_block(p.n * chunks, info.sms, kMaxWarpsPerBlock)
+                       : jitkv::cuda::latency_warps_per_block(p.n * chunks * sides, info.sms);
+  const dim3 grid(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks), sides);
   return jitkv::cuda::launch(bulk ? kernel<kVec, true>(per_head) : kernel<kVec, false>(per_head), grid,
                              dim3(32 * wpb), stream, kPdl && info.pdl(), p);
 }

@@ -104,6 +104,14 @@ inline int spread_warps_per_block(int64_t warps, int sms, int max_warps = 8) {
   return w;
 }
 
+// Warps per block of a latency kernel (its warps each load, maybe convert, and store one short
+// piece): 4 while the grid has at most 8 warps per SM, 8 beyond. Measured on an NVIDIA H100 under
+// CUDA-graph replay (python -m jitkv.benchmark --op set_mla_kv_buffer / --op store_cache): against one
+// warp per block while the SMs have room (spread_warps_per_block), store_cache H8 D128 bf16 at n = 16
+// / 64 / 256 1.04 / 1.12 / 1.46 us against 1.08 / 1.16 / 1.51, the MLA row copy 0.02-0.06 us faster at
+// n <= 256; 8 per block from 8 warps per SM on (MLA n = 2048: 2.37 against 2.48 us with 4).
+inline int latency_warps_per_block(int64_t warps, int sms) { return warps <= 8 * static_cast<int64_t>(sms) ? 4 : 8; }
+
 // Raises RuntimeError "<op>: kernel launch failed: <CUDA's reason>" when a launch failed.
 inline void check_launch(const char* op, cudaError_t err) {
   if (err != cudaSuccess) {
