@@ -408,10 +408,11 @@ def mla_gather_rows(bw: float, floor_us: float) -> list[Row]:
     return rows
 
 
-def host_overhead_rows(calls=2000, batches=9) -> list[Row]:
-    """Eager host cost per call at n = 1: the best of ``batches`` batches of ``calls`` back-to-back
-    calls, never synchronizing in between (the GPU queue never drains, so no batch waits on it and
-    none pays a cold start), each op on its own in the same process."""
+def host_overhead_rows(calls=1000, rounds=25) -> list[Row]:
+    """Eager host cost per call at n = 1: each op's best batch of ``calls`` back-to-back calls over
+    ``rounds`` rounds that take every op in turn (a host whose speed drifts between seconds slows every
+    op of a round alike), never synchronizing in between (the GPU queue never drains, so no batch
+    waits on it and none pays a cold start)."""
     import time  # noqa: PLC0415
 
     buf = torch.empty(4096, 576, dtype=torch.bfloat16, device="cuda")
@@ -431,17 +432,16 @@ def host_overhead_rows(calls=2000, batches=9) -> list[Row]:
         "store_cache (bare tvm-ffi binding)": lambda: raw_sc(k, k, kc, kc, loc, None, -1),
         "torch index (MLA)": lambda: buf.__setitem__((loc, slice(0, 512)), nope),
     }
-    rows = []
-    for name, fn in ops.items():
+    best = dict.fromkeys(ops, float("inf"))
+    for fn in ops.values():
         for _ in range(200):
             fn()
-        best = float("inf")
-        for _ in range(batches):
+    for _ in range(rounds):
+        for name, fn in ops.items():
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
-            best = min(best, (time.perf_counter() - t0) / calls)
-        torch.cuda.synchronize()
-        rows.append(Row(name, "eager host cost per call", 1, "torch" if name.startswith("torch") else "jitkv",
-                        best * 1e6, 0))
-    return rows
+            best[name] = min(best[name], (time.perf_counter() - t0) / calls)
+    torch.cuda.synchronize()
+    return [Row(name, "eager host cost per call", 1, "torch" if name.startswith("torch") else "jitkv", us * 1e6, 0)
+            for name, us in best.items()]
