@@ -37,6 +37,7 @@
 
 #include <cfloat>
 #include <cstring>
+#include <type_traits>
 
 #include "jitkv/cuda/fp8.cuh"
 #include "jitkv/cuda/launch.cuh"
@@ -647,9 +648,10 @@ __device__ __forceinline__ float ds_mla_scale(uint32_t amax) {
 // the PDL wait; after it each warp issues its slot load, the per-tensor scale and all of its source
 // loads at once (padding rows' sources are read, never written), lets the next kernel launch, quantizes,
 // and stores if the slot is kept. One branch on the scale, none per value: the conversions of a lane's
-// vectors form one block of straight-line code the scheduler interleaves. fp8_ds_mla: a tile's amax is a redux.sync max over the warp of the
-// lanes' largest magnitudes (NaN left out, as vLLM's fmaxf does), its scale max(amax / 448, FLT_MIN);
-// lane 0 stores the warp's tile scales and the rope vectors are copied unchanged.
+// vectors form one block of straight-line code the scheduler interleaves. fp8_ds_mla: a tile's amax is
+// a redux.sync max over the warp of the lanes' largest magnitudes (NaN left out, as vLLM's fmaxf does),
+// its scale max(amax / 448, FLT_MIN); lane 0 stores the warp's tile scales and the rope vectors are
+// copied unchanged.
 template <KvFormat kFmt, Src16 kSrc, int kNopeBytes, int kRopeBytes, int kRowWarps, typename TLoc>
 __global__ void __launch_bounds__(32 * 8)
     set_mla_kv_buffer_fp8_kernel(const __grid_constant__ MlaParams p) {
@@ -711,25 +713,27 @@ __global__ void __launch_bounds__(32 * 8)
       d[i] = cuda::Divider(s);
       quick &= d[i].quick_exact;
     }
+    const auto convert = [&](auto quick) {
+#pragma unroll
+      for (int i = 0; i < R::kNopeIters; ++i) qn[i] = quantize_vec<kSrc, kFmt, decltype(quick)::value>(vn[i], d[i]);
+    };
     if (quick) {  // every tile scale but those of tiles with amax below 2^-71
-#pragma unroll
-      for (int i = 0; i < R::kNopeIters; ++i) qn[i] = quantize_vec<kSrc, kFmt, true>(vn[i], d[i]);
+      convert(std::true_type{});
     } else {
-#pragma unroll
-      for (int i = 0; i < R::kNopeIters; ++i) qn[i] = quantize_vec<kSrc, kFmt, false>(vn[i], d[i]);
+      convert(std::false_type{});
     }
   } else {
     const cuda::Divider d(scale);
+    const auto convert = [&](auto quick) {
+#pragma unroll
+      for (int i = 0; i < R::kNopeIters; ++i) qn[i] = quantize_vec<kSrc, kFmt, decltype(quick)::value>(vn[i], d);
+#pragma unroll
+      for (int i = 0; i < R::kRopeIters; ++i) qr[i] = quantize_vec<kSrc, kFmt, decltype(quick)::value>(vr[i], d);
+    };
     if (d.quick_exact) {
-#pragma unroll
-      for (int i = 0; i < R::kNopeIters; ++i) qn[i] = quantize_vec<kSrc, kFmt, true>(vn[i], d);
-#pragma unroll
-      for (int i = 0; i < R::kRopeIters; ++i) qr[i] = quantize_vec<kSrc, kFmt, true>(vr[i], d);
+      convert(std::true_type{});
     } else {
-#pragma unroll
-      for (int i = 0; i < R::kNopeIters; ++i) qn[i] = quantize_vec<kSrc, kFmt, false>(vn[i], d);
-#pragma unroll
-      for (int i = 0; i < R::kRopeIters; ++i) qr[i] = quantize_vec<kSrc, kFmt, false>(vr[i], d);
+      convert(std::false_type{});
     }
   }
 
