@@ -14,6 +14,9 @@ os.environ.setdefault("JITKV_CACHE_DIR", tempfile.mkdtemp(prefix="jitkv-test-cac
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+# The backends of an op with a CPU C++ kernel, per device, and every (device, backend) pair present.
+BACKENDS = {"cpu": ["jit", "torch"], "cuda": ["jit", "triton", "torch"]}
+DEV_BACKENDS = [(d, b) for d in DEVICES for b in BACKENDS[d]]
 
 
 def rand(shape, dtype, device="cpu", gen=None):

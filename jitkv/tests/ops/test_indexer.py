@@ -11,10 +11,8 @@ import torch
 import jitkv
 from jitkv import INDEXER_K_CACHE as L
 from jitkv import reference
-from jitkv.tests.conftest import DEVICES, assert_bitwise, gpu, rand, slots
+from jitkv.tests.conftest import BACKENDS, DEV_BACKENDS, assert_bitwise, gpu, rand, slots
 
-BACKENDS = {"cpu": ["jit", "torch"], "cuda": ["jit", "triton", "torch"]}
-DEV_BACKENDS = [(d, b) for d in DEVICES for b in BACKENDS[d]]
 WRITE_OP, GATHER_OP = "indexer_k_quant_and_cache", "gather_indexer_k_quant_cache"
 WRITE, GATHER = jitkv.indexer_k_quant_and_cache, jitkv.gather_indexer_k_quant_cache
 NUM_BLOCKS = {64: 8, 3: 100}  # 512 / 300 slots

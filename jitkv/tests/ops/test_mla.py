@@ -7,10 +7,8 @@ import torch
 
 import jitkv
 from jitkv import reference
-from jitkv.tests.conftest import DEVICES, HAS_CUDA, assert_bitwise, gpu, rand, slots
+from jitkv.tests.conftest import BACKENDS, DEV_BACKENDS, HAS_CUDA, assert_bitwise, gpu, rand, slots
 
-BACKENDS = {"cpu": ["jit", "torch"], "cuda": ["jit", "triton", "torch"]}
-DEV_BACKENDS = [(d, b) for d in DEVICES for b in BACKENDS[d]]
 SHAPES = [(torch.bfloat16, 512, 64), (torch.float16, 512, 64), (torch.bfloat16, 512, 32), (torch.float16, 256, 64),
           (torch.bfloat16, 128, 64), (torch.uint8, 528, 128), (torch.float8_e4m3fn, 512, 64)]
 

@@ -13,7 +13,8 @@ import jitkv
 from jitkv import reference
 from jitkv.layouts import DS_MLA_RECORD_BYTES
 from jitkv.tests.conftest import (
-    DEVICES,
+    BACKENDS,
+    DEV_BACKENDS,
     HAS_CUDA,
     QUICK_WINDOW_SCALES,
     assert_bitwise,
@@ -23,8 +24,6 @@ from jitkv.tests.conftest import (
     slots,
 )
 
-BACKENDS = {"cpu": ["jit", "torch"], "cuda": ["jit", "triton", "torch"]}
-DEV_BACKENDS = [(d, b) for d in DEVICES for b in BACKENDS[d]]
 # (kv_cache_dtype, buffer dtype): every buffer dtype each format writes.
 FORMATS = [("fp8_e4m3", torch.float8_e4m3fn), ("fp8", torch.uint8), ("fp8_e5m2", torch.float8_e5m2),
            ("fp8_e5m2", torch.uint8), ("fp8_ds_mla", torch.uint8)]

@@ -11,11 +11,9 @@ import torch
 import jitkv
 from jitkv import reference
 from jitkv.layouts import DS_MLA_NOPE, DS_MLA_RECORD_BYTES, DS_MLA_ROPE, DS_MLA_ROPE_OFFSET, DS_MLA_SCALE_OFFSET, DS_MLA_TILE
-from jitkv.tests.conftest import DEVICES, HAS_CUDA, assert_bitwise, gpu, rand
+from jitkv.tests.conftest import BACKENDS, DEV_BACKENDS, HAS_CUDA, assert_bitwise, gpu, rand
 
 OP = "gather_mla_cache"
-BACKENDS = {"cpu": ["jit", "torch"], "cuda": ["jit", "triton", "torch"]}
-DEV_BACKENDS = [(d, b) for d in DEVICES for b in BACKENDS[d]]
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # (kv_cache_dtype, cache dtype, cache entry width W): out is bf16 [T, 576] for the fp8 formats, else
 # the cache's dtype and width.

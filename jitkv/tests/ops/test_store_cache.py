@@ -13,7 +13,9 @@ import jitkv
 from jitkv import reference
 from jitkv.layouts import FP8_MAX
 from jitkv.tests.conftest import (
+    BACKENDS,
     DEVICES,
+    DEV_BACKENDS,
     QUICK_WINDOW_SCALES,
     assert_bitwise,
     every_16_bit_value,
@@ -22,8 +24,6 @@ from jitkv.tests.conftest import (
     slots,
 )
 
-BACKENDS = {"cpu": ["jit", "torch"], "cuda": ["jit", "triton", "torch"]}
-DEV_BACKENDS = [(d, b) for d in DEVICES for b in BACKENDS[d]]
 NUM_SLOTS = 1024
 
 
