@@ -19,8 +19,8 @@ __global__ void latency_floor_kernel(const int64_t* loc, const uint4* src, char*
                                      int64_t num_rows) {
   if (threadIdx.x != 0) return;
   jitkv::cuda::pdl_wait();
-  const int64_t slot = __ldg(loc);
-  const uint4 v = __ldg(src);
+  const int64_t slot = jitkv::cuda::load(loc);
+  const uint4 v = jitkv::cuda::load(src);
   jitkv::cuda::pdl_launch_dependents();
   if (slot >= 0 && slot < num_rows) *reinterpret_cast<uint4*>(dst + slot * row_bytes) = v;
 }

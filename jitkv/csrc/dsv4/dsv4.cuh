@@ -163,7 +163,7 @@ __device__ __forceinline__ uint2 ld_v2(const void* p, bool pred) {
   uint2 v;
   asm volatile(
       "{.reg .pred p; setp.ne.b32 p, %3, 0; mov.b32 %0, 0; mov.b32 %1, 0;\n"
-      "@p ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];}"
+      "@p ld.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];}"
       : "=r"(v.x), "=r"(v.y) : "l"(p), "r"(int(pred)));
   return v;
 }
@@ -172,7 +172,7 @@ __device__ __forceinline__ uint4 ld_v4(const void* p, bool pred) {
   uint4 v;
   asm volatile(
       "{.reg .pred p; setp.ne.b32 p, %5, 0; mov.b32 %0, 0; mov.b32 %1, 0; mov.b32 %2, 0; mov.b32 %3, 0;\n"
-      "@p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];}"
+      "@p ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];}"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "r"(int(pred)));
   return v;
 }
@@ -181,7 +181,7 @@ __device__ __forceinline__ int32_t ld_s32(const int32_t* p, bool pred, int32_t f
   int32_t v;
   asm volatile(
       "{.reg .pred p; setp.ne.b32 p, %2, 0; mov.b32 %0, %3;\n"
-      "@p ld.global.nc.s32 %0, [%1];}"
+      "@p ld.global.s32 %0, [%1];}"
       : "=r"(v) : "l"(p), "r"(int(pred)), "r"(fallback));
   return v;
 }
@@ -270,26 +270,36 @@ __device__ __forceinline__ void quantize_token(uint4 xa, uint4 xb, uint8_t* dst,
 
 template <typename IdxT>
 __global__ void __launch_bounds__(kWriteWarps * 32) dsv4_quant_insert_kernel(const __grid_constant__ WriteParams p) {
-  jitkv::cuda::warm_params(p);
   const int lane = threadIdx.x & 31;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kWriteTok;
+  // Addresses first (they read only the parameter block), pinned ahead of warm_params' branch: else the
+  // compiler computes them after the wait, between the wait and the loads.
+  const bool has_slot = lane < kWriteTok && first + lane < p.n;
+  const IdxT* slot_at = static_cast<const IdxT*>(p.slots) + first + lane;
+  const uint16_t* src[kWriteTok];
+#pragma unroll
+  for (int t = 0; t < kWriteTok; ++t) {
+    src[t] = p.k + (first + t) * p.k_stride + 8 * lane;
+    asm volatile("" : "+l"(src[t]));
+  }
+  asm volatile("" : "+l"(slot_at));
+  jitkv::cuda::warm_params(p, p.n);
   jitkv::cuda::pdl_wait();  // k and the slots may come from the previous kernel
 
   // Lane t < kWriteTok loads the slot of token first + t (-1: skip the token). The rows of every
   // token < n are loaded at the same time (padding rows' sources exist; they are never written): one
   // memory round trip from the PDL wait to the first conversion.
   int64_t slot = -1;
-  if (lane < kWriteTok && first + lane < p.n) {
-    const int64_t s = static_cast<int64_t>(__ldg(static_cast<const IdxT*>(p.slots) + first + lane));
+  if (has_slot) {
+    const int64_t s = static_cast<int64_t>(cuda::load(slot_at));
     if (s >= 0 && s < p.num_slots) slot = s;
   }
   uint4 xa[kWriteTok], xb[kWriteTok];
 #pragma unroll
   for (int t = 0; t < kWriteTok; ++t) {  // all rows in flight before the first conversion
     const bool real = first + t < p.n;
-    const uint16_t* src = p.k + (first + t) * p.k_stride;
-    xa[t] = ld_v4(src + 8 * lane, real);
-    xb[t] = ld_v4(src + 256 + 8 * lane, real);
+    xa[t] = ld_v4(src[t], real);
+    xb[t] = ld_v4(src[t] + 256, real);
   }
   jitkv::cuda::pdl_launch_dependents();  // after the loads (see set_mla_kv_buffer.cuh)
   // Block and row (a 64-bit division) while the rows are in flight, not before their loads.
@@ -409,7 +419,7 @@ __device__ __forceinline__ void gather_tokens(const GatherParams& p, int64_t r, 
 }
 
 __global__ void __launch_bounds__(kGatherWarps * 32, kGatherMinCtas) dsv4_gather_kernel(const __grid_constant__ GatherParams p) {
-  jitkv::cuda::warm_params(p);
+  jitkv::cuda::warm_params(p, p.rows);
   jitkv::cuda::pdl_wait();  // the cache, seq_lens and block table may come from the previous kernel
   jitkv::cuda::pdl_launch_dependents();
   constexpr int kTile = kGatherWarps * kGatherTok;

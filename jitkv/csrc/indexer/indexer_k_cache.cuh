@@ -310,7 +310,7 @@ __device__ __forceinline__ uint2 quantize8(uint4 x, float scale) {
 // kept token's 16 lanes store 8 bytes each (one 128-byte line) while lane 0 stores the scale.
 template <bool kF16, typename TIdx>
 __global__ void __launch_bounds__(256) indexer_write_kernel(const __grid_constant__ WriteParams p) {
-  cuda::warm_params(p);
+  cuda::warm_params(p, p.n);
   const int lane = threadIdx.x & 31, hl = lane & 15;
   const int64_t pair = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (2 * pair >= p.n) return;  // the whole warp: no shuffle is left waiting
@@ -321,8 +321,8 @@ __global__ void __launch_bounds__(256) indexer_write_kernel(const __grid_constan
   int64_t slot = -1;
   uint4 x = make_uint4(0u, 0u, 0u, 0u);
   if (real) {
-    slot = static_cast<int64_t>(__ldg(static_cast<const TIdx*>(p.slots) + token));
-    x = __ldg(reinterpret_cast<const uint4*>(src));
+    slot = static_cast<int64_t>(cuda::load(static_cast<const TIdx*>(p.slots) + token));
+    x = cuda::load(reinterpret_cast<const uint4*>(src));
   }
   cuda::pdl_launch_dependents();  // after the loads, as set_mla_kv_buffer's latency kernel
   // Slot < 0 fails the unsigned range check; out-of-range slots are never written.
@@ -356,7 +356,7 @@ __global__ void __launch_bounds__(256) indexer_write_kernel(const __grid_constan
 // 16 bytes; lane 0 of the 8 copies the scale. Zero bytes for an invalid block; rows no request covers
 // are left alone.
 __global__ void __launch_bounds__(kGatherWarps * 32) indexer_gather_kernel(const __grid_constant__ GatherParams p) {
-  cuda::warm_params(p);
+  cuda::warm_params(p, p.num_tokens);
   const int lane = threadIdx.x & 31, sub = lane % kGatherLanes;
   const int64_t t = (static_cast<int64_t>(blockIdx.x) * kGatherWarps + (threadIdx.x >> 5)) * (32 / kGatherLanes) +
                     lane / kGatherLanes;
@@ -366,18 +366,18 @@ __global__ void __launch_bounds__(kGatherWarps * 32) indexer_gather_kernel(const
   cuda::pdl_launch_dependents();
   if (t >= p.num_tokens) return;
   int64_t start;
-  const int64_t b = request_of(t, p.batch, [&](int64_t i) { return static_cast<int64_t>(__ldg(p.cu_seq_lens + i)); },
+  const int64_t b = request_of(t, p.batch, [&](int64_t i) { return static_cast<int64_t>(cuda::load(p.cu_seq_lens + i)); },
                                start);
   if (b < 0) return;
   const int64_t i = t - start, j = i / p.block_size;
-  const int64_t phys = j < p.max_blocks ? static_cast<int64_t>(__ldg(p.block_table + b * p.bt_row_stride + j)) : -1;
+  const int64_t phys = j < p.max_blocks ? static_cast<int64_t>(cuda::load(p.block_table + b * p.bt_row_stride + j)) : -1;
   uint4 data = make_uint4(0u, 0u, 0u, 0u);
   uint32_t scale = 0;
   if (phys >= 0 && phys < p.num_blocks) {
     const char* block = p.cache + phys * p.block_stride;
     const int64_t pos = i - j * p.block_size;
-    data = __ldg(reinterpret_cast<const uint4*>(block + pos * kHeadDim + sub * 16));
-    if (sub == 0) scale = __ldg(reinterpret_cast<const unsigned*>(block + p.block_size * kHeadDim + pos * kScaleBytes));
+    data = cuda::load(reinterpret_cast<const uint4*>(block + pos * kHeadDim + sub * 16));
+    if (sub == 0) scale = cuda::load(reinterpret_cast<const unsigned*>(block + p.block_size * kHeadDim + pos * kScaleBytes));
   }
   *reinterpret_cast<uint4*>(dst_k) = data;
   if (sub == 0) *reinterpret_cast<uint32_t*>(dst_scale) = scale;

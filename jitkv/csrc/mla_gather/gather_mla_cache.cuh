@@ -250,7 +250,7 @@ constexpr int64_t kZeroRow = -1;     // entry_offset: written as zeros
 
 JITKV_HD inline int64_t load_index(const void* p, int64_t i, bool i64) {
 #if defined(__CUDA_ARCH__)
-  return i64 ? __ldg(static_cast<const int64_t*>(p) + i) : static_cast<int64_t>(__ldg(static_cast<const int32_t*>(p) + i));
+  return i64 ? cuda::load(static_cast<const int64_t*>(p) + i) : static_cast<int64_t>(cuda::load(static_cast<const int32_t*>(p) + i));
 #else
   return i64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 #endif
@@ -428,13 +428,13 @@ template <int kFormat, int kOutBytes>
 __global__ void __launch_bounds__(kWarps * 32) gather_mla_cache_kernel(const __grid_constant__ GatherParams p) {
   static_assert(kTok <= 32, "one lane resolves each row of a warp");
   using Row = RowRegs<kFormat, kOutBytes>;
-  cuda::warm_params(p);
+  cuda::warm_params(p, p.rows);
   cuda::pdl_wait();  // the cache, the index tensors and the scale may come from the previous kernel
   cuda::pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   float scale = 1.0f;
-  if constexpr (kFormat == kFp8E4M3 || kFormat == kFp8E5M2) scale = p.scale_ptr ? __ldg(p.scale_ptr) : p.scale_value;
+  if constexpr (kFormat == kFp8E4M3 || kFormat == kFp8E5M2) scale = p.scale_ptr ? cuda::load(p.scale_ptr) : p.scale_value;
   const int64_t step = static_cast<int64_t>(gridDim.x) * kWarps * kTok;
   for (int64_t t0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * kTok; t0 < p.rows; t0 += step) {
     int64_t mine = kNotWritten;

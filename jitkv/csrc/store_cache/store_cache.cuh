@@ -1,9 +1,9 @@
 // store_cache: scatter K and V rows of n tokens into flat / paged-NHD / paged-HND caches, copying bytes
 // ("auto") or quantizing bf16/fp16/fp32 to FP8 on the way (docs/design.md §2-§4).
 //
-// The family's one parameter block (StoreCacheParams) and its argument parser, shared by the CUDA
-// binding (store_cache_cuda.cu) and the CPU binding (store_cache_cpu.cpp, which sees only this host
-// part), then the CUDA kernels (compiled by nvcc only).
+// The family's parameter block (StoreCacheParams; the kernels get its StoreCacheArgs part) and its
+// argument parser, shared by the CUDA binding (store_cache_cuda.cu) and the CPU binding
+// (store_cache_cpu.cpp, which sees only this host part), then the CUDA kernels (compiled by nvcc only).
 //
 // Arguments. k, v: [n', H, D] or [n', H*D], n' >= n = slot_mapping.numel(). Caches: flat [S, H, D] /
 // [S, H*D] or paged [num_blocks, block_size, H, D] (logical shape; an HND cache arrives as a permuted
@@ -68,14 +68,18 @@ struct Side {
   int32_t scale_stride;         // elements from one head's scale to the next: 0 for one scale for all heads
 };
 
-// The kernels read the fields up to same_blocks; the rest is for the host.
-struct StoreCacheParams {
+// What the kernels read and all of their parameter block (every 64-byte line of it is warmed before
+// the PDL wait: jitkv/cuda/launch.cuh warm_params); StoreCacheParams adds what only the host needs.
+struct StoreCacheArgs {
   Side k, v;
   const void* slots;
   const void* loc_map;  // nullptr: no translation
   int64_t loc_map_size, n, skip_slot;
   int32_t slot_i64, loc_i64;
   int32_t same_blocks;  // 1: K and V caches have the same block size (a slot's block and row agree)
+};
+
+struct StoreCacheParams : StoreCacheArgs {
   int64_t num_heads, k_head_dim, v_head_dim;  // elements per head
   DLDataType src_dtype;                       // dtype of k and v
   Fp8 kv_dtype;
@@ -414,18 +418,18 @@ __device__ __forceinline__ Pack<N> load_pack(const char* p) {
   if constexpr (N >= 16) {
 #pragma unroll
     for (int i = 0; i < N / 16; ++i) {
-      const uint4 q = __ldg(reinterpret_cast<const uint4*>(p) + i);
+      const uint4 q = cuda::load(reinterpret_cast<const uint4*>(p) + i);
       r.w[4 * i] = q.x, r.w[4 * i + 1] = q.y, r.w[4 * i + 2] = q.z, r.w[4 * i + 3] = q.w;
     }
   } else if constexpr (N == 8) {
-    const uint2 q = __ldg(reinterpret_cast<const uint2*>(p));
+    const uint2 q = cuda::load(reinterpret_cast<const uint2*>(p));
     r.w[0] = q.x, r.w[1] = q.y;
   } else if constexpr (N == 4) {
-    r.w[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
+    r.w[0] = cuda::load(reinterpret_cast<const unsigned int*>(p));
   } else if constexpr (N == 2) {
-    r.h = __ldg(reinterpret_cast<const unsigned short*>(p));
+    r.h = cuda::load(reinterpret_cast<const unsigned short*>(p));
   } else {
-    r.b = __ldg(reinterpret_cast<const unsigned char*>(p));
+    r.b = cuda::load(reinterpret_cast<const unsigned char*>(p));
   }
   return r;
 }
@@ -530,7 +534,7 @@ struct Convert {
 
 // ---- index handling ----
 __device__ __forceinline__ int64_t load_index(const void* p, bool i64, int64_t i) {
-  return i64 ? __ldg(static_cast<const long long*>(p) + i) : int64_t(__ldg(static_cast<const int*>(p) + i));
+  return i64 ? cuda::load(static_cast<const long long*>(p) + i) : int64_t(cuda::load(static_cast<const int*>(p) + i));
 }
 
 // ---- one side (K or V) of one chunk ----
@@ -592,9 +596,9 @@ struct SideChunk {
     if constexpr (kPerHead) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
-        div[u] = Divider(s.scale_ptr != nullptr && u < count ? __ldg(s.scale_ptr + scale_off[u]) : s.scale);
+        div[u] = Divider(s.scale_ptr != nullptr && u < count ? cuda::load(s.scale_ptr + scale_off[u]) : s.scale);
     } else if constexpr (Cv::kQuant) {
-      div[0] = Divider(s.scale_ptr ? __ldg(s.scale_ptr) : s.scale);
+      div[0] = Divider(s.scale_ptr ? cuda::load(s.scale_ptr) : s.scale);
     }
   }
 
@@ -646,7 +650,7 @@ __device__ __forceinline__ char* slot_row(const Side& s, int64_t slot) {
 
 // Destination slot of a slot_mapping entry, or -1 when the row is skipped (padding, skip_slot, outside
 // loc_map or mapped below 0; skip_slot is compared before the translation).
-__device__ __forceinline__ int64_t resolve_slot(const StoreCacheParams& p, int64_t slot) {
+__device__ __forceinline__ int64_t resolve_slot(const StoreCacheArgs& p, int64_t slot) {
   if (slot < 0 || slot == p.skip_slot) return -1;
   if (p.loc_map == nullptr) return slot;
   if (slot >= p.loc_map_size) return -1;  // never read out of bounds
@@ -658,9 +662,9 @@ __device__ __forceinline__ int64_t resolve_slot(const StoreCacheParams& p, int64
 // (every token < n has source rows, padding included, so reading them is safe; they are written only
 // for a kept slot), lets the next kernel launch, then resolves the slot and stores.
 template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8, bool kPerHead>
-__device__ __forceinline__ void latency_write(const StoreCacheParams& p) {
+__device__ __forceinline__ void latency_write(const StoreCacheArgs& p) {
   using Cv = Convert<kSrc, kFp8, false>;
-  cuda::warm_params(p);
+  cuda::warm_params(p, p.n);
   const int64_t token = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const uint32_t first = blockIdx.y * 32 + (threadIdx.x & 31);
   constexpr bool kSplit = split_sides(kFp8, kKHeadBytes, kVHeadBytes, false);
@@ -697,7 +701,7 @@ __device__ __forceinline__ void latency_write(const StoreCacheParams& p) {
 // Bulk kernel: the slot first, then a padding or out-of-range row is dropped before anything of it
 // is read (at large n every skipped row saves its bytes).
 template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8, bool kPerHead>
-__device__ __forceinline__ void bulk_write(const StoreCacheParams& p) {
+__device__ __forceinline__ void bulk_write(const StoreCacheArgs& p) {
   using Cv = Convert<kSrc, kFp8, true>;
   cuda::pdl_wait();  // sources and indices may come from the previous kernel
   cuda::pdl_launch_dependents();
@@ -724,7 +728,7 @@ __device__ __forceinline__ void bulk_write(const StoreCacheParams& p) {
 // which halves each warp's fp8 conversion chain; bf16 copies stay on one warp (measured slower split).
 template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8, bool kBulk, bool kPerHead>
 __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
-    store_cache_kernel(const __grid_constant__ StoreCacheParams p) {
+    store_cache_kernel(const __grid_constant__ StoreCacheArgs p) {
   if constexpr (kBulk) {
     bulk_write<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, kPerHead>(p);
   } else {

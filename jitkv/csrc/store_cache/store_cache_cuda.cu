@@ -148,7 +148,7 @@ int64_t chunks_per_token(const StoreCacheParams& p, bool bulk) {
   return (std::max(p.k.row_vecs, p.v.row_vecs) + chunk - 1) / chunk;
 }
 
-using Kernel = void (*)(StoreCacheParams);
+using Kernel = void (*)(StoreCacheArgs);
 
 // The kernel for kVec-byte vectors: fp8 builds also hold kernels that divide each head by its own scale.
 template <int kVec, bool kBulk>

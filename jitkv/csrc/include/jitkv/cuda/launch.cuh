@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 
 namespace jitkv {
 namespace cuda {
@@ -30,25 +31,68 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// Every load of what the previous kernel may write (indices, sources, scales, caches; anything read
+// after pdl_wait()) goes through load(): a coherent ld.global, never ld.global.nc / __ldg. A
+// non-coherent load promises that the data stays read-only for the whole kernel, which PDL breaks (this
+// kernel starts while the previous one still writes), and ptxas acts on that promise: it scheduled the
+// DSv4 writer's ld.global.nc loads above griddepcontrol.wait. jitkv/tests/jit/test_build.py checks the
+// SASS of every kernel for a global access before the wait.
+// The load is an LDG even where the compiler only sees a generic pointer, and volatile, so that the
+// compiler keeps it after the wait too. T: 1, 2, 4, 8 or 16 bytes.
+template <typename T>
+__device__ __forceinline__ T load(const T* p) {
+  static_assert(sizeof(T) == 1 || sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8 || sizeof(T) == 16,
+                "a load of 1, 2, 4, 8 or 16 bytes");
+  T v;
+  if constexpr (sizeof(T) == 16) {
+    uint4 r;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    memcpy(&v, &r, 16);
+  } else if constexpr (sizeof(T) == 8) {
+    unsigned long long r;
+    asm volatile("ld.global.u64 %0, [%1];" : "=l"(r) : "l"(p));
+    memcpy(&v, &r, 8);
+  } else if constexpr (sizeof(T) == 4) {
+    unsigned r;
+    asm volatile("ld.global.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    memcpy(&v, &r, 4);
+  } else if constexpr (sizeof(T) == 2) {
+    unsigned short r;
+    asm volatile("ld.global.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    memcpy(&v, &r, 2);
+  } else {
+    unsigned short r;
+    asm volatile("ld.global.u8 %0, [%1];" : "=h"(r) : "l"(p));
+    const unsigned char b = static_cast<unsigned char>(r);
+    memcpy(&v, &b, 1);
+  }
+  return v;
+}
+
 // Reads one word of every 64-byte constant-cache line of a kernel's parameter block and waits for
-// them (their XOR goes to a shared-memory word, so the loads cannot be dropped). Called before
-// pdl_wait(), so under PDL it overlaps the previous kernel; otherwise the first use of each line
-// after the slot load would be a constant-cache miss on the critical path (slot -> source -> store):
-// H200, store_cache n = 1 (a 256-byte block): 1.59 us warmed, 1.66 not; H100 DSv4 writer n = 1: 1.32
-// warmed, 1.54 not (python -m jitkv.benchmark).
+// them. Called before pdl_wait(), so under PDL it overlaps the previous kernel; otherwise the first use
+// of each line after the slot load is a constant-cache miss on the critical path (slot -> source ->
+// store). The words feed a branch on `n` (a count of the launch that is never negative; the compiler
+// cannot know that), which keeps the loads and waits for them.
+// Measured on an H100 under the benchmark's graph replay (python -m jitkv.benchmark, and scratch
+// variants of the MLA row copy's kernel), against no warming: the MLA copy, fp8 MLA, DSv4 writer and
+// indexer writer 1-7 % faster at n <= 128, store_cache within noise. How matters as much:
+//  - a block of only what the kernel reads (MlaArgs, 80 bytes: 0.83 us at n = 1; the same code with 16
+//    unread bytes in its block 0.90, with 208 0.99);
+//  - the branch compares the loaded words first (`x == c && n < 0`): written `n < 0 && x == 0` the
+//    compiler loads them through the uniform datapath and the copy ran 0.03-0.06 us slower at n <= 128;
+//  - no shared-memory sink for the words (4 bytes of static shared memory cost 0.01-0.05 us).
 // Params must be a __grid_constant__ kernel parameter (taking the address of any other parameter
 // makes a local copy).
 template <typename Params>
-__device__ __forceinline__ void warm_params(const Params& params) {
+__device__ __forceinline__ void warm_params(const Params& params, int64_t n) {
   static_assert(sizeof(Params) >= 4 && alignof(Params) >= 4, "parameter block of whole words");
-  __shared__ unsigned sink;
   const unsigned* words = reinterpret_cast<const unsigned*>(&params);
   constexpr unsigned kWords = sizeof(Params) / 4;
   unsigned x = words[kWords - 1];
 #pragma unroll
   for (unsigned w = 0; w < kWords; w += 16) x ^= words[w];  // 16 words = 64 bytes
-  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(&sink));
-  asm volatile("st.volatile.shared.u32 [%0], %1;" ::"r"(at), "r"(x) : "memory");
+  if (x == 0x9e3779b9u && n < 0) __trap();  // never taken
 }
 
 // Launches kernel<<<grid, block, 0, stream>>>(args...), with PDL when `pdl` (callers pass false below
