@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -204,10 +206,65 @@ def _need_nvcc():
         pytest.skip("nvcc not found")
 
 
+def _cuobjdump() -> str | None:
+    """cuobjdump from the CUDA toolkit, else from the nvidia-cuda-cuobjdump wheel (the test extra)."""
+    found = shutil.which("cuobjdump") or os.path.join(toolchain.cuda_home(), "bin", "cuobjdump")
+    if os.path.exists(found):
+        return found
+    spec = importlib.util.find_spec("nvidia")
+    for root in spec.submodule_search_locations if spec else ():
+        for sub in ("cu13", "cuda_cuobjdump"):
+            if os.path.exists(path := os.path.join(root, sub, "bin", "cuobjdump")):
+                return path
+    return None
+
+
+# A SASS line "/*0120*/  @!P0 LDG.E.128 R4, desc[UR4][R2.64] ;": its opcode, predicate skipped.
+_OPCODE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_]+)")
+_GLOBAL_ACCESS = {"LDG", "STG", "LD", "ST", "ATOMG", "ATOM", "RED", "REDG", "LDGSTS", "UTMALDG", "UTMASTG", "UBLKCP",
+                  "UBLKRED", "UBLKPF"}
+
+
+def accesses_before_pdl_wait(sass: str) -> dict[str, list[str]]:
+    """For each kernel that waits for the previous grid (griddepcontrol.wait, SASS ACQBULK), the global
+    memory instructions scheduled before the wait: each may read what that grid has not written yet."""
+    early = {}
+    for body in re.split(r"\n\s*Function : ", sass)[1:]:
+        name, code = body.split("\n", 1)
+        ops = [(m.group(1), line.split("*/", 1)[1].split(";")[0].strip())
+               for line in code.splitlines() if (m := _OPCODE.search(line))]
+        wait = next((i for i, (op, _) in enumerate(ops) if op == "ACQBULK"), None)
+        if wait is not None and (bad := [text for op, text in ops[:wait] if op in _GLOBAL_ACCESS]):
+            early[name.strip()] = bad
+    return early
+
+
+def test_accesses_before_pdl_wait_finds_a_hoisted_load():
+    sass = textwrap.dedent(
+        """
+        \t\tFunction : good
+                /*0000*/                   LDC R1, c[0x0][0x28] ;
+                /*0010*/                   ACQBULK ;
+                /*0020*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        \t\tFunction : hoisted
+                /*0000*/              @!P0 LDG.E.64.CONSTANT R14, desc[UR6][R14.64] ;
+                /*0010*/                   ACQBULK ;
+        \t\tFunction : no_wait
+                /*0000*/                   LDG.E R4, desc[UR4][R2.64] ;
+        """
+    )
+    assert accesses_before_pdl_wait(sass) == {"hoisted": ["@!P0 LDG.E.64.CONSTANT R14, desc[UR6][R14.64]"]}
+
+
 def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
     """The Hopper kernels (the MLA fp8 writers included, and the benchmark's latency-floor kernel) compile
-    with no GPU present (CI has nvcc, no GPU), and a process without nvcc finds them intact."""
+    with no GPU present (CI has nvcc, no GPU), and a process without nvcc finds them intact. In their SASS
+    no kernel touches global memory before its PDL wait (jitkv/cuda/launch.cuh: ptxas may hoist a
+    non-coherent load above it)."""
     _need_nvcc()
+    cuobjdump = _cuobjdump()
+    if cuobjdump is None and os.environ.get("JITKV_REQUIRE_NVCC"):
+        pytest.fail("JITKV_REQUIRE_NVCC is set but cuobjdump was not found (pip install nvidia-cuda-cuobjdump)")
     from jitkv.prebuild import specs_for  # noqa: PLC0415
 
     monkeypatch.setenv("JITKV_CACHE_DIR", str(tmp_path))
@@ -232,12 +289,12 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
         manifest = json.loads((artifact / "manifest.json").read_text())
         so = artifact / manifest["lib"]
         assert so.is_file() and "cuda" in manifest["compilers"]["nvcc"]["version"]
-        cuobjdump = shutil.which("cuobjdump") or os.path.join(toolchain.cuda_home(), "bin", "cuobjdump")
-        if os.path.exists(cuobjdump):
+        if cuobjdump:
             listing = subprocess.run([cuobjdump, "--list-elf", str(so)], capture_output=True, text=True).stdout
             assert "sm_90a" in listing
+            sass = subprocess.run([cuobjdump, "-sass", str(so)], capture_output=True, text=True).stdout
+            assert "ACQBULK" in sass and accesses_before_pdl_wait(sass) == {}, artifact.name
             if spec is tma:
-                sass = subprocess.run([cuobjdump, "-sass", str(so)], capture_output=True, text=True).stdout
                 assert "UBLKCP" in sass  # the TMA bulk store is really there
     found = run_py(
         """
