@@ -293,6 +293,7 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
             listing = subprocess.run([cuobjdump, "--list-elf", str(so)], capture_output=True, text=True).stdout
             assert "sm_90a" in listing
             sass = subprocess.run([cuobjdump, "-sass", str(so)], capture_output=True, text=True).stdout
+            assert "Function : " in sass, f"{cuobjdump} -sass printed no SASS (it needs nvdisasm beside it)"
             assert "ACQBULK" in sass and accesses_before_pdl_wait(sass) == {}, artifact.name
             if spec is tma:
                 assert "UBLKCP" in sass  # the TMA bulk store is really there
