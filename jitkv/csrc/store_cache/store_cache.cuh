@@ -34,6 +34,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "jitkv/check.h"
 
@@ -360,7 +361,8 @@ int64_t store_cache_copy(TensorView k, TensorView v, TensorView k_cache, TensorV
 // of that head, so dense rows and per-head strided layouts (HND caches, fused-qkv source views) share
 // one code path; every stride is in bytes.
 //
-// Two kernels per build. The latency kernel: one vector per lane and side, every address computed
+// Two kernels per build, and the latency kernel's compact row form (row kernels, below). The latency
+// kernel: one vector per lane and side, every address computed
 // before the PDL wait, the slot and the source loads issued together after it (padding rows' sources
 // are read, never written), and (fp8) K and V in separate warps, so a lone warp's chain from slot to
 // store is a few dozen instructions. Beyond kLatencyWarpsPerSM warps per SM (store_cache_cuda.cu) the
@@ -721,6 +723,92 @@ __device__ __forceinline__ void bulk_write(const StoreCacheArgs& p) {
   v.load(slot < p.v.num_slots);
   k.store(slot_row(p.k, slot));
   v.store(slot_row(p.v, slot));
+}
+
+// ---- row kernels: the latency kernel for the common decode call, with a compact parameter block ----
+// When there is no loc_map, one scale per side, and K and V rows are dense in the source and in the
+// cache (heads back to back: flat [S, H*D] / [S, H, D] caches, paged NHD ones with one block size for
+// K and V), vector i of a row sits at byte 16 i of the cache row and 16 i * ratio of the source row, so
+// a side is four words and the kernel's parameter block is 96-144 bytes instead of StoreCacheArgs'.
+// Under graph replay a launch's cost grows with its parameter block (jitkv/cuda/launch.cuh
+// warm_params); store_cache_cuda.cu (use_row_kernel) has the measurements. Specialised (16-byte)
+// builds only.
+struct RowSide {
+  const char* src;
+  char* dst;
+  int64_t src_stride, dst_stride;  // bytes from one token's source row to the next; from one slot's row to the next
+};
+
+struct RowArgs {
+  RowSide k, v;
+  const void* slots;
+  int64_t num_slots, skip_slot;
+  int32_t n, heads;
+};
+
+// Paged caches: a slot's row is dst + slot * dst_stride + (slot / block_size) * block_adj.
+struct RowBlocks {
+  int64_t k_block_adj, v_block_adj;  // stride_block - block_size * stride_token, per side
+  uint32_t block_magic;               // the block division of Side (K and V share the block size)
+  int32_t block_shift;
+};
+
+struct RowScales {
+  const float* k_scale_ptr;  // nullptr: k_scale
+  const float* v_scale_ptr;
+  float k_scale, v_scale;
+};
+
+struct NoBlocks {};
+struct NoScales {};
+
+// The block of one row kernel: RowArgs, then RowBlocks for paged caches, RowScales for fp8.
+template <bool kPaged, bool kQuant>
+struct RowArgsOf : RowArgs, std::conditional_t<kPaged, RowBlocks, NoBlocks>, std::conditional_t<kQuant, RowScales, NoScales> {};
+
+// grid = (ceil(n / warps_per_block), chunks, sides) as the latency kernel; lane l of chunk c moves
+// kVec-byte vector 32 c + l of the K row and of the V row (or, with split sides, of the side
+// blockIdx.z picks).
+template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8, bool kPaged, typename TSlot>
+__global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
+    store_cache_row_kernel(const __grid_constant__ RowArgsOf<kPaged, kFp8 != Fp8::kNone> p) {
+  using Cv = Convert<kSrc, kFp8, false>;
+  constexpr int kSrcVec = kVec * Cv::kRatio;
+  constexpr bool kSplit = split_sides(kFp8, kKHeadBytes, kVHeadBytes, false);
+  cuda::warm_params(p, p.n);
+  const int64_t token = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const uint32_t i = blockIdx.y * 32 + (threadIdx.x & 31);
+  const bool second = kSplit && blockIdx.z;  // split sides: this warp writes V
+  const RowSide& ks = second ? p.v : p.k;
+  const bool k_in = i < uint32_t(p.heads) * uint32_t((second ? kVHeadBytes : kKHeadBytes) / kVec);
+  const bool v_in = !kSplit && i < uint32_t(p.heads) * uint32_t(kVHeadBytes / kVec);
+  const char* k_src = ks.src + token * ks.src_stride + i * kSrcVec;
+  const char* v_src = p.v.src + token * p.v.src_stride + i * kSrcVec;
+  if (token >= p.n) return;
+  cuda::pdl_wait();  // sources, indices and device scales may come from the previous kernel
+  const int64_t slot = cuda::load(static_cast<const TSlot*>(p.slots) + token);
+  Pack<kSrcVec> kd, vd;
+  if (k_in) kd = load_pack<kSrcVec>(k_src);
+  if (v_in) vd = load_pack<kSrcVec>(v_src);
+  cuda::pdl_launch_dependents();  // after the loads (see set_mla_kv_buffer.cuh)
+  // fp8: the scales after the row loads. Loaded first (and the reciprocal pinned before the slot
+  // check) the e4m3 write measured 0.05-0.09 us slower at n <= 64 (NVIDIA H100, graph replay).
+  cuda::Divider k_div, v_div;
+  if constexpr (Cv::kQuant) {
+    k_div = cuda::Divider(second ? (p.v_scale_ptr ? cuda::load(p.v_scale_ptr) : p.v_scale)
+                                 : (p.k_scale_ptr ? cuda::load(p.k_scale_ptr) : p.k_scale));
+    if constexpr (!kSplit) v_div = cuda::Divider(p.v_scale_ptr ? cuda::load(p.v_scale_ptr) : p.v_scale);
+  }
+  // Padding (< 0), skip_slot and out-of-range slots are never written.
+  if (slot == p.skip_slot || uint64_t(slot) >= uint64_t(p.num_slots)) return;
+  int64_t k_row = slot * ks.dst_stride, v_row = slot * p.v.dst_stride;
+  if constexpr (kPaged) {
+    const int64_t blk = int64_t((uint64_t(__umulhi(uint32_t(slot), p.block_magic)) + uint64_t(slot)) >> p.block_shift);
+    k_row += blk * (second ? p.v_block_adj : p.k_block_adj);
+    v_row += blk * p.v_block_adj;
+  }
+  if (k_in) store_pack<kVec>(ks.dst + k_row + i * kVec, Cv::template run<kVec>(kd, k_div));
+  if (v_in) store_pack<kVec>(p.v.dst + v_row + i * kVec, Cv::template run<kVec>(vd, v_div));
 }
 
 // grid = (ceil(n / warps_per_block), chunks, sides), block = 32 * warps_per_block; one warp per

@@ -16,7 +16,8 @@
 // Launch shape: one warp per (token, chunk[, side]); the latency kernel in blocks of 4 or 8 warps
 // (jitkv/cuda/launch.cuh latency_warps_per_block), the bulk kernel in blocks of 1, 2, 4 or 8 warps so
 // that its grid spreads over the SMs first. Each build holds two kernels (store_cache.cuh): the latency
-// kernel while its warps per token side fit in kLatencyWarpsPerSM per SM, the bulk kernel beyond.
+// kernel while its warps per token side fit in kLatencyWarpsPerSM per SM, the bulk kernel beyond; a
+// 16-byte build also holds the row kernels, the latency kernel's form for the calls use_row_kernel takes.
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
@@ -55,6 +56,12 @@ static_assert(kFp8 == Fp8::kNone || kFp8 == Fp8::kE4M3 || kFp8 == Fp8::kE5M2, "J
 // bulk kernel n = 1024 4.4 vs 4.9 us, 2048 7.3 vs 7.9, 4096 13.4 vs 13.4 (256 warps per SM: 13.6);
 // e4m3 n = 4096 10.4 vs 13.4 us, 16,384 35.9 vs 38.8.
 constexpr int64_t kLatencyWarpsPerSM = kFp8 == Fp8::kNone ? 64 : 256;
+
+// Destination bytes per lane of the row kernels: 16 for copies; fp8 builds convert 8 values per lane
+// (twice the warps, half of each warp's conversion chain). NVIDIA H100, bf16 -> e4m3 H8 D128, same run:
+// n = 1 / 4 / 16 / 64 at 16 bytes 0.96 / 1.01 / 1.04 / 1.12 us, 8 bytes 0.93 / 0.93 / 0.98 / 1.07,
+// 4 bytes 0.96 / 0.96 / 1.05 / 1.09.
+constexpr int kRowVec = kFp8 == Fp8::kNone ? 16 : 8;
 
 SrcType src_type_of(DLDataType d) {
   if (d.code == kDLBfloat) return SrcType::kBF16;
@@ -159,10 +166,59 @@ Kernel kernel(bool per_head) {
   return store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, kBulk, false>;
 }
 
-// Launches the latency kernel while its warps fit in kLatencyWarpsPerSM per SM, the bulk kernel beyond,
-// with kVec-byte destination vectors.
+// Heads of one side back to back in its source and its cache rows (or a single head).
+bool dense_rows(const StoreCacheParams& p, const Side& s, int64_t head_bytes) {
+  return p.num_heads == 1 || (s.src_stride_head == head_bytes * kRatio && s.dst_stride_head == head_bytes);
+}
+
+// The latency calls a row kernel takes in a 16-byte build (store_cache.cuh, row kernels): no loc_map, one
+// scale per side, dense rows, one block size for K and V. Measured on an NVIDIA H100, H8 D128 flat
+// caches, CUDA-graph replay, same run (python -m jitkv.benchmark --op store_cache), latency kernel vs
+// row kernel: bf16 n = 1 / 4 / 16 / 64 / 256 0.99 / 1.01 / 1.03 / 1.11 / 1.46 us vs 0.88 / 0.87 / 0.94 /
+// 1.02 / 1.26; bf16 -> e4m3 n = 1 / 4 / 16 / 64 1.06 / 1.09 / 1.13 / 1.18 vs 0.95 / 0.95 / 1.01 / 1.12.
+bool use_row_kernel(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_head_bytes) {
+  return p.loc_map == nullptr && p.k.scale_stride == 0 && p.v.scale_stride == 0 && p.same_blocks &&
+         dense_rows(p, p.k, k_head_bytes) && dense_rows(p, p.v, v_head_bytes);
+}
+
+// A side of a row kernel. With one slot per block (flat caches, and paged ones of block_size 1, whose
+// size-1 token dim may have any stride) the row stride is the block stride.
+RowSide row_side(const Side& s) {
+  return RowSide{s.src, s.dst, s.src_stride_token, s.block_size == 1 ? s.dst_stride_block : s.dst_stride_token};
+}
+
+// A row kernel's parameter block from the call's, and its launch.
+template <bool kPaged, typename TSlot>
+cudaError_t launch_row(const StoreCacheParams& p, dim3 grid, dim3 block, cudaStream_t stream, bool pdl) {
+  RowArgsOf<kPaged, kFp8 != Fp8::kNone> a{};
+  a.k = row_side(p.k);
+  a.v = row_side(p.v);
+  a.slots = p.slots;
+  a.num_slots = p.k.num_slots;
+  a.skip_slot = p.skip_slot;
+  a.n = static_cast<int32_t>(p.n);  // latency grids only: far below 2^31 tokens
+  a.heads = static_cast<int32_t>(p.num_heads);
+  if constexpr (kPaged) {
+    a.k_block_adj = p.k.dst_stride_block - p.k.block_size * p.k.dst_stride_token;
+    a.v_block_adj = p.v.dst_stride_block - p.v.block_size * p.v.dst_stride_token;
+    a.block_magic = p.k.block_magic;
+    a.block_shift = p.k.block_shift;
+  }
+  if constexpr (kFp8 != Fp8::kNone) {
+    a.k_scale_ptr = p.k.scale_ptr;
+    a.v_scale_ptr = p.v.scale_ptr;
+    a.k_scale = p.k.scale;
+    a.v_scale = p.v.scale;
+  }
+  return jitkv::cuda::launch(store_cache_row_kernel<kKHeadBytes, kVHeadBytes, kRowVec, kSrc, kFp8, kPaged, TSlot>, grid, block,
+                             stream, pdl, a);
+}
+
+// Launches the latency kernel (its row form where the call fits) while its warps fit in
+// kLatencyWarpsPerSM per SM, the bulk kernel beyond, with kVec-byte destination vectors.
 template <int kVec>
-cudaError_t launch(const StoreCacheParams& p, const DeviceInfo& info, cudaStream_t stream) {
+cudaError_t launch(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_head_bytes, const DeviceInfo& info,
+                   cudaStream_t stream) {
   const bool bulk = p.n * chunks_per_token(p, false) > kLatencyWarpsPerSM * info.sms;
   const bool per_head = p.k.scale_stride != 0 || p.v.scale_stride != 0;
   const int64_t chunks = chunks_per_token(p, bulk);
@@ -170,8 +226,23 @@ cudaError_t launch(const StoreCacheParams& p, const DeviceInfo& info, cudaStream
   const int wpb = bulk ? jitkv::cuda::spread_warps_per_block(p.n * chunks, info.sms, kMaxWarpsPerBlock)
                        : jitkv::cuda::latency_warps_per_block(p.n * chunks * sides, info.sms);
   const dim3 grid(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks), sides);
+  const bool pdl = kPdl && info.pdl();
+  if constexpr (!kGeneric) {
+    if (!bulk && use_row_kernel(p, k_head_bytes, v_head_bytes)) {
+      const int64_t row_chunks = (p.num_heads * std::max(k_head_bytes, v_head_bytes) / kRowVec + 31) / 32;
+      const int row_wpb = jitkv::cuda::latency_warps_per_block(p.n * row_chunks * sides, info.sms);
+      const dim3 grid(static_cast<unsigned>((p.n + row_wpb - 1) / row_wpb), static_cast<unsigned>(row_chunks), sides);
+      const dim3 block(32 * row_wpb);
+      if (p.k.block_size > 1) {
+        return p.slot_i64 ? launch_row<true, int64_t>(p, grid, block, stream, pdl)
+                          : launch_row<true, int32_t>(p, grid, block, stream, pdl);
+      }
+      return p.slot_i64 ? launch_row<false, int64_t>(p, grid, block, stream, pdl)
+                        : launch_row<false, int32_t>(p, grid, block, stream, pdl);
+    }
+  }
   return jitkv::cuda::launch(bulk ? kernel<kVec, true>(per_head) : kernel<kVec, false>(per_head), grid,
-                             dim3(32 * wpb), stream, kPdl && info.pdl(), p);
+                             dim3(32 * wpb), stream, pdl, p);
 }
 
 // kNeedsAnyAlignment when this 16-byte build cannot address the view (an address or a used stride of
@@ -196,13 +267,13 @@ int64_t store_cache(TensorView k, TensorView v, TensorView k_cache, TensorView v
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
   cudaError_t err;
   if constexpr (kGeneric) {
-    err = vec == 16  ? launch<16>(p, info, stream)
-          : vec == 8 ? launch<8>(p, info, stream)
-          : vec == 4 ? launch<4>(p, info, stream)
-          : vec == 2 ? launch<2>(p, info, stream)
-                     : launch<1>(p, info, stream);
+    err = vec == 16  ? launch<16>(p, k_head_bytes, v_head_bytes, info, stream)
+          : vec == 8 ? launch<8>(p, k_head_bytes, v_head_bytes, info, stream)
+          : vec == 4 ? launch<4>(p, k_head_bytes, v_head_bytes, info, stream)
+          : vec == 2 ? launch<2>(p, k_head_bytes, v_head_bytes, info, stream)
+                     : launch<1>(p, k_head_bytes, v_head_bytes, info, stream);
   } else {
-    err = launch<16>(p, info, stream);  // any other width returned kNeedsAnyAlignment above
+    err = launch<16>(p, k_head_bytes, v_head_bytes, info, stream);  // any other width returned kNeedsAnyAlignment above
   }
   jitkv::cuda::check_launch(kOp, err);
   return kDone;
