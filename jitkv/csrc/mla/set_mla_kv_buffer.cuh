@@ -7,8 +7,9 @@
 // by nvcc only). A row whose slot is < 0, == skip_slot or >= num_slots is never written.
 //
 // The copy ("auto") moves bytes:
-//  - latency kernel (the default; 16-byte aligned rows that fit in registers): one warp per row, the
-//    slot and the row loaded together (set_mla_kv_buffer_latency_kernel).
+//  - latency kernel (the default; 16-byte aligned rows that fit in registers): one warp per row (per
+//    16-byte register of the row at small n), the slot and the row loaded together
+//    (set_mla_kv_buffer_latency_kernel).
 //  - bulk kernels: each warp takes kRows consecutive rows per step (grid-stride loop): it reads their
 //    slots first and drops a row before loading anything of it; then it loads all kept rows with
 //    V-byte vectors (every load issued before any store) and writes them out:
@@ -428,28 +429,41 @@ __device__ __forceinline__ bool load_slot(const MlaArgs& p, int64_t row, int64_t
   return slot >= 0 && slot != p.skip_slot && slot < p.num_slots;
 }
 
-// Latency kernel (the default for 16-byte aligned rows that fit in registers, at every n): one warp
-// per row and a grid of exactly n warps. After the PDL wait a warp
-// issues its slot load and all of its row's 16-byte source loads at once (the sources of every row
-// < n exist, padding rows included, so reading them is safe; they are written only when the slot is
-// kept), lets the next kernel launch, and stores: one memory round trip from wait to store.
-template <int kNope, int kRope, typename TLoc>
+// Latency kernel (the default for 16-byte aligned rows that fit in registers, at every n): kRowWarps
+// warps per row (1, or one per 16-byte vector register of the row: 3 for 512+64 bf16) and a grid of
+// exactly n * kRowWarps warps; warp w of a row moves the row's registers i with i % kRowWarps == w.
+// After the PDL wait a warp issues its slot load and all of its 16-byte source loads at once (the
+// sources of every row < n exist, padding rows included, so reading them is safe; they are written
+// only when the slot is kept), lets the next kernel launch, and stores: one memory round trip from
+// wait to store.
+template <int kNope, int kRope, int kRowWarps, typename TLoc>
 __global__ void __launch_bounds__(32 * 8)
     set_mla_kv_buffer_latency_kernel(const __grid_constant__ MlaArgs p) {
+  using S = RowShape<kNope, kRope, 16>;
+  static_assert(kRowWarps == 1 || kRowWarps == S::kIters, "one warp per row or one per register");
   const int lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int64_t row = kRowWarps == 1 ? warp : warp / kRowWarps;
+  const int part = kRowWarps == 1 ? 0 : static_cast<int>(warp % kRowWarps);
   cuda::warm_params(p, p.n);
   if (row >= p.n) return;
   const char* nope = p.nope + row * p.nope_row_stride;
   const char* rope = p.rope + row * p.rope_row_stride;
   cuda::pdl_wait();  // loc and the sources may come from the previous kernel
   const int64_t slot = static_cast<int64_t>(cuda::load(static_cast<const TLoc*>(p.loc) + row));
-  RowRegs<kNope, kRope, 16> r;
-  r.load(nope, rope, lane);
+  typename S::Vec r[S::kIters];
+#pragma unroll
+  for (int i = 0; i < S::kIters; ++i) {
+    if (i % kRowWarps == part) load_vec<kNope, kRope, 16>(r[i], i, nope, rope, lane);
+  }
   cuda::pdl_launch_dependents();  // after the loads: triggering before them measured 0.15 us slower
   // Padding (slot < 0) fails the unsigned range check; out-of-range slots are never written.
   if (slot != p.skip_slot && static_cast<uint64_t>(slot) < static_cast<uint64_t>(p.num_slots)) {
-    r.store(p.dst + slot * p.dst_row_stride, lane);
+    char* dst = p.dst + slot * p.dst_row_stride;
+#pragma unroll
+    for (int i = 0; i < S::kIters; ++i) {
+      if (i % kRowWarps == part) store_vec<kNope, kRope, 16>(r[i], i, dst, lane);
+    }
   }
 }
 

@@ -15,7 +15,8 @@
 // Path choice, measured on an NVIDIA H100 (132 SMs), CUDA-graph replay, 8 layers of 2^19-row bf16
 // 512+64 caches, random unique slots, n = 1 ... 262,144 (python -m jitkv.benchmark --op
 // set_mla_kv_buffer has the "jit latency / vector / TMA" rows that re-measure it):
-//  - the latency kernel (one warp per row, slot and row loads together) is the fastest at every n:
+//  - the latency kernel (one warp per row, or per 16-byte register of a row up to kSplitRowsMax rows;
+//    slot and row loads together) is the fastest at every n:
 //    0.35-0.45 us ahead of the vector (bulk) kernel up to n = 2048, 0.4 us at 4096, 0.5 us at 16,384,
 //    within noise at 262,144, where random 1152-byte row writes bound every kernel. Auto takes it
 //    whenever the rows are 16-byte aligned and fit in registers;
@@ -103,19 +104,32 @@ constexpr bool two_rows() {
   }
 }
 constexpr int kBulkWarps = 2;     // warps per block of the bulk kernels: best or within noise at every n
+// Up to this many rows the latency kernel gives each 16-byte register of a row its own warp (3 warps
+// per 512+64 bf16 row). NVIDIA H100, graph replay, same run, one warp per row vs one per register:
+// n = 1 / 2 / 8 / 32 0.893 / 0.900 / 0.913 / 0.945 us vs 0.871 / 0.893 / 0.911 / 0.936; n = 128 / 2048
+// 0.981 / 2.31 vs 1.024 / 2.54 (more warps cost more than the shorter chain saves once the SMs fill).
+constexpr int64_t kSplitRowsMax = 32;
 constexpr int kTwoRowsPerSm = 16;  // above this many rows per SM a bulk warp takes two rows per step
 
 // The latency kernel takes 16-byte aligned rows that fit in registers, at every n, in blocks of 4 warps
 // up to 8 rows per SM and 8 warps beyond (jitkv/cuda/launch.cuh latency_warps_per_block).
 bool latency_fits(const MlaParams& p) { return tunable<16>() && vector_path_vec_bytes(p) == 16; }
 
+template <int kRowWarps, typename TLoc>
+cudaError_t launch_latency_warps(const MlaParams& p, const DeviceInfo& info, cudaStream_t stream) {
+  const int64_t warps = p.n * kRowWarps;
+  const int wpb = jitkv::cuda::latency_warps_per_block(warps, info.sms);
+  const unsigned blocks = static_cast<unsigned>((warps + wpb - 1) / wpb);
+  return jitkv::cuda::launch(set_mla_kv_buffer_latency_kernel<kNope, kRope, kRowWarps, TLoc>, dim3(blocks),
+                             dim3(32 * wpb), stream, kPdl && info.pdl(), p);
+}
+
 template <typename TLoc>
 cudaError_t launch_latency(const MlaParams& p, const DeviceInfo& info, cudaStream_t stream) {
   if constexpr (tunable<16>()) {
-    const int warps = jitkv::cuda::latency_warps_per_block(p.n, info.sms);
-    const unsigned blocks = static_cast<unsigned>((p.n + warps - 1) / warps);
-    return jitkv::cuda::launch(set_mla_kv_buffer_latency_kernel<kNope, kRope, TLoc>, dim3(blocks), dim3(32 * warps),
-                               stream, kPdl && info.pdl(), p);
+    constexpr int kRegs = RowShape<kNope, kRope, 16>::kIters;
+    if (kRegs > 1 && p.n <= kSplitRowsMax) return launch_latency_warps<kRegs, TLoc>(p, info, stream);
+    return launch_latency_warps<1, TLoc>(p, info, stream);
   } else {
     return cudaErrorInvalidValue;
   }
