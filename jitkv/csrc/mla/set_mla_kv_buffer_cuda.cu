@@ -107,7 +107,7 @@ constexpr int kBulkWarps = 2;     // warps per block of the bulk kernels: best o
 // Up to this many rows the latency kernel gives each 16-byte register of a row its own warp (3 warps
 // per 512+64 bf16 row). NVIDIA H100, graph replay, same run, one warp per row vs one per register:
 // n = 1 / 2 / 8 / 32 0.893 / 0.900 / 0.913 / 0.945 us vs 0.871 / 0.893 / 0.911 / 0.936; n = 128 / 2048
-// 0.981 / 2.31 vs 1.024 / 2.54 (more warps cost more than the shorter chain saves once the SMs fill).
+// 0.981 / 2.31 vs 1.024 / 2.54: from 128 rows on the extra warps cost more than the shorter chain saves.
 constexpr int64_t kSplitRowsMax = 32;
 constexpr int kTwoRowsPerSm = 16;  // above this many rows per SM a bulk warp takes two rows per step
 

@@ -69,6 +69,11 @@ struct Side {
   int32_t scale_stride;         // elements from one head's scale to the next: 0 for one scale for all heads
 };
 
+// What a slot's row adds per block beyond slot * dst_stride_token: a slot's row is dst + slot *
+// dst_stride_token + (slot / block_size) * block_adj (0 for flat caches). constexpr: the CUDA kernels
+// call it too (--expt-relaxed-constexpr).
+constexpr int64_t block_adj(const Side& s) { return s.dst_stride_block - s.block_size * s.dst_stride_token; }
+
 // What the kernels read and all of their parameter block (every 64-byte line of it is warmed before
 // the PDL wait: jitkv/cuda/launch.cuh warm_params); StoreCacheParams adds what only the host needs.
 struct StoreCacheArgs {
@@ -619,9 +624,15 @@ struct SideChunk {
   }
 };
 
+// slot / block_size for a slot in [0, num_slots), without a branch or a division: exact for every slot
+// of a cache the binding accepts (see set_block_division there).
+__device__ __forceinline__ uint64_t block_of(int64_t slot, uint32_t magic, int32_t shift) {
+  return (uint64_t(__umulhi(uint32_t(slot), magic)) + uint64_t(slot)) >> shift;
+}
+
 // The destination geometry of one side. A slot's row is dst + slot * stride_token + block * block_adj
-// (block_adj = stride_block - block_size * stride_token; 0 for flat caches), so that slot * stride_token
-// is computed while the block number is: a lone warp's chain from slot to store stays short.
+// (block_adj(Side)), so that slot * stride_token is computed while the block number is: a lone warp's
+// chain from slot to store stays short.
 struct DstRegs {
   char* dst;
   int64_t stride_token, block_adj;
@@ -629,15 +640,10 @@ struct DstRegs {
   int32_t block_shift;
 
   __device__ __forceinline__ static DstRegs of(const Side& s) {
-    return DstRegs{s.dst, s.dst_stride_token, s.dst_stride_block - s.block_size * s.dst_stride_token, s.block_magic,
-                   s.block_shift};
+    return DstRegs{s.dst, s.dst_stride_token, store_cache::block_adj(s), s.block_magic, s.block_shift};
   }
 
-  // slot / block_size for a slot in [0, num_slots), without a branch or a division: exact for every
-  // slot of a cache the binding accepts (see set_block_division there).
-  __device__ __forceinline__ uint64_t block(int64_t slot) const {
-    return (uint64_t(__umulhi(uint32_t(slot), block_magic)) + uint64_t(slot)) >> block_shift;
-  }
+  __device__ __forceinline__ uint64_t block(int64_t slot) const { return block_of(slot, block_magic, block_shift); }
 
   __device__ __forceinline__ char* row(int64_t slot, uint64_t blk) const {
     return dst + (slot * stride_token + int64_t(blk) * block_adj);
@@ -748,7 +754,7 @@ struct RowArgs {
 
 // Paged caches: a slot's row is dst + slot * dst_stride + (slot / block_size) * block_adj.
 struct RowBlocks {
-  int64_t k_block_adj, v_block_adj;  // stride_block - block_size * stride_token, per side
+  int64_t k_block_adj, v_block_adj;  // block_adj(Side), per side
   uint32_t block_magic;               // the block division of Side (K and V share the block size)
   int32_t block_shift;
 };
@@ -803,7 +809,7 @@ __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
   if (slot == p.skip_slot || uint64_t(slot) >= uint64_t(p.num_slots)) return;
   int64_t k_row = slot * ks.dst_stride, v_row = slot * p.v.dst_stride;
   if constexpr (kPaged) {
-    const int64_t blk = int64_t((uint64_t(__umulhi(uint32_t(slot), p.block_magic)) + uint64_t(slot)) >> p.block_shift);
+    const int64_t blk = int64_t(block_of(slot, p.block_magic, p.block_shift));
     k_row += blk * (second ? p.v_block_adj : p.k_block_adj);
     v_row += blk * p.v_block_adj;
   }

@@ -199,8 +199,8 @@ cudaError_t launch_row(const StoreCacheParams& p, dim3 grid, dim3 block, cudaStr
   a.n = static_cast<int32_t>(p.n);  // latency grids only: far below 2^31 tokens
   a.heads = static_cast<int32_t>(p.num_heads);
   if constexpr (kPaged) {
-    a.k_block_adj = p.k.dst_stride_block - p.k.block_size * p.k.dst_stride_token;
-    a.v_block_adj = p.v.dst_stride_block - p.v.block_size * p.v.dst_stride_token;
+    a.k_block_adj = block_adj(p.k);
+    a.v_block_adj = block_adj(p.v);
     a.block_magic = p.k.block_magic;
     a.block_shift = p.k.block_shift;
   }
@@ -220,19 +220,14 @@ template <int kVec>
 cudaError_t launch(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_head_bytes, const DeviceInfo& info,
                    cudaStream_t stream) {
   const bool bulk = p.n * chunks_per_token(p, false) > kLatencyWarpsPerSM * info.sms;
-  const bool per_head = p.k.scale_stride != 0 || p.v.scale_stride != 0;
-  const int64_t chunks = chunks_per_token(p, bulk);
   const unsigned sides = split_sides(kFp8, kKHeadBytes, kVHeadBytes, bulk) ? 2u : 1u;
-  const int wpb = bulk ? jitkv::cuda::spread_warps_per_block(p.n * chunks, info.sms, kMaxWarpsPerBlock)
-                       : jitkv::cuda::latency_warps_per_block(p.n * chunks * sides, info.sms);
-  const dim3 grid(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks), sides);
   const bool pdl = kPdl && info.pdl();
   if constexpr (!kGeneric) {
     if (!bulk && use_row_kernel(p, k_head_bytes, v_head_bytes)) {
-      const int64_t row_chunks = (p.num_heads * std::max(k_head_bytes, v_head_bytes) / kRowVec + 31) / 32;
-      const int row_wpb = jitkv::cuda::latency_warps_per_block(p.n * row_chunks * sides, info.sms);
-      const dim3 grid(static_cast<unsigned>((p.n + row_wpb - 1) / row_wpb), static_cast<unsigned>(row_chunks), sides);
-      const dim3 block(32 * row_wpb);
+      const int64_t chunks = (p.num_heads * std::max(k_head_bytes, v_head_bytes) / kRowVec + 31) / 32;
+      const int wpb = jitkv::cuda::latency_warps_per_block(p.n * chunks * sides, info.sms);
+      const dim3 grid(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks), sides);
+      const dim3 block(32 * wpb);
       if (p.k.block_size > 1) {
         return p.slot_i64 ? launch_row<true, int64_t>(p, grid, block, stream, pdl)
                           : launch_row<true, int32_t>(p, grid, block, stream, pdl);
@@ -241,6 +236,11 @@ cudaError_t launch(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_he
                         : launch_row<false, int32_t>(p, grid, block, stream, pdl);
     }
   }
+  const bool per_head = p.k.scale_stride != 0 || p.v.scale_stride != 0;
+  const int64_t chunks = chunks_per_token(p, bulk);
+  const int wpb = bulk ? jitkv::cuda::spread_warps_per_block(p.n * chunks, info.sms, kMaxWarpsPerBlock)
+                       : jitkv::cuda::latency_warps_per_block(p.n * chunks * sides, info.sms);
+  const dim3 grid(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks), sides);
   return jitkv::cuda::launch(bulk ? kernel<kVec, true>(per_head) : kernel<kVec, false>(per_head), grid,
                              dim3(32 * wpb), stream, pdl, p);
 }
