@@ -74,6 +74,57 @@ struct MlaFp8Args : MlaArgs {
   float scale;             // the scale when scale_ptr is nullptr
 };
 
+// The latency kernels' compact blocks: MlaArgs in 48 bytes (MlaFp8Args in 64), for the calls whose
+// values fit (fits_row_args): n and num_slots below 2^31, source row strides in 16-byte units below
+// 1 MiB, the destination's in 8-byte units, and a skip_slot that is no slot of the buffer (the default
+// -1), which the kernel then need not test. Under CUDA-graph replay a launch costs more the larger its
+// parameter block: NVIDIA H100, the MLA copy's latency kernel, same run, n = 1 / 8 / 32 / 128: 0.873 /
+// 0.899 / 0.923 / 0.998 us with MlaArgs' 80 bytes, 0.831 / 0.874 / 0.903 / 0.947 with these 48 (python
+// -m jitkv.benchmark --op set_mla_kv_buffer has both: "jit latency" and "jit latency, 80-byte block").
+// The fp8 kernel gains less from its 64 (e4m3 n = 1 / 8 / 64: 0.954 / 0.998 / 1.045 against 0.947 /
+// 0.984 / 1.027 us): its conversion chain, not the launch, dominates.
+struct MlaRowArgs {
+  char* dst;
+  const char* nope;
+  const char* rope;
+  const void* loc;
+  int32_t n, num_slots;
+  uint16_t nope_stride16, rope_stride16;  // source row strides / 16
+  uint32_t dst_stride8;                   // destination row stride / 8
+};
+
+struct MlaFp8RowArgs : MlaRowArgs {
+  const float* scale_ptr;
+  float scale;
+};
+
+inline bool fits_row_args(const MlaArgs& p) {
+  const auto fits = [](int64_t v, int64_t unit, int64_t max) { return v >= 0 && v % unit == 0 && v / unit <= max; };
+  return p.n <= INT32_MAX && p.num_slots <= INT32_MAX && (p.skip_slot < 0 || p.skip_slot >= p.num_slots) &&
+         fits(p.nope_row_stride, 16, UINT16_MAX) && fits(p.rope_row_stride, 16, UINT16_MAX) &&
+         fits(p.dst_row_stride, 8, UINT32_MAX);
+}
+
+inline MlaRowArgs row_args(const MlaArgs& p) {
+  return {p.dst,
+          p.nope,
+          p.rope,
+          p.loc,
+          static_cast<int32_t>(p.n),
+          static_cast<int32_t>(p.num_slots),
+          static_cast<uint16_t>(p.nope_row_stride / 16),
+          static_cast<uint16_t>(p.rope_row_stride / 16),
+          static_cast<uint32_t>(p.dst_row_stride / 8)};
+}
+
+inline MlaFp8RowArgs fp8_row_args(const MlaFp8Args& p) {
+  MlaFp8RowArgs r;
+  static_cast<MlaRowArgs&>(r) = row_args(p);
+  r.scale_ptr = p.scale_ptr;
+  r.scale = p.scale;
+  return r;
+}
+
 struct MlaParams : MlaFp8Args {
   int32_t kv_format;               // KvFormat
   int64_t nope_bytes, rope_bytes;  // source bytes per row
@@ -423,6 +474,21 @@ __device__ __forceinline__ void bulk_store_rows(char* const (&dst)[kRows], const
   }
 }
 
+// Row strides in bytes and the slot test of either parameter block: padding (slot < 0) fails the
+// unsigned range check; out-of-range slots and skip_slot are never written.
+__device__ __forceinline__ int64_t nope_stride(const MlaArgs& p) { return p.nope_row_stride; }
+__device__ __forceinline__ int64_t rope_stride(const MlaArgs& p) { return p.rope_row_stride; }
+__device__ __forceinline__ int64_t dst_stride(const MlaArgs& p) { return p.dst_row_stride; }
+__device__ __forceinline__ bool keeps(const MlaArgs& p, int64_t slot) {
+  return slot != p.skip_slot && static_cast<uint64_t>(slot) < static_cast<uint64_t>(p.num_slots);
+}
+__device__ __forceinline__ int64_t nope_stride(const MlaRowArgs& p) { return int64_t{p.nope_stride16} * 16; }
+__device__ __forceinline__ int64_t rope_stride(const MlaRowArgs& p) { return int64_t{p.rope_stride16} * 16; }
+__device__ __forceinline__ int64_t dst_stride(const MlaRowArgs& p) { return int64_t{p.dst_stride8} * 8; }
+__device__ __forceinline__ bool keeps(const MlaRowArgs& p, int64_t slot) {
+  return static_cast<uint64_t>(slot) < static_cast<uint64_t>(p.num_slots);
+}
+
 template <typename TLoc>
 __device__ __forceinline__ bool load_slot(const MlaArgs& p, int64_t row, int64_t& slot) {
   slot = static_cast<int64_t>(cuda::load(static_cast<const TLoc*>(p.loc) + row));
@@ -435,10 +501,10 @@ __device__ __forceinline__ bool load_slot(const MlaArgs& p, int64_t row, int64_t
 // After the PDL wait a warp issues its slot load and all of its 16-byte source loads at once (the
 // sources of every row < n exist, padding rows included, so reading them is safe; they are written
 // only when the slot is kept), lets the next kernel launch, and stores: one memory round trip from
-// wait to store.
-template <int kNope, int kRope, int kRowWarps, typename TLoc>
+// wait to store. Args: MlaRowArgs, or MlaArgs for the calls it cannot hold.
+template <int kNope, int kRope, int kRowWarps, typename TLoc, typename Args>
 __global__ void __launch_bounds__(32 * 8)
-    set_mla_kv_buffer_latency_kernel(const __grid_constant__ MlaArgs p) {
+    set_mla_kv_buffer_latency_kernel(const __grid_constant__ Args p) {
   using S = RowShape<kNope, kRope, 16>;
   static_assert(kRowWarps == 1 || kRowWarps == S::kIters, "one warp per row or one per register");
   const int lane = threadIdx.x & 31;
@@ -447,8 +513,8 @@ __global__ void __launch_bounds__(32 * 8)
   const int part = kRowWarps == 1 ? 0 : static_cast<int>(warp % kRowWarps);
   cuda::warm_params(p, p.n);
   if (row >= p.n) return;
-  const char* nope = p.nope + row * p.nope_row_stride;
-  const char* rope = p.rope + row * p.rope_row_stride;
+  const char* nope = p.nope + row * nope_stride(p);
+  const char* rope = p.rope + row * rope_stride(p);
   cuda::pdl_wait();  // loc and the sources may come from the previous kernel
   const int64_t slot = static_cast<int64_t>(cuda::load(static_cast<const TLoc*>(p.loc) + row));
   typename S::Vec r[S::kIters];
@@ -457,9 +523,8 @@ __global__ void __launch_bounds__(32 * 8)
     if (i % kRowWarps == part) load_vec<kNope, kRope, 16>(r[i], i, nope, rope, lane);
   }
   cuda::pdl_launch_dependents();  // after the loads: triggering before them measured 0.15 us slower
-  // Padding (slot < 0) fails the unsigned range check; out-of-range slots are never written.
-  if (slot != p.skip_slot && static_cast<uint64_t>(slot) < static_cast<uint64_t>(p.num_slots)) {
-    char* dst = p.dst + slot * p.dst_row_stride;
+  if (keeps(p, slot)) {
+    char* dst = p.dst + slot * dst_stride(p);
 #pragma unroll
     for (int i = 0; i < S::kIters; ++i) {
       if (i % kRowWarps == part) store_vec<kNope, kRope, 16>(r[i], i, dst, lane);
@@ -676,10 +741,10 @@ __device__ __forceinline__ float ds_mla_scale(uint32_t amax) {
 // vectors form one block of straight-line code the scheduler interleaves. fp8_ds_mla: a tile's amax is
 // a redux.sync max over the warp of the lanes' largest magnitudes (NaN left out, as vLLM's fmaxf does),
 // its scale max(amax / 448, FLT_MIN); lane 0 stores the warp's tile scales and the rope vectors are
-// copied unchanged.
-template <KvFormat kFmt, Src16 kSrc, int kNopeBytes, int kRopeBytes, int kRowWarps, typename TLoc>
+// copied unchanged. Args: MlaFp8RowArgs, or MlaFp8Args for the calls it cannot hold.
+template <KvFormat kFmt, Src16 kSrc, int kNopeBytes, int kRopeBytes, int kRowWarps, typename TLoc, typename Args>
 __global__ void __launch_bounds__(32 * 8)
-    set_mla_kv_buffer_fp8_kernel(const __grid_constant__ MlaFp8Args p) {
+    set_mla_kv_buffer_fp8_kernel(const __grid_constant__ Args p) {
   using R = Fp8Row<kNopeBytes, kRopeBytes, kRowWarps>;
   constexpr bool kDs = kFmt == KvFormat::kDsMla;
   const int lane = threadIdx.x & 31;
@@ -690,8 +755,8 @@ __global__ void __launch_bounds__(32 * 8)
   if (row >= p.n) return;
   const int nope_vec = share * R::kNopeShare + lane;  // index of this lane's first vector in its part
   const int rope_vec = share * R::kRopeShare + lane;
-  const char* nope = p.nope + row * p.nope_row_stride + nope_vec * 16;
-  const char* rope = p.rope + row * p.rope_row_stride + rope_vec * 16;
+  const char* nope = p.nope + row * nope_stride(p) + nope_vec * 16;
+  const char* rope = p.rope + row * rope_stride(p) + rope_vec * 16;
   cuda::pdl_wait();  // loc, the sources and a device scale may come from the previous kernel
   const int64_t slot = static_cast<int64_t>(cuda::load(static_cast<const TLoc*>(p.loc) + row));
   float scale = 0.0f;
@@ -762,9 +827,8 @@ __global__ void __launch_bounds__(32 * 8)
     }
   }
 
-  // Padding (slot < 0) fails the unsigned range check; out-of-range slots are never written.
-  if (slot != p.skip_slot && static_cast<uint64_t>(slot) < static_cast<uint64_t>(p.num_slots)) {
-    char* dst = p.dst + slot * p.dst_row_stride;
+  if (keeps(p, slot)) {
+    char* dst = p.dst + slot * dst_stride(p);
 #pragma unroll
     for (int i = 0; i < R::kNopeIters; ++i) {
       if (R::nope_has(i, lane)) reinterpret_cast<uint2*>(dst)[nope_vec + 32 * i] = qn[i];

@@ -22,7 +22,9 @@
 //    whenever the rows are 16-byte aligned and fit in registers;
 //  - warps per block of the latency kernel, A/B over 3 interleaved rounds: 4 up to 8 rows per SM
 //    (n = 1024: 1.37 us against 1.53 with 8 and sglang's 1.51), 8 beyond (n = 2048: 2.37 against
-//    2.48 with 4); 1 per block while n <= SMs was 0.02-0.06 us slower at n <= 256;
+//    2.48 with 4); 1 per block while n <= SMs was 0.02-0.06 us slower at n <= 256. A row split across
+//    warps (n <= kSplitRowsMax) makes a block of its own (measured with the compact parameter block,
+//    set_mla_kv_buffer.cuh MlaRowArgs);
 //  - the TMA bulk store is never faster than the vector kernel (its rows pass through shared
 //    memory), so it is only there when forced;
 //  - the vector (bulk) kernel, 2 warps per block and 2 rows per warp step above 16 rows per SM,
@@ -115,13 +117,19 @@ constexpr int kTwoRowsPerSm = 16;  // above this many rows per SM a bulk warp ta
 // up to 8 rows per SM and 8 warps beyond (jitkv/cuda/launch.cuh latency_warps_per_block).
 bool latency_fits(const MlaParams& p) { return tunable<16>() && vector_path_vec_bytes(p) == 16; }
 
+// A row's warps (kRowWarps > 1) make a block of their own; one warp per row runs in blocks of
+// latency_warps_per_block. The kernel takes the compact block (MlaRowArgs) where the call fits it.
 template <int kRowWarps, typename TLoc>
 cudaError_t launch_latency_warps(const MlaParams& p, const DeviceInfo& info, cudaStream_t stream) {
   const int64_t warps = p.n * kRowWarps;
-  const int wpb = jitkv::cuda::latency_warps_per_block(warps, info.sms);
-  const unsigned blocks = static_cast<unsigned>((warps + wpb - 1) / wpb);
-  return jitkv::cuda::launch(set_mla_kv_buffer_latency_kernel<kNope, kRope, kRowWarps, TLoc>, dim3(blocks),
-                             dim3(32 * wpb), stream, kPdl && info.pdl(), p);
+  const int wpb = kRowWarps > 1 ? kRowWarps : jitkv::cuda::latency_warps_per_block(warps, info.sms);
+  const dim3 grid(static_cast<unsigned>((warps + wpb - 1) / wpb)), block(32 * wpb);
+  if (fits_row_args(p)) {
+    return jitkv::cuda::launch(set_mla_kv_buffer_latency_kernel<kNope, kRope, kRowWarps, TLoc, MlaRowArgs>, grid,
+                               block, stream, kPdl && info.pdl(), row_args(p));
+  }
+  return jitkv::cuda::launch(set_mla_kv_buffer_latency_kernel<kNope, kRope, kRowWarps, TLoc, MlaArgs>, grid, block,
+                             stream, kPdl && info.pdl(), static_cast<const MlaArgs&>(p));
 }
 
 template <typename TLoc>
@@ -289,9 +297,13 @@ cudaError_t launch_fast(const MlaParams& p, const DeviceInfo& info, cudaStream_t
     return cudaErrorInvalidValue;
   } else {
     constexpr int wpb = kRowWarps == 2 ? kSplitBlockWarps : kRowBlockWarps;
-    const auto blocks = static_cast<unsigned>((p.n * kRowWarps + wpb - 1) / wpb);
-    return jitkv::cuda::launch(set_mla_kv_buffer_fp8_kernel<kFormat, kSrc, kNope, kRope, kRowWarps, TLoc>,
-                               dim3(blocks), dim3(32 * wpb), stream, kPdl && info.pdl(), p);
+    const dim3 grid(static_cast<unsigned>((p.n * kRowWarps + wpb - 1) / wpb)), block(32 * wpb);
+    if (fits_row_args(p)) {
+      return jitkv::cuda::launch(set_mla_kv_buffer_fp8_kernel<kFormat, kSrc, kNope, kRope, kRowWarps, TLoc, MlaFp8RowArgs>,
+                                 grid, block, stream, kPdl && info.pdl(), fp8_row_args(p));
+    }
+    return jitkv::cuda::launch(set_mla_kv_buffer_fp8_kernel<kFormat, kSrc, kNope, kRope, kRowWarps, TLoc, MlaFp8Args>,
+                               grid, block, stream, kPdl && info.pdl(), static_cast<const MlaFp8Args&>(p));
   }
 }
 

@@ -238,10 +238,12 @@ def test_torch_compile_fullgraph():
 )
 @pytest.mark.parametrize("n", [1, 5, 133, 3000])
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
-def test_every_cuda_kernel_keeps_the_contract(kernel, pdl, n, idx_dtype):
+@pytest.mark.parametrize("skip", [17, -1])
+def test_every_cuda_kernel_keeps_the_contract(kernel, pdl, n, idx_dtype, skip):
     """Each CUDA kernel, forced by its module's build arguments, writes exactly the reference's rows:
     padding (-1), skip_slot and out-of-range slots are never written, extra source rows never read
-    into the buffer, strided sources; PDL on and off."""
+    into the buffer, strided sources; PDL on and off. skip_slot 17 (a slot of the buffer) runs the
+    latency kernel with its 64-bit parameter block, -1 with the compact one."""
     from jitkv.jit import cuda_arch, get_function  # noqa: PLC0415
     from jitkv.ops.mla import cuda_spec  # noqa: PLC0415
 
@@ -253,13 +255,24 @@ def test_every_cuda_kernel_keeps_the_contract(kernel, pdl, n, idx_dtype):
     k_nope, k_rope = src[:, 8:520], src[:, 600:664]
     loc = slots(num_slots, n, idx_dtype, "cuda")
     loc[::7] = -1
-    loc[3::11] = 17
+    if skip >= 0:
+        loc[3::11] = skip  # rows that write no slot (unique slots otherwise: no two rows race)
     loc[5::13] = num_slots + 5
-    keep = (loc >= 0) & (loc < num_slots) & (loc != 17)
+    keep = (loc >= 0) & (loc < num_slots) & (loc != skip)
     ref, got = buf.clone(), buf.clone()
     reference.set_mla_kv_buffer(ref, loc[keep], k_nope[:n][keep], k_rope[:n][keep])
-    fn(got, loc, k_nope, k_rope, 17)
+    fn(got, loc, k_nope, k_rope, skip)
     assert_bitwise(got, ref)
+
+
+@gpu
+@pytest.mark.parametrize("n", [1, 40])
+def test_latency_kernel_beyond_its_compact_block(n):
+    """Source rows 1 MiB + 16 bytes apart do not fit the latency kernel's compact parameter block (16-bit
+    strides in 16-byte units): it takes the 64-bit one and writes the same bytes."""
+    buf, _, _ = _case(torch.bfloat16, 512, 64, n, "cuda", three_d=False)
+    wide = rand((n, (1 << 19) + 8), torch.bfloat16, "cuda")
+    _check(buf, slots(buf.shape[0], n, torch.int64, "cuda"), wide[:, :512], wide[:, 1024:1088], "jit")
 
 
 @gpu

@@ -420,10 +420,12 @@ def _fp8_module(fmt, src, kernel, pdl=True):
 @pytest.mark.parametrize("src", SRC_DTYPES)
 @pytest.mark.parametrize("n", [1, 5, 133, 3000])
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
-def test_every_cuda_kernel_keeps_the_contract(kernel, pdl, fmt, src, n, idx_dtype):
+@pytest.mark.parametrize("skip", [17, -1])
+def test_every_cuda_kernel_keeps_the_contract(kernel, pdl, fmt, src, n, idx_dtype, skip):
     """Each CUDA fp8 kernel, forced by its module's build arguments, writes exactly the reference's rows:
     padding (-1), skip_slot and out-of-range slots are never written, extra source rows never read
-    into the buffer, strided sources, special values; PDL on and off."""
+    into the buffer, strided sources, special values; PDL on and off. skip_slot 17 (a slot of the
+    buffer) runs the fast kernel with its 64-bit parameter block, -1 with the compact one."""
     from jitkv.ops.mla import FORMATS as CODES  # noqa: PLC0415
 
     fn = _fp8_module(fmt, src, kernel, pdl)
@@ -434,14 +436,15 @@ def test_every_cuda_kernel_keeps_the_contract(kernel, pdl, fmt, src, n, idx_dtyp
     k_nope, k_rope = src_rows[:, 8:520], src_rows[:, 600:664]
     loc = slots(num_slots, n, idx_dtype, "cuda")
     loc[::7] = -1
-    loc[3::11] = 17
+    if skip >= 0:
+        loc[3::11] = skip  # rows that write no slot (unique slots otherwise: no two rows race)
     loc[5::13] = num_slots + 5
-    keep = (loc >= 0) & (loc < num_slots) & (loc != 17)
+    keep = (loc >= 0) & (loc < num_slots) & (loc != skip)
     scale = _scale(fmt, "cuda", n % 2 == 0)
     ref, got = buf.clone(), buf.clone()
     reference.set_mla_kv_buffer_fp8(ref, loc[keep], k_nope[:n][keep], k_rope[:n][keep], kv_cache_dtype=fmt, scale=scale)
     tensor_scale, value = (scale, -1.0) if isinstance(scale, torch.Tensor) else (None, -1.0 if scale is None else scale)
-    fn(got, loc, k_nope, k_rope, 17, CODES[fmt], tensor_scale, value)
+    fn(got, loc, k_nope, k_rope, skip, CODES[fmt], tensor_scale, value)
     assert_bitwise(got, ref)
 
 
