@@ -735,22 +735,21 @@ __device__ __forceinline__ void bulk_write(const StoreCacheArgs& p) {
 // When there is no loc_map, one scale per side, and K and V rows are dense in the source and in the
 // cache (heads back to back: flat [S, H*D] / [S, H, D] caches, paged NHD ones with one block size for
 // K and V), vector i of a row sits at byte 16 i of the cache row and 16 i * ratio of the source row, so
-// a side is four words and the kernel's parameter block is 96-144 bytes instead of StoreCacheArgs'.
-// Under graph replay a launch's cost grows with its parameter block (jitkv/cuda/launch.cuh
-// warm_params); store_cache_cuda.cu (use_row_kernel) has the measurements. Specialised (16-byte)
-// builds only.
-struct RowSide {
-  const char* src;
-  char* dst;
-  int64_t src_stride, dst_stride;  // bytes from one token's source row to the next; from one slot's row to the next
-};
-
+// a side is two pointers and two strides, kept in 32 and 16 bits (16-byte units), and the kernel's
+// parameter block is 64-112 bytes instead of StoreCacheArgs' 264. Under graph replay a launch's cost
+// grows with its parameter block (jitkv/cuda/launch.cuh warm_params); store_cache_cuda.cu
+// (use_row_kernel) has the measurements and the calls whose values fit (fits_row_args). Specialised
+// (16-byte) builds only.
 struct RowArgs {
-  RowSide k, v;
+  const char* src[2];  // K, V
+  char* dst[2];
   const void* slots;
-  int64_t num_slots, skip_slot;
-  int32_t n, heads;
+  int32_t n, num_slots;
+  uint32_t dst_stride16[2];  // bytes / 16 from one slot's cache row to the next
+  uint16_t src_stride16[2];  // bytes / 16 from one token's source row to the next
+  int32_t heads;
 };
+static_assert(sizeof(RowArgs) == 64, "one 64-byte parameter block");
 
 // Paged caches: a slot's row is dst + slot * dst_stride + (slot / block_size) * block_adj.
 struct RowBlocks {
@@ -774,7 +773,7 @@ struct RowArgsOf : RowArgs, std::conditional_t<kPaged, RowBlocks, NoBlocks>, std
 
 // grid = (ceil(n / warps_per_block), chunks, sides) as the latency kernel; lane l of chunk c moves
 // kVec-byte vector 32 c + l of the K row and of the V row (or, with split sides, of the side
-// blockIdx.z picks).
+// blockIdx.z picks). Every slot outside [0, num_slots) is skipped: the host passes no skip_slot inside it.
 template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcType kSrc, Fp8 kFp8, bool kPaged, typename TSlot>
 __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
     store_cache_row_kernel(const __grid_constant__ RowArgsOf<kPaged, kFp8 != Fp8::kNone> p) {
@@ -784,12 +783,11 @@ __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
   cuda::warm_params(p, p.n);
   const int64_t token = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const uint32_t i = blockIdx.y * 32 + (threadIdx.x & 31);
-  const bool second = kSplit && blockIdx.z;  // split sides: this warp writes V
-  const RowSide& ks = second ? p.v : p.k;
-  const bool k_in = i < uint32_t(p.heads) * uint32_t((second ? kVHeadBytes : kKHeadBytes) / kVec);
+  const int first = kSplit && blockIdx.z ? 1 : 0;  // the side this warp writes first: V with split sides
+  const bool k_in = i < uint32_t(p.heads) * uint32_t((first ? kVHeadBytes : kKHeadBytes) / kVec);
   const bool v_in = !kSplit && i < uint32_t(p.heads) * uint32_t(kVHeadBytes / kVec);
-  const char* k_src = ks.src + token * ks.src_stride + i * kSrcVec;
-  const char* v_src = p.v.src + token * p.v.src_stride + i * kSrcVec;
+  const char* k_src = p.src[first] + token * (int64_t{p.src_stride16[first]} * 16) + i * kSrcVec;
+  const char* v_src = p.src[1] + token * (int64_t{p.src_stride16[1]} * 16) + i * kSrcVec;
   if (token >= p.n) return;
   cuda::pdl_wait();  // sources, indices and device scales may come from the previous kernel
   const int64_t slot = cuda::load(static_cast<const TSlot*>(p.slots) + token);
@@ -801,20 +799,20 @@ __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
   // check) the e4m3 write measured 0.05-0.09 us slower at n <= 64 (NVIDIA H100, graph replay).
   cuda::Divider k_div, v_div;
   if constexpr (Cv::kQuant) {
-    k_div = cuda::Divider(second ? (p.v_scale_ptr ? cuda::load(p.v_scale_ptr) : p.v_scale)
-                                 : (p.k_scale_ptr ? cuda::load(p.k_scale_ptr) : p.k_scale));
+    k_div = cuda::Divider(first ? (p.v_scale_ptr ? cuda::load(p.v_scale_ptr) : p.v_scale)
+                                : (p.k_scale_ptr ? cuda::load(p.k_scale_ptr) : p.k_scale));
     if constexpr (!kSplit) v_div = cuda::Divider(p.v_scale_ptr ? cuda::load(p.v_scale_ptr) : p.v_scale);
   }
-  // Padding (< 0), skip_slot and out-of-range slots are never written.
-  if (slot == p.skip_slot || uint64_t(slot) >= uint64_t(p.num_slots)) return;
-  int64_t k_row = slot * ks.dst_stride, v_row = slot * p.v.dst_stride;
+  // Padding (< 0) and out-of-range slots are never written.
+  if (uint64_t(slot) >= uint64_t(p.num_slots)) return;
+  int64_t k_row = slot * (int64_t{p.dst_stride16[first]} * 16), v_row = slot * (int64_t{p.dst_stride16[1]} * 16);
   if constexpr (kPaged) {
     const int64_t blk = int64_t(block_of(slot, p.block_magic, p.block_shift));
-    k_row += blk * (second ? p.v_block_adj : p.k_block_adj);
+    k_row += blk * (first ? p.v_block_adj : p.k_block_adj);
     v_row += blk * p.v_block_adj;
   }
-  if (k_in) store_pack<kVec>(ks.dst + k_row + i * kVec, Cv::template run<kVec>(kd, k_div));
-  if (v_in) store_pack<kVec>(p.v.dst + v_row + i * kVec, Cv::template run<kVec>(vd, v_div));
+  if (k_in) store_pack<kVec>(p.dst[first] + k_row + i * kVec, Cv::template run<kVec>(kd, k_div));
+  if (v_in) store_pack<kVec>(p.dst[1] + v_row + i * kVec, Cv::template run<kVec>(vd, v_div));
 }
 
 // grid = (ceil(n / warps_per_block), chunks, sides), block = 32 * warps_per_block; one warp per

@@ -171,32 +171,49 @@ bool dense_rows(const StoreCacheParams& p, const Side& s, int64_t head_bytes) {
   return p.num_heads == 1 || (s.src_stride_head == head_bytes * kRatio && s.dst_stride_head == head_bytes);
 }
 
+// A side's row stride in a row kernel: with one slot per block (flat caches, and paged ones of
+// block_size 1, whose size-1 token dim may have any stride) it is the block stride.
+int64_t row_stride(const Side& s) { return s.block_size == 1 ? s.dst_stride_block : s.dst_stride_token; }
+
+// Whether RowArgs holds the call: counts below 2^31, strides in 16-byte units (sources below 1 MiB),
+// no skip_slot inside [0, num_slots) (the kernel skips only the slots outside it).
+bool fits_row_args(const StoreCacheParams& p) {
+  const auto fits = [](int64_t v, int64_t max) { return v >= 0 && v % 16 == 0 && v / 16 <= max; };
+  return p.n <= INT32_MAX && p.k.num_slots <= INT32_MAX && p.num_heads <= INT32_MAX &&
+         (p.skip_slot < 0 || p.skip_slot >= p.k.num_slots) && fits(p.k.src_stride_token, UINT16_MAX) &&
+         fits(p.v.src_stride_token, UINT16_MAX) && fits(row_stride(p.k), UINT32_MAX) &&
+         fits(row_stride(p.v), UINT32_MAX);
+}
+
 // The latency calls a row kernel takes in a 16-byte build (store_cache.cuh, row kernels): no loc_map, one
 // scale per side, dense rows, one block size for K and V. Measured on an NVIDIA H100, H8 D128 flat
 // caches, CUDA-graph replay, same run (python -m jitkv.benchmark --op store_cache), latency kernel vs
 // row kernel: bf16 n = 1 / 4 / 16 / 64 / 256 0.99 / 1.01 / 1.03 / 1.11 / 1.46 us vs 0.88 / 0.87 / 0.94 /
 // 1.02 / 1.26; bf16 -> e4m3 n = 1 / 4 / 16 / 64 1.06 / 1.09 / 1.13 / 1.18 vs 0.95 / 0.95 / 1.01 / 1.12.
+// RowArgs with 64-bit strides and skip_slot (96 bytes flat, 120 paged or fp8) vs its 32/16-bit form
+// (64, 88), same run (scratch A/B): bf16 n = 1 / 2 / 4 / 16 / 64 0.947 / 0.922 / 0.950 / 0.980 / 1.020
+// vs 0.865 / 0.879 / 0.898 / 0.909 / 1.019; paged (block_size 16) n = 1 / 64 1.002 / 1.066 vs 0.913 /
+// 1.023; e4m3 n = 1 / 4 / 16 / 64 0.958 / 0.950 / 0.998 / 1.105 vs 0.950 / 0.945 / 0.996 / 1.099.
 bool use_row_kernel(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_head_bytes) {
   return p.loc_map == nullptr && p.k.scale_stride == 0 && p.v.scale_stride == 0 && p.same_blocks &&
-         dense_rows(p, p.k, k_head_bytes) && dense_rows(p, p.v, v_head_bytes);
-}
-
-// A side of a row kernel. With one slot per block (flat caches, and paged ones of block_size 1, whose
-// size-1 token dim may have any stride) the row stride is the block stride.
-RowSide row_side(const Side& s) {
-  return RowSide{s.src, s.dst, s.src_stride_token, s.block_size == 1 ? s.dst_stride_block : s.dst_stride_token};
+         dense_rows(p, p.k, k_head_bytes) && dense_rows(p, p.v, v_head_bytes) && fits_row_args(p);
 }
 
 // A row kernel's parameter block from the call's, and its launch.
 template <bool kPaged, typename TSlot>
 cudaError_t launch_row(const StoreCacheParams& p, dim3 grid, dim3 block, cudaStream_t stream, bool pdl) {
   RowArgsOf<kPaged, kFp8 != Fp8::kNone> a{};
-  a.k = row_side(p.k);
-  a.v = row_side(p.v);
+  a.src[0] = p.k.src;
+  a.src[1] = p.v.src;
+  a.dst[0] = p.k.dst;
+  a.dst[1] = p.v.dst;
   a.slots = p.slots;
-  a.num_slots = p.k.num_slots;
-  a.skip_slot = p.skip_slot;
-  a.n = static_cast<int32_t>(p.n);  // latency grids only: far below 2^31 tokens
+  a.n = static_cast<int32_t>(p.n);
+  a.num_slots = static_cast<int32_t>(p.k.num_slots);
+  a.dst_stride16[0] = static_cast<uint32_t>(row_stride(p.k) / 16);
+  a.dst_stride16[1] = static_cast<uint32_t>(row_stride(p.v) / 16);
+  a.src_stride16[0] = static_cast<uint16_t>(p.k.src_stride_token / 16);
+  a.src_stride16[1] = static_cast<uint16_t>(p.v.src_stride_token / 16);
   a.heads = static_cast<int32_t>(p.num_heads);
   if constexpr (kPaged) {
     a.k_block_adj = block_adj(p.k);

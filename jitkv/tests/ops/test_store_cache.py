@@ -543,6 +543,24 @@ def test_latency_and_bulk_kernels(kv_dtype, h, dk, dv, n):
 
 @gpu
 @pytest.mark.parametrize("kv_dtype", KV_KINDS)
+@pytest.mark.parametrize("n", [1, 40])
+def test_row_kernel_calls_beyond_its_parameter_block(kv_dtype, n):
+    """Calls the row kernel's 64-byte block cannot hold run the latency kernel and write the same
+    bytes: source rows 1 MiB + 32 bytes apart (16-bit strides in 16-byte units), a skip_slot that
+    is a slot of the caches."""
+    k, v, kc, vc, kw = _kv_case(n, 8, 128, 128, 4096, "cuda", kv_dtype)
+    wide = torch.randn(2, n, (1 << 19) + 16, device="cuda").to(k.dtype)
+    k_wide, v_wide = wide[0, :, : 8 * 128].view(n, 8, 128), wide[1, :, 16 : 16 + 8 * 128].view(n, 8, 128)
+    k_wide.copy_(k)
+    v_wide.copy_(v)
+    sm = slots(4096, n, torch.int64, "cuda")
+    sm[::7] = -1
+    _run(k_wide, v_wide, kc, vc, sm, "jit", **kw)
+    _run(k, v, kc, vc, sm, "jit", skip_slot=4095, **kw)
+
+
+@gpu
+@pytest.mark.parametrize("kv_dtype", KV_KINDS)
 def test_bulk_kernel_at_large_n(kv_dtype):
     """n x chunks beyond the latency kernel's limit (256 warps per SM for fp8 on a 132-SM GPU:
     32 heads x 128 fp8 = 8 chunks per side, 6000 tokens) runs the bulk kernel; padding and skip_slot
