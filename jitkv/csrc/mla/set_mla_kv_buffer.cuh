@@ -75,9 +75,9 @@ struct MlaFp8Args : MlaArgs {
 };
 
 // The latency kernels' compact blocks: MlaArgs in 48 bytes (MlaFp8Args in 64), for the calls whose
-// values fit (fits_row_args): n and num_slots below 2^31, source row strides in 16-byte units below
-// 1 MiB, the destination's in 8-byte units, and a skip_slot that is no slot of the buffer (the default
-// -1), which the kernel then need not test. Under CUDA-graph replay a launch costs more the larger its
+// values fit (set_mla_kv_buffer_cuda.cu fits_row_args): n and num_slots below 2^31, source row strides
+// in 16-byte units below 1 MiB, the destination's in 8-byte units, and a skip_slot that is no slot of
+// the buffer (the default -1), which the kernel then need not test. Under CUDA-graph replay a launch costs more the larger its
 // parameter block: NVIDIA H100, the MLA copy's latency kernel, same run, n = 1 / 8 / 32 / 128: 0.873 /
 // 0.899 / 0.923 / 0.998 us with MlaArgs' 80 bytes, 0.831 / 0.874 / 0.903 / 0.947 with these 48 (python
 // -m jitkv.benchmark --op set_mla_kv_buffer has both: "jit latency" and "jit latency, 80-byte block").
@@ -97,33 +97,6 @@ struct MlaFp8RowArgs : MlaRowArgs {
   const float* scale_ptr;
   float scale;
 };
-
-inline bool fits_row_args(const MlaArgs& p) {
-  const auto fits = [](int64_t v, int64_t unit, int64_t max) { return v >= 0 && v % unit == 0 && v / unit <= max; };
-  return p.n <= INT32_MAX && p.num_slots <= INT32_MAX && (p.skip_slot < 0 || p.skip_slot >= p.num_slots) &&
-         fits(p.nope_row_stride, 16, UINT16_MAX) && fits(p.rope_row_stride, 16, UINT16_MAX) &&
-         fits(p.dst_row_stride, 8, UINT32_MAX);
-}
-
-inline MlaRowArgs row_args(const MlaArgs& p) {
-  return {p.dst,
-          p.nope,
-          p.rope,
-          p.loc,
-          static_cast<int32_t>(p.n),
-          static_cast<int32_t>(p.num_slots),
-          static_cast<uint16_t>(p.nope_row_stride / 16),
-          static_cast<uint16_t>(p.rope_row_stride / 16),
-          static_cast<uint32_t>(p.dst_row_stride / 8)};
-}
-
-inline MlaFp8RowArgs fp8_row_args(const MlaFp8Args& p) {
-  MlaFp8RowArgs r;
-  static_cast<MlaRowArgs&>(r) = row_args(p);
-  r.scale_ptr = p.scale_ptr;
-  r.scale = p.scale;
-  return r;
-}
 
 struct MlaParams : MlaFp8Args {
   int32_t kv_format;               // KvFormat
@@ -492,7 +465,7 @@ __device__ __forceinline__ bool keeps(const MlaRowArgs& p, int64_t slot) {
 template <typename TLoc>
 __device__ __forceinline__ bool load_slot(const MlaArgs& p, int64_t row, int64_t& slot) {
   slot = static_cast<int64_t>(cuda::load(static_cast<const TLoc*>(p.loc) + row));
-  return slot >= 0 && slot != p.skip_slot && slot < p.num_slots;
+  return keeps(p, slot);
 }
 
 // Latency kernel (the default for 16-byte aligned rows that fit in registers, at every n): kRowWarps
@@ -867,7 +840,7 @@ __global__ void __launch_bounds__(32 * 8)
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (row >= p.n) return;
   const int64_t slot = static_cast<int64_t>(cuda::load(static_cast<const TLoc*>(p.loc) + row));
-  if (slot == p.skip_slot || static_cast<uint64_t>(slot) >= static_cast<uint64_t>(p.num_slots)) return;
+  if (!keeps(p, slot)) return;
   char* dst = p.dst + slot * p.dst_row_stride;
   const auto* nope = reinterpret_cast<const unsigned short*>(p.nope + row * p.nope_row_stride);
   const auto* rope = reinterpret_cast<const unsigned short*>(p.rope + row * p.rope_row_stride);

@@ -56,6 +56,27 @@ constexpr bool kPdl = JITKV_PDL != 0;
 uint64_t u(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr); }
 uint64_t u(int64_t x) { return static_cast<uint64_t>(x); }
 
+// Whether the compact blocks (set_mla_kv_buffer.cuh MlaRowArgs, MlaFp8RowArgs) hold the call, and
+// their fields from the call's.
+bool fits_row_args(const MlaArgs& p) {
+  using jitkv::cuda::fits_units;
+  return p.n <= INT32_MAX && p.num_slots <= INT32_MAX && (p.skip_slot < 0 || p.skip_slot >= p.num_slots) &&
+         fits_units(p.nope_row_stride, 16, UINT16_MAX) && fits_units(p.rope_row_stride, 16, UINT16_MAX) &&
+         fits_units(p.dst_row_stride, 8, UINT32_MAX);
+}
+
+MlaRowArgs row_args(const MlaArgs& p) {
+  return {p.dst,
+          p.nope,
+          p.rope,
+          p.loc,
+          static_cast<int32_t>(p.n),
+          static_cast<int32_t>(p.num_slots),
+          static_cast<uint16_t>(p.nope_row_stride / 16),
+          static_cast<uint16_t>(p.rope_row_stride / 16),
+          static_cast<uint32_t>(p.dst_row_stride / 8)};
+}
+
 #if JITKV_KV_FORMAT == 0
 // ---- the copy ----
 enum class Kernel { kAuto = 0, kTma = 1, kVector = 2, kLatency = 3 };
@@ -113,8 +134,8 @@ constexpr int kBulkWarps = 2;     // warps per block of the bulk kernels: best o
 constexpr int64_t kSplitRowsMax = 32;
 constexpr int kTwoRowsPerSm = 16;  // above this many rows per SM a bulk warp takes two rows per step
 
-// The latency kernel takes 16-byte aligned rows that fit in registers, at every n, in blocks of 4 warps
-// up to 8 rows per SM and 8 warps beyond (jitkv/cuda/launch.cuh latency_warps_per_block).
+// The latency kernel takes 16-byte aligned rows that fit in registers, at every n (launch shapes:
+// launch_latency_warps).
 bool latency_fits(const MlaParams& p) { return tunable<16>() && vector_path_vec_bytes(p) == 16; }
 
 // A row's warps (kRowWarps > 1) make a block of their own; one warp per row runs in blocks of
@@ -289,6 +310,15 @@ Fp8Kernel pick_kernel(const MlaParams& p, const DeviceInfo& info) {
                               << "16-byte vectors";
   }
   return kKernel;
+}
+
+// The compact fp8 block from the call's (fits_row_args says when it holds it).
+MlaFp8RowArgs fp8_row_args(const MlaFp8Args& p) {
+  MlaFp8RowArgs r;
+  static_cast<MlaRowArgs&>(r) = row_args(p);
+  r.scale_ptr = p.scale_ptr;
+  r.scale = p.scale;
+  return r;
 }
 
 template <int kRowWarps, typename TLoc>

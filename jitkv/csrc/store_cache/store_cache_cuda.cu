@@ -178,11 +178,11 @@ int64_t row_stride(const Side& s) { return s.block_size == 1 ? s.dst_stride_bloc
 // Whether RowArgs holds the call: counts below 2^31, strides in 16-byte units (sources below 1 MiB),
 // no skip_slot inside [0, num_slots) (the kernel skips only the slots outside it).
 bool fits_row_args(const StoreCacheParams& p) {
-  const auto fits = [](int64_t v, int64_t max) { return v >= 0 && v % 16 == 0 && v / 16 <= max; };
+  using jitkv::cuda::fits_units;
   return p.n <= INT32_MAX && p.k.num_slots <= INT32_MAX && p.num_heads <= INT32_MAX &&
-         (p.skip_slot < 0 || p.skip_slot >= p.k.num_slots) && fits(p.k.src_stride_token, UINT16_MAX) &&
-         fits(p.v.src_stride_token, UINT16_MAX) && fits(row_stride(p.k), UINT32_MAX) &&
-         fits(row_stride(p.v), UINT32_MAX);
+         (p.skip_slot < 0 || p.skip_slot >= p.k.num_slots) && fits_units(p.k.src_stride_token, 16, UINT16_MAX) &&
+         fits_units(p.v.src_stride_token, 16, UINT16_MAX) && fits_units(row_stride(p.k), 16, UINT32_MAX) &&
+         fits_units(row_stride(p.v), 16, UINT32_MAX);
 }
 
 // The latency calls a row kernel takes in a 16-byte build (store_cache.cuh, row kernels): no loc_map, one

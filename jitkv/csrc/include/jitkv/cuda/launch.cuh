@@ -95,6 +95,12 @@ __device__ __forceinline__ void warm_params(const Params& params, int64_t n) {
   if (x == 0x9e3779b9u && n < 0) __trap();  // never taken
 }
 
+// Whether `bytes` (a stride or offset) is a whole number of `unit`-byte units, at most `max_units` of
+// them: what a compact parameter block (32- or 16-bit fields in units) can hold.
+inline bool fits_units(int64_t bytes, int64_t unit, int64_t max_units) {
+  return bytes >= 0 && bytes % unit == 0 && bytes / unit <= max_units;
+}
+
 // Launches kernel<<<grid, block, 0, stream>>>(args...), with PDL when `pdl` (callers pass false below
 // sm_90, where the attribute does not exist).
 template <typename... KArgs, typename... Args>
