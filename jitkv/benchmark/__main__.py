@@ -97,15 +97,14 @@ def _cpu(ops, report):
     if "indexer" in ops:
         part = cpu.indexer_rows()
         print_table("DeepSeek-V3.2 indexer K cache", part)
+        rows += part
     if "gather_mla_cache" in ops:
         part = cpu.mla_gather_rows()
         print_table("gather_mla_cache", part)
         rows += part
     if "build" in ops:
         report["build"] = cpu.build_timings()
-        print("\n## build")
-        for k, v in report["build"].items():
-            print(f"- {k}: {v}")
+        _print_build(report["build"])
     return rows
 
 
@@ -134,7 +133,18 @@ def _gpu(ops, report):
             part = run()
             print_table(title, part)
             rows += part
+    if "build" in ops:
+        from .warm_start import warm_start  # noqa: PLC0415
+
+        report["build"] = warm_start("cuda")
+        _print_build(report["build"])
     return rows
+
+
+def _print_build(build: dict) -> None:
+    print("\n## build")
+    for k, v in build.items():
+        print(f"- {k}: {v}")
 
 
 if __name__ == "__main__":

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import tempfile
-import json
-import textwrap
 import time
 
 import torch
@@ -16,6 +15,7 @@ import jitkv
 from jitkv import reference
 
 from .common import Row, median_us
+from .warm_start import warm_start
 
 
 def _rand(shape, dtype):
@@ -177,22 +177,8 @@ def mla_fp8_rows(ns=(1, 133, 4096)) -> list[Row]:
     return rows
 
 
-_BUILD_PROBE = """
-import time, torch
-t0 = time.perf_counter()
-import jitkv
-t1 = time.perf_counter()
-kc = torch.zeros(64, 8, 128, dtype=torch.bfloat16); k = torch.ones(1, 8, 128, dtype=torch.bfloat16)
-jitkv.store_cache(k, k, kc, kc.clone(), torch.tensor([3]))
-buf = torch.zeros(64, 576, dtype=torch.bfloat16)
-jitkv.set_mla_kv_buffer(buf, torch.tensor([3]), torch.ones(1, 512, dtype=torch.bfloat16), torch.ones(1, 64, dtype=torch.bfloat16))
-t2 = time.perf_counter()
-print(f"IMPORT {(t1 - t0) * 1e3:.1f} FIRST {(t2 - t1) * 1e3:.1f}")
-"""
-
-
 def build_timings() -> dict:
-    """Cold build of each CPU module in an empty cache, then a new process that finds it cached."""
+    """Cold build of each CPU module in an empty cache, then new processes that find them published."""
     out = {}
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "JITKV_CACHE_DIR": cache, "JITKV_LOG_LEVEL": "WARNING"}
@@ -205,11 +191,5 @@ def build_timings() -> dict:
                 with open(m) as f:
                     man = json.load(f)
                 out[f"cold build {man['op']} (s)"] = man["seconds"]
-        warm = [subprocess.run([sys.executable, "-c", textwrap.dedent(_BUILD_PROBE)], capture_output=True, text=True, env=env).stdout
-                for _ in range(3)]
-        firsts = sorted(float(w.split("FIRST ")[1]) for w in warm if "FIRST" in w)
-        imports = sorted(float(w.split("IMPORT ")[1].split()[0]) for w in warm if "IMPORT" in w)
-        if firsts:
-            out["warm process: import jitkv (ms, median of 3)"] = imports[len(imports) // 2]
-            out["warm process: first calls of both ops after import (ms, median of 3)"] = firsts[len(firsts) // 2]
+        out.update(warm_start("cpu", env=env))
     return out

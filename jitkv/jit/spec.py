@@ -7,6 +7,7 @@ import os
 import platform
 import re
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,9 +128,12 @@ class JitSpec:
         return f"{self.op}[{args}] for {self.target_name}" if args else f"{self.op} for {self.target_name}"
 
 
+@cache_once
 def _find_include(inc: str, dirs: tuple[str, ...]) -> str | None:
     """The real path of ``inc`` in the first of ``dirs`` that has it, or None: a system or tvm-ffi
-    header, covered by the tvm-ffi version and the target."""
+    header, covered by the tvm-ffi version and the target. Memoized per process: which headers exist
+    does not change under a running engine, and the stats (a failed one per dir for each system
+    header) are most of a key's cost."""
     for d in dirs:
         p = os.path.join(d, inc)
         if os.path.isfile(p):  # stat first: realpath walks every path component
@@ -139,12 +143,26 @@ def _find_include(inc: str, dirs: tuple[str, ...]) -> str | None:
 
 _realpath = cache_once(os.path.realpath)  # lstats every path component: once per path and process
 
+# A file's (size, mtime, ctime, inode) -> its scan, per path: each source is read once per process.
+_SCANS: dict[str, tuple[tuple[int, int, int, int], tuple[str, tuple[str, ...]]]] = {}
+# A file whose timestamps are this recent when read is read again next time: a rewrite within one
+# timestamp tick (up to 2 s on some file systems) can leave size and times unchanged (git's "racy
+# clean" rule). Installed sources are always older, so an engine reads each once per process.
+_RACY_NS = 3_000_000_000
+
 
 def _scan(path: str) -> tuple[str, tuple[str, ...]]:
-    """(sha256, included names) of a source file, read afresh for every key: a few small files cost
-    well under a millisecond, while a memo keyed by mtime could miss an edit within one timestamp tick."""
+    """(sha256, included names) of a source file."""
+    st = os.stat(path)
+    sig = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    memo = _SCANS.get(path)
+    if memo is not None and memo[0] == sig:
+        return memo[1]
     data = Path(path).read_bytes()
-    return hashlib.sha256(data).hexdigest(), tuple(inc.decode() for inc in _INCLUDE.findall(data))
+    scan = hashlib.sha256(data).hexdigest(), tuple(inc.decode() for inc in _INCLUDE.findall(data))
+    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > _RACY_NS:
+        _SCANS[path] = (sig, scan)
+    return scan
 
 
 def env_flag(name: str) -> bool:

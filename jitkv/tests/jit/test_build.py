@@ -58,6 +58,25 @@ def test_key_tracks_content_args_flags_target_not_location(tmp_path):
     assert _spec(b).key() != base
 
 
+def test_key_reads_a_settled_source_once_and_sees_every_edit(tmp_path, monkeypatch):
+    """Sources whose times are older than the racy window are scanned once per process; an edit that
+    keeps the size is still seen (its mtime and ctime move)."""
+    from jitkv.jit import spec as spec_module  # noqa: PLC0415
+
+    root = _tree(tmp_path)
+    monkeypatch.setattr(spec_module, "_RACY_NS", 0)  # every file counts as settled
+    monkeypatch.setattr(spec_module, "_SCANS", {})  # check.h may be memoized by earlier tests
+    reads = []
+    read_bytes = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self.name) or read_bytes(self))
+    base = _spec(root).key()
+    assert sorted(reads) == ["add.cpp", "check.h", "delta.h"]
+    reads.clear()
+    assert _spec(root).key() == base and reads == []
+    _tree(root, delta=7)  # same size, new bytes
+    assert _spec(root).key() != base and sorted(reads) == ["add.cpp", "delta.h"]
+
+
 def test_closure_follows_includes(tmp_path):
     rels = [rel for rel, _ in _spec(_tree(tmp_path)).closure()]
     assert rels == ["include/jitkv/check.h", "tiny/add.cpp", "tiny/delta.h"]
