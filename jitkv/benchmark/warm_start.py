@@ -56,7 +56,8 @@ if dev == "cuda":
     torch.cuda.synchronize()
 ms = (time.perf_counter() - t0) * 1e3
 info = jitkv.backend_info()
-print("RESULT " + json.dumps({"ms": ms, "backends": {op: info[op][dev]["backend"] for op, _ in calls}}))
+device = str(torch.device(dev, 0) if dev == "cuda" else torch.device(dev))
+print("RESULT " + json.dumps({"ms": ms, "backends": {op: info[op][device]["backend"] for op, _ in calls}}))
 """
 
 
