@@ -40,6 +40,7 @@
 
 #include <cstdint>
 
+#include "jitkv/cuda/fp8.cuh"
 #include "jitkv/cuda/launch.cuh"
 
 #if !defined(JITKV_DSV4_HEAD_DIM) || !defined(JITKV_DSV4_NOPE) || !defined(JITKV_DSV4_GROUP) || \
@@ -120,17 +121,6 @@ __device__ __forceinline__ uint32_t e4m3x2(float hi, float lo) {
   return (e4m3_encode(hi) << 8) | e4m3_encode(lo);
 }
 
-__device__ __forceinline__ float e4m3_decode(uint32_t b) {
-  const uint32_t e = (b >> 3) & 15u, m = b & 7u, sign = (b & 0x80u) << 24;
-  if ((b & 0x7Fu) == 0x7Fu) return __uint_as_float(0x7FFFFFFFu);
-  if (e == 0) return __uint_as_float(__float_as_uint(float(m) * 0.001953125f) | sign);
-  return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
-}
-
-__device__ __forceinline__ void e4m3x2_to_f32(uint32_t q, float& lo, float& hi) {
-  lo = e4m3_decode(q & 0xFFu);
-  hi = e4m3_decode((q >> 8) & 0xFFu);
-}
 #else
 // Two floats -> two e4m3 bytes (hi in bits 8..15): round to nearest even, finite values past 448 and
 // infinities saturate to +-448 (equal to clamp then round).
@@ -139,21 +129,7 @@ __device__ __forceinline__ uint32_t e4m3x2(float hi, float lo) {
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
   return r;
 }
-
-// Two e4m3 bytes -> two floats, exact (through f16, which holds every e4m3 value).
-__device__ __forceinline__ void e4m3x2_to_f32(uint32_t q, float& lo, float& hi) {
-  uint32_t h2;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(static_cast<uint16_t>(q)));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(static_cast<uint16_t>(h2)));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(static_cast<uint16_t>(h2 >> 16)));
-}
 #endif
-
-__device__ __forceinline__ uint32_t bf16x2(float hi, float lo) {  // RN; NaN -> 0x7FFF
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Memory access. The cache and the source rows are read once: skip L1. A false predicate loads no
@@ -347,19 +323,6 @@ struct GatherParams {
   int64_t num_tiles;
 };
 
-// 8 e4m3 bytes times 2^(b-127) -> 8 bf16 (exact unless the scale leaves the bf16 range).
-__device__ __forceinline__ uint4 dequant8(uint2 q, float scale) {
-  uint32_t o[4];
-  const uint32_t w[2] = {q.x, q.y};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    float lo, hi;
-    e4m3x2_to_f32(w[j / 2] >> (16 * (j % 2)), lo, hi);
-    o[j] = bf16x2(hi * scale, lo * scale);
-  }
-  return make_uint4(o[0], o[1], o[2], o[3]);
-}
-
 // Block-table entry of position pos of request r, or -1 when pred is false or the position lies past
 // the table. Issued as a load that the caller need not wait for yet.
 __device__ __forceinline__ int32_t lookup_block(const GatherParams& p, int64_t r, int64_t pos,
@@ -409,9 +372,9 @@ __device__ __forceinline__ void gather_tokens(const GatherParams& p, int64_t r, 
     if (!((write_mask >> t) & 1u)) continue;
     const int64_t it = first + t * kGatherWarps;
     uint16_t* orow = p.out + r * p.out_s0 + (p.offset + it) * p.out_s1;
-    const uint4 oa = dequant8(a[t], ue8m0_scale((sc[t].x >> (8 * g)) & 0xFFu));
-    const uint4 ob = lane < 24 ? dequant8(make_uint2(b[t].x, b[t].y),
-                                          ue8m0_scale((sc[t].y >> (8 * g)) & 0xFFu))
+    // e4m3 times a power of two: exact unless the scale leaves the bf16 range
+    const uint4 oa = cuda::dequant8<false>(a[t].x, a[t].y, ue8m0_scale((sc[t].x >> (8 * g)) & 0xFFu));
+    const uint4 ob = lane < 24 ? cuda::dequant8<false>(b[t].x, b[t].y, ue8m0_scale((sc[t].y >> (8 * g)) & 0xFFu))
                                : b[t];
     *reinterpret_cast<uint4*>(orow + 8 * lane) = oa;  // plain stores: the attention kernel reads
     *reinterpret_cast<uint4*>(orow + 256 + 8 * lane) = ob;  // these rows next, from L2 if they stay

@@ -25,9 +25,9 @@
 #include "jitkv/check.h"
 
 #if defined(__CUDACC__)
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "jitkv/cuda/fp8.cuh"
 #include "jitkv/cuda/launch.cuh"
 #define JITKV_HD __host__ __device__
 #else
@@ -316,55 +316,6 @@ __device__ __forceinline__ uint4 ld8(const char* p) {
   return make_uint4(v.x, v.y, 0u, 0u);
 }
 
-__device__ __forceinline__ uint32_t bf16x2(float hi, float lo) {  // round to nearest even; NaN -> 0x7FFF
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 890
-// Pre-Ada: no fp8 conversion instruction. One e4m3fn byte -> float, exact (0x7F / 0xFF: NaN).
-__device__ __forceinline__ float e4m3_to_f32(uint32_t b) {
-  const uint32_t e = (b >> 3) & 15u, m = b & 7u, sign = (b & 0x80u) << 24;
-  if ((b & 0x7Fu) == 0x7Fu) return __uint_as_float(0x7FC00000u | sign);
-  if (e == 0) return __uint_as_float(__float_as_uint(static_cast<float>(m) * 0.001953125f) | sign);  // m * 2^-9
-  return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
-}
-#endif
-
-// Two fp8 values (bytes 0 and 1 of q) -> two floats, exact.
-template <int kFormat>
-__device__ __forceinline__ void fp8x2_to_f32(uint32_t q, float& lo, float& hi) {
-  if constexpr (kFormat == kFp8E5M2) {  // an e5m2 byte is the high byte of the fp16 of the same value
-    lo = __half2float(__ushort_as_half(static_cast<unsigned short>((q & 0xFFu) << 8)));
-    hi = __half2float(__ushort_as_half(static_cast<unsigned short>(q & 0xFF00u)));
-  } else {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    uint32_t h2;  // through f16, which holds every e4m3 value
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(static_cast<uint16_t>(q)));
-    lo = __half2float(__ushort_as_half(static_cast<unsigned short>(h2 & 0xFFFFu)));
-    hi = __half2float(__ushort_as_half(static_cast<unsigned short>(h2 >> 16)));
-#else
-    lo = e4m3_to_f32(q & 0xFFu);
-    hi = e4m3_to_f32((q >> 8) & 0xFFu);
-#endif
-  }
-}
-
-// Eight fp8 values (v.x, v.y) times scale -> eight bf16 (16 bytes).
-template <int kFormat>
-__device__ __forceinline__ uint4 dequant8(uint4 v, float scale) {
-  uint32_t o[4];
-  const uint32_t w[2] = {v.x, v.y};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    float lo, hi;
-    fp8x2_to_f32<kFormat>(w[k / 2] >> (16 * (k % 2)), lo, hi);
-    o[k] = bf16x2(hi * scale, lo * scale);
-  }
-  return make_uint4(o[0], o[1], o[2], o[3]);
-}
-
 // One row held by a warp: raw[i] is output vector j = lane + 32 i as loaded from the cache entry.
 template <int kFormat, int kOutBytes>
 struct RowRegs {
@@ -406,9 +357,9 @@ struct RowRegs {
       if (j >= kVecs) continue;
       uint4 v = raw[i];
       if constexpr (kFormat == kFp8E4M3 || kFormat == kFp8E5M2) {
-        v = dequant8<kFormat>(v, scale);
+        v = cuda::dequant8<kFormat == kFp8E5M2>(v.x, v.y, scale);
       } else if constexpr (kFormat == kDsMla) {
-        if (j < kNopeVecs) v = dequant8<kFp8E4M3>(v, tile_scale(j * 8 / DsMla::kTile));
+        if (j < kNopeVecs) v = cuda::dequant8<false>(v.x, v.y, tile_scale(j * 8 / DsMla::kTile));
       }
       if (!valid) v = make_uint4(0u, 0u, 0u, 0u);
       reinterpret_cast<uint4*>(out_row)[j] = v;
