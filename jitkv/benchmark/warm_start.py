@@ -76,7 +76,7 @@ def warm_start(device: str, runs: int = 5, env: dict | None = None) -> dict:
     publishes whatever the cache still lacks."""
     first = probe(device, env=env)
     out = {}
-    for tvm_ffi_first, label in ((False, "import jitkv + first call of all 7 ops"),
+    for tvm_ffi_first, label in ((False, f"import jitkv + first call of all {len(first['backends'])} ops"),
                                  (True, "the same with tvm_ffi already imported")):
         times = [probe(device, tvm_ffi_first=tvm_ffi_first, env=env)["ms"] for _ in range(runs)]
         out[f"warm start: {label} (ms, median of {runs})"] = round(statistics.median(times), 1)

@@ -338,13 +338,14 @@ def _build_and_publish(spec: JitSpec, final: Path) -> None:
 
 
 def _write_manifest(spec: JitSpec, lib: Path, seconds: float) -> None:
+    st = lib.stat()
     manifest = {
         "op": spec.op,
         "describe": spec.describe(),
         "key": spec_key(spec),
         "lib": lib.name,
-        "size": lib.stat().st_size,
-        "mtime_ns": lib.stat().st_mtime_ns,
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
         "sha256": _sha256(lib),
         "seconds": round(seconds, 3),
         "built_at": time.time(),
