@@ -79,15 +79,15 @@ def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, kv_cache_dt
         scale (or one given to "fp8_ds_mla"). IndexError: an out-of-range slot (CPU, or CUDA under
         JITKV_DEBUG=1); nothing is written then.
 
-    Algorithm: CPU — one pass over rows with AVX-512 copies or fp8 conversions, OpenMP above a payload
-    threshold, non-temporal stores when the buffer dwarfs the LLC. CUDA — for 16-byte aligned rows a
-    latency kernel: one warp per row (one per 16-byte register of the row up to 32 rows; fp8: two warps
-    per row up to 8 rows per SM) issues the slot load and the row's 16-byte loads together after the
-    programmatic-dependent-launch wait (SM90+), lets the next kernel launch, then stores if the slot is
-    kept (padding rows' sources are read, never
-    written); fp8 divides with a branch-free exact reciprocal division and converts with cvt.satfinite,
-    fp8_ds_mla reduces each tile's amax with redux.sync. Other views take a bulk (copy) or generic (fp8)
-    kernel that reads the slot first. A TMA bulk-store copy variant (sm_90a) is built but only runs when
+    Algorithm: CPU — one pass over rows with AVX-512 copies or fp8 conversions, OpenMP above a
+    payload threshold, non-temporal stores when the buffer dwarfs the LLC. CUDA — for 16-byte
+    aligned rows a latency kernel: one warp per row (one per 16-byte register of the row up to 32
+    rows; fp8: two warps per row up to 8 rows per SM) issues the slot load and the row's 16-byte
+    loads together after the programmatic-dependent-launch wait (SM90+), lets the next kernel
+    launch, then stores if the slot is kept (padding rows' sources are read, never written); fp8
+    divides with a branch-free exact reciprocal division and converts with cvt.satfinite, fp8_ds_mla
+    reduces each tile's amax with redux.sync. Other views take a bulk (copy) or generic (fp8) kernel
+    that reads the slot first. A TMA bulk-store copy variant (sm_90a) is built but only runs when
     forced: it measured no faster. Triton (one program per row) as the fallback.
     """
     if is_compiling():

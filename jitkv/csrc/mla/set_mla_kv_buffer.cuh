@@ -77,12 +77,12 @@ struct MlaFp8Args : MlaArgs {
 // The latency kernels' compact blocks: MlaArgs in 48 bytes (MlaFp8Args in 64), for the calls whose
 // values fit (set_mla_kv_buffer_cuda.cu fits_row_args): n and num_slots below 2^31, source row strides
 // in 16-byte units below 1 MiB, the destination's in 8-byte units, and a skip_slot that is no slot of
-// the buffer (the default -1), which the kernel then need not test. Under CUDA-graph replay a launch costs more the larger its
-// parameter block: NVIDIA H100, the MLA copy's latency kernel, same run, n = 1 / 8 / 32 / 128: 0.873 /
-// 0.899 / 0.923 / 0.998 us with MlaArgs' 80 bytes, 0.831 / 0.874 / 0.903 / 0.947 with these 48 (python
-// -m jitkv.benchmark --op set_mla_kv_buffer has both: "jit latency" and "jit latency, 80-byte block").
-// The fp8 kernel gains less from its 64 (e4m3 n = 1 / 8 / 64: 0.954 / 0.998 / 1.045 against 0.947 /
-// 0.984 / 1.027 us): its conversion chain, not the launch, dominates.
+// the buffer (the default -1), which the kernel then need not test. Under CUDA-graph replay a launch
+// costs more the larger its parameter block: NVIDIA H100, the MLA copy's latency kernel, same run, n =
+// 1 / 8 / 32 / 128: 0.873 / 0.899 / 0.923 / 0.998 us with MlaArgs' 80 bytes, 0.831 / 0.874 / 0.903 /
+// 0.947 with these 48 (python -m jitkv.benchmark --op set_mla_kv_buffer has both: "jit latency" and
+// "jit latency, 80-byte block"). The fp8 kernel gains less from its 64 (e4m3 n = 1 / 8 / 64: 0.954 /
+// 0.998 / 1.045 against 0.947 / 0.984 / 1.027 us): its conversion chain, not the launch, dominates.
 struct MlaRowArgs {
   char* dst;
   const char* nope;

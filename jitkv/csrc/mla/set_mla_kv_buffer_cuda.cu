@@ -329,8 +329,9 @@ cudaError_t launch_fast(const MlaParams& p, const DeviceInfo& info, cudaStream_t
     constexpr int wpb = kRowWarps == 2 ? kSplitBlockWarps : kRowBlockWarps;
     const dim3 grid(static_cast<unsigned>((p.n * kRowWarps + wpb - 1) / wpb)), block(32 * wpb);
     if (fits_row_args(p)) {
-      return jitkv::cuda::launch(set_mla_kv_buffer_fp8_kernel<kFormat, kSrc, kNope, kRope, kRowWarps, TLoc, MlaFp8RowArgs>,
-                                 grid, block, stream, kPdl && info.pdl(), fp8_row_args(p));
+      return jitkv::cuda::launch(
+          set_mla_kv_buffer_fp8_kernel<kFormat, kSrc, kNope, kRope, kRowWarps, TLoc, MlaFp8RowArgs>, grid, block,
+          stream, kPdl && info.pdl(), fp8_row_args(p));
     }
     return jitkv::cuda::launch(set_mla_kv_buffer_fp8_kernel<kFormat, kSrc, kNope, kRope, kRowWarps, TLoc, MlaFp8Args>,
                                grid, block, stream, kPdl && info.pdl(), static_cast<const MlaFp8Args&>(p));

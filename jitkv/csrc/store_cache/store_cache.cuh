@@ -769,7 +769,9 @@ struct NoScales {};
 
 // The block of one row kernel: RowArgs, then RowBlocks for paged caches, RowScales for fp8.
 template <bool kPaged, bool kQuant>
-struct RowArgsOf : RowArgs, std::conditional_t<kPaged, RowBlocks, NoBlocks>, std::conditional_t<kQuant, RowScales, NoScales> {};
+struct RowArgsOf : RowArgs,
+                   std::conditional_t<kPaged, RowBlocks, NoBlocks>,
+                   std::conditional_t<kQuant, RowScales, NoScales> {};
 
 // grid = (ceil(n / warps_per_block), chunks, sides) as the latency kernel; lane l of chunk c moves
 // kVec-byte vector 32 c + l of the K row and of the V row (or, with split sides, of the side

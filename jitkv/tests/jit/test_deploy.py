@@ -290,7 +290,8 @@ WARM = textwrap.dedent(
             args = op_calls.make_args(op, "cpu")
             want = op_calls.expected(op, args)
             op_calls.run(op, args)
-            correct[op] = all(torch.equal(as_bytes(args[d]), as_bytes(w)) for d, w in zip(op_calls.DESTINATIONS[op], want))
+            correct[op] = all(torch.equal(as_bytes(args[d]), as_bytes(w))
+                              for d, w in zip(op_calls.DESTINATIONS[op], want))
     info = {op: d["cpu"]["backend"] for op, d in __import__("jitkv").backend_info().items()}
     print("RESULT " + json.dumps({"correct": correct, "backends": info, "reads": reads, "hashed": hashed,
                                   "warnings": [str(w.message) for w in caught]}))
