@@ -219,8 +219,9 @@ def mla_fp8_rows(bw: float, floor_us: float, ns=MLA_NS) -> list[Row]:
         bufs = [torch.empty(rows_per_layer, width, dtype=torch.uint8, device="cuda").random_(0, 256).view(buf_dtype)
                 for _ in range(LAYERS)]
         code, fmt_scale = mla.FORMATS[fmt], None if fmt == "fp8_ds_mla" else scale
+        kinds = ("split", "row", "generic") if fmt == "fp8_ds_mla" else ("lanes", "split", "row", "generic")
         kernel = {k: jitkv.jit.get_function(mla.cuda_spec(arch, 1024, 128, kernel=k, kv_format=code, src_dtype=1),
-                                            mla.FP8_ENTRY) for k in ("split", "row", "generic")}
+                                            mla.FP8_ENTRY) for k in kinds}
         for n in ns:
             nope = [torch.randn(n, 512, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
             rope = [torch.randn(n, 64, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]

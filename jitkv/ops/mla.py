@@ -82,13 +82,14 @@ def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, kv_cache_dt
     Algorithm: CPU — one pass over rows with AVX-512 copies or fp8 conversions, OpenMP above a
     payload threshold, non-temporal stores when the buffer dwarfs the LLC. CUDA — for 16-byte
     aligned rows a latency kernel: one warp per row (one per 16-byte register of the row up to 32
-    rows; fp8: two warps per row up to 8 rows per SM) issues the slot load and the row's 16-byte
-    loads together after the programmatic-dependent-launch wait (SM90+), lets the next kernel
-    launch, then stores if the slot is kept (padding rows' sources are read, never written); fp8
-    divides with a branch-free exact reciprocal division and converts with cvt.satfinite, fp8_ds_mla
-    reduces each tile's amax with redux.sync. Other views take a bulk (copy) or generic (fp8) kernel
-    that reads the slot first. A TMA bulk-store copy variant (sm_90a) is built but only runs when
-    forced: it measured no faster. Triton (one program per row) as the fallback.
+    rows; fp8: the same up to 32 rows for e4m3 / e5m2, then two warps per row up to 8 rows per SM)
+    issues the slot load and the row's 16-byte loads together after the programmatic-dependent-launch
+    wait (SM90+), lets the next kernel launch, then stores if the slot is kept (padding rows' sources
+    are read, never written); fp8 divides with a branch-free exact reciprocal division and converts
+    with cvt.satfinite, fp8_ds_mla reduces each tile's amax with redux.sync. Other views take a bulk
+    (copy) or generic (fp8) kernel that reads the slot first. A TMA bulk-store copy variant (sm_90a)
+    is built but only runs when forced: it measured no faster. Triton (one program per row) as the
+    fallback.
     """
     if is_compiling():
         scale_t, scale_v = _scale_args(scale, kv_cache_dtype)
@@ -159,8 +160,9 @@ def cpu_spec() -> JitSpec:
 # Kernels a module can be built to run (set_mla_kv_buffer_cuda.cu): "auto" is the measured choice the op
 # uses; the others exist for the tests and the benchmark's per-kernel rows.
 KERNELS = {"auto": 0, "tma": 1, "vector": 2, "latency": 3}
-# The same for the fp8 modules: two warps per row, one warp per row, the any-alignment kernel.
-FP8_KERNELS = {"auto": 0, "split": 1, "row": 2, "generic": 3}
+# The same for the fp8 modules: two warps per row, one warp per row, the any-alignment kernel, one source
+# vector per lane (e4m3 / e5m2).
+FP8_KERNELS = {"auto": 0, "split": 1, "row": 2, "generic": 3, "lanes": 4}
 
 
 def cuda_spec(arch: str, nope_bytes: int, rope_bytes: int, *, kernel: str = "auto", pdl: bool = True,
@@ -292,8 +294,9 @@ def _jit_fp8(device, variant):
     nope_bytes, rope_bytes, code, src = variant
     fn, info = jit_function(cuda_spec(cuda_target(device), nope_bytes, rope_bytes, kv_format=code, src_dtype=src),
                             FP8_ENTRY)
-    info["path"] = ("fp8 kernel for 16-byte aligned sources (two warps per row up to 8 rows per SM, else one), "
-                    "else the generic fp8 kernel (set_mla_kv_buffer_cuda.cu)")
+    info["path"] = ("fp8 kernel for 16-byte aligned sources (e4m3 / e5m2: one vector per lane up to 32 rows; then "
+                    "two warps per row up to 8 rows per SM, else one), else the generic fp8 kernel "
+                    "(set_mla_kv_buffer_cuda.cu)")
     return _fp8_caller(fn, debug_checks()), info
 
 

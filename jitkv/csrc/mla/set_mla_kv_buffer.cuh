@@ -821,6 +821,40 @@ __global__ void __launch_bounds__(32 * 8)
   }
 }
 
+// Lanes fp8 kernel (e4m3 / e5m2; the fast kernel's alignment): the copy latency kernel's layout with one
+// 16-byte source vector per lane. Vector j of a row (k_nope's vectors, then k_rope's: RowShape) goes to
+// lane j % 32 of the row's warp j / 32 (3 warps for 512+64 bf16), and its 8 fp8 bytes to byte 8 j of the
+// destination row, where the quantized nope and rope lie back to back. A warp converts one vector per
+// lane, half of split's chain. After the PDL wait every load goes out (slot, scale, source vector), the
+// next kernel may launch, and the slot test comes right after that trigger: it ends the trigger's
+// basic block. Without it ptxas schedules the scale's reciprocal ahead of the trigger, which then
+// waits for the scale load: NVIDIA H100, 512+64 bf16 -> e4m3, graph replay, same run, n = 2 / 4 / 8 /
+// 16 / 32 0.956 / 1.010 / 1.018 / 1.024 / 1.040 us that way, 0.927 / 0.904 / 0.919 / 0.928 / 0.954
+// this way (the benchmark's "jit lanes" row re-measures the latter). Args: MlaFp8RowArgs, or
+// MlaFp8Args for the calls it cannot hold.
+template <KvFormat kFmt, Src16 kSrc, int kNopeBytes, int kRopeBytes, typename TLoc, typename Args>
+__global__ void __launch_bounds__(32 * 8)
+    set_mla_kv_buffer_fp8_lanes_kernel(const __grid_constant__ Args p) {
+  using S = RowShape<kNopeBytes, kRopeBytes, 16>;
+  static_assert(kFmt != KvFormat::kDsMla, "fp8_ds_mla records are not [nope | rope] fp8 bytes");
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int64_t row = warp / S::kIters;
+  const int j = static_cast<int>(warp % S::kIters) * 32 + (threadIdx.x & 31);
+  cuda::warm_params(p, p.n);
+  if (row >= p.n || j >= S::kVecs) return;
+  const char* src = j < S::kNopeVecs ? p.nope + row * nope_stride(p) + 16 * j
+                                     : p.rope + row * rope_stride(p) + 16 * (j - S::kNopeVecs);
+  cuda::pdl_wait();  // loc, the sources and a device scale may come from the previous kernel
+  const int64_t slot = static_cast<int64_t>(cuda::load(static_cast<const TLoc*>(p.loc) + row));
+  const float scale = p.scale_ptr ? cuda::load(p.scale_ptr) : p.scale;
+  const uint4 v = cuda::load(reinterpret_cast<const uint4*>(src));
+  cuda::pdl_launch_dependents();  // after every load (see set_mla_kv_buffer_latency_kernel)
+  if (!keeps(p, slot)) return;     // padding, skipped and out-of-range slots are never written
+  const cuda::Divider d(scale);
+  const uint2 q = d.quick_exact ? quantize_vec<kSrc, kFmt, true>(v, d) : quantize_vec<kSrc, kFmt, false>(v, d);
+  reinterpret_cast<uint2*>(p.dst + slot * dst_stride(p))[j] = q;
+}
+
 template <KvFormat kFmt>
 __device__ __forceinline__ char fp8_byte(float q) {
   return static_cast<char>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, fp8_interp<kFmt>()));

@@ -263,29 +263,39 @@ void set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView k_nope, 
 #if !defined(JITKV_SRC_DTYPE) || !defined(JITKV_DSMLA_BYTES)
 #error "fp8 modules need -DJITKV_SRC_DTYPE and the fp8_ds_mla record's layout (-DJITKV_DSMLA_*)"
 #endif
-// Kernels (JITKV_KERNEL: 0 auto, 1 split, 2 row, 3 generic; a forced kernel that cannot run the
-// arguments raises ValueError):
+// Kernels (JITKV_KERNEL: 0 auto, 1 split, 2 row, 3 generic, 4 lanes; a forced kernel that cannot run
+// the arguments raises ValueError):
 //  - the fast kernel for 16-byte aligned sources, destination rows 8-byte aligned (16 for fp8_ds_mla)
 //    and row parts of whole 16-byte vectors: "split" gives each row two warps (half the conversion
 //    chain per warp, for a lone row's latency), "row" one warp (twice the bytes in flight per warp);
+//  - "lanes" (e4m3 / e5m2, the fast kernel's alignment): one source vector per lane, a block of one
+//    row's warps (3 for 512+64 bf16);
 //  - the generic kernel for anything else (any alignment, any row length).
-// Auto takes split up to 8 rows per SM and row beyond. Split runs in blocks of 4 warps, row in blocks
-// of 8. Measured on an NVIDIA H100, 512+64 bf16 -> e4m3, CUDA-graph replay (python -m jitkv.benchmark
-// --op set_mla_kv_buffer has the "jit split / row / generic" rows): split at n = 16 / 64 / 512 / 1024
-// 0.99 / 1.04 / 1.23 / 1.42 us in blocks of 4 warps, 1.06 / 1.09 / 1.43 / 1.58 in blocks of 8, 1.04 /
-// 1.13 / 2.00 / 3.28 in blocks of 1 (one SM converting 8 warps' rows is issue-bound; many one-warp
-// blocks cost more to schedule); row at n = 2048 1.86 us against split's 2.08.
+// Auto takes lanes up to kLanesRowsMax rows (e4m3 / e5m2), split up to 8 rows per SM, row beyond.
+// Split runs in blocks of 4 warps, row in blocks of 8. Measured on an NVIDIA H100, 512+64 bf16 ->
+// e4m3, CUDA-graph replay (python -m jitkv.benchmark --op set_mla_kv_buffer has the "jit lanes / split
+// / row / generic" rows):
+//  - lanes vs split, same run: n = 1 / 4 / 8 / 16 / 32 / 64 / 128 0.894 / 0.904 / 0.919 / 0.928 / 0.954
+//    / 1.025 / 1.070 vs 0.904 / 0.952 / 0.969 / 0.965 / 0.970 / 1.005 / 1.113 us (the bf16 copy 0.809 /
+//    0.841 / 0.857 / 0.865 / 0.878 / 0.873 / 0.945); at 512 / 1024 lanes 1.32 / 1.99 vs 1.25 / 1.48;
+//  - split at n = 16 / 64 / 512 / 1024 0.99 / 1.04 / 1.23 / 1.42 us in blocks of 4 warps, 1.06 / 1.09
+//    / 1.43 / 1.58 in blocks of 8, 1.04 / 1.13 / 2.00 / 3.28 in blocks of 1 (one SM converting 8
+//    warps' rows is issue-bound; many one-warp blocks cost more to schedule); row at n = 2048 1.86 us
+//    against split's 2.08.
 constexpr KvFormat kFormat = static_cast<KvFormat>(JITKV_KV_FORMAT);
 constexpr Src16 kSrc = static_cast<Src16>(JITKV_SRC_DTYPE);
 static_assert(JITKV_KV_FORMAT >= 1 && JITKV_KV_FORMAT <= 3, "JITKV_KV_FORMAT: 1 e4m3, 2 e5m2, 3 fp8_ds_mla");
 static_assert(JITKV_SRC_DTYPE == 1 || JITKV_SRC_DTYPE == 2, "JITKV_SRC_DTYPE: 1 bf16, 2 fp16");
-enum class Fp8Kernel { kAuto = 0, kSplit = 1, kRow = 2, kGeneric = 3 };
+enum class Fp8Kernel { kAuto = 0, kSplit = 1, kRow = 2, kGeneric = 3, kLanes = 4 };
 constexpr Fp8Kernel kKernel = static_cast<Fp8Kernel>(JITKV_KERNEL);
-static_assert(JITKV_KERNEL >= 0 && JITKV_KERNEL <= 3, "JITKV_KERNEL: 0 auto, 1 split, 2 row, 3 generic");
+static_assert(JITKV_KERNEL >= 0 && JITKV_KERNEL <= 4, "JITKV_KERNEL: 0 auto, 1 split, 2 row, 3 generic, 4 lanes");
 constexpr bool kFastBuilt = kNope % 16 == 0 && kRope % 16 == 0;
 constexpr bool kSplitBuilt = kFastBuilt && fp8_row_splits<kNope, kRope>();
 constexpr int kSplitBlockWarps = 4, kRowBlockWarps = 8;
 constexpr int kSplitRowsPerSm = 8;
+constexpr int64_t kLanesRowsMax = 32;
+constexpr int kLanesWarps = ((kNope + kRope) / 16 + 31) / 32;  // per row, and per block (RowShape<.., 16>::kIters)
+constexpr bool kLanesBuilt = kFastBuilt && kFormat != KvFormat::kDsMla && kLanesWarps <= 8;  // __launch_bounds__
 
 // Whether the fast kernel's vectors fit these tensors.
 bool fast_fits(const MlaParams& p) {
@@ -298,16 +308,20 @@ Fp8Kernel pick_kernel(const MlaParams& p, const DeviceInfo& info) {
   const bool fast = fast_fits(p);
   if (kKernel == Fp8Kernel::kAuto) {
     if (!fast) return Fp8Kernel::kGeneric;
+    if (kLanesBuilt && p.n <= kLanesRowsMax) return Fp8Kernel::kLanes;
     return kSplitBuilt && p.n <= kSplitRowsPerSm * static_cast<int64_t>(info.sms) ? Fp8Kernel::kSplit
                                                                                   : Fp8Kernel::kRow;
   }
-  if ((kKernel == Fp8Kernel::kSplit || kKernel == Fp8Kernel::kRow) && !fast) {
+  if ((kKernel == Fp8Kernel::kSplit || kKernel == Fp8Kernel::kRow || kKernel == Fp8Kernel::kLanes) && !fast) {
     TVM_FFI_THROW(ValueError) << kOp << ": the fast fp8 kernel needs 16-byte aligned sources and destination rows "
                               << (kFormat == KvFormat::kDsMla ? 16 : 8) << "-byte aligned, in rows of 16-byte vectors";
   }
   if (kKernel == Fp8Kernel::kSplit && !kSplitBuilt) {
     TVM_FFI_THROW(ValueError) << kOp << ": the split fp8 kernel needs nope and rope parts of an even number of "
                               << "16-byte vectors";
+  }
+  if (kKernel == Fp8Kernel::kLanes && !kLanesBuilt) {
+    TVM_FFI_THROW(ValueError) << kOp << ": the lanes fp8 kernel writes e4m3 / e5m2 rows, not fp8_ds_mla records";
   }
   return kKernel;
 }
@@ -338,6 +352,22 @@ cudaError_t launch_fast(const MlaParams& p, const DeviceInfo& info, cudaStream_t
   }
 }
 
+// The lanes kernel: a block per row.
+template <typename TLoc>
+cudaError_t launch_lanes(const MlaParams& p, const DeviceInfo& info, cudaStream_t stream) {
+  if constexpr (!kLanesBuilt) {
+    return cudaErrorInvalidValue;
+  } else {
+    const dim3 grid(static_cast<unsigned>(p.n)), block(32 * kLanesWarps);
+    if (fits_row_args(p)) {
+      return jitkv::cuda::launch(set_mla_kv_buffer_fp8_lanes_kernel<kFormat, kSrc, kNope, kRope, TLoc, MlaFp8RowArgs>,
+                                 grid, block, stream, kPdl && info.pdl(), fp8_row_args(p));
+    }
+    return jitkv::cuda::launch(set_mla_kv_buffer_fp8_lanes_kernel<kFormat, kSrc, kNope, kRope, TLoc, MlaFp8Args>,
+                               grid, block, stream, kPdl && info.pdl(), static_cast<const MlaFp8Args&>(p));
+  }
+}
+
 template <typename TLoc>
 cudaError_t launch_generic(const MlaParams& p, const DeviceInfo& info, cudaStream_t stream) {
   const auto blocks = static_cast<unsigned>((p.n + kRowBlockWarps - 1) / kRowBlockWarps);
@@ -350,6 +380,7 @@ cudaError_t launch(Fp8Kernel kernel, const MlaParams& p, const DeviceInfo& info,
   switch (kernel) {
     case Fp8Kernel::kSplit: return launch_fast<2, TLoc>(p, info, stream);
     case Fp8Kernel::kRow: return launch_fast<1, TLoc>(p, info, stream);
+    case Fp8Kernel::kLanes: return launch_lanes<TLoc>(p, info, stream);
     default: return launch_generic<TLoc>(p, info, stream);
   }
 }

@@ -415,7 +415,7 @@ def _fp8_module(fmt, src, kernel, pdl=True):
 
 @gpu
 @pytest.mark.parametrize("kernel,pdl", [("auto", True), ("auto", False), ("split", True), ("row", True),
-                                        ("generic", True)])
+                                        ("lanes", True), ("generic", True)])
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp8_ds_mla"])
 @pytest.mark.parametrize("src", SRC_DTYPES)
 @pytest.mark.parametrize("n", [1, 5, 133, 3000])
@@ -428,6 +428,8 @@ def test_every_cuda_kernel_keeps_the_contract(kernel, pdl, fmt, src, n, idx_dtyp
     buffer) runs the fast kernel with its 64-bit parameter block, -1 with the compact one."""
     from jitkv.ops.mla import FORMATS as CODES  # noqa: PLC0415
 
+    if kernel == "lanes" and fmt == "fp8_ds_mla":
+        pytest.skip("the lanes kernel writes e4m3 / e5m2 rows (test_forced_lanes_kernel_refuses_what_it_cannot_write)")
     fn = _fp8_module(fmt, src, kernel, pdl)
     num_slots = 4096
     width = DS_MLA_RECORD_BYTES if fmt == "fp8_ds_mla" else 576
@@ -449,7 +451,7 @@ def test_every_cuda_kernel_keeps_the_contract(kernel, pdl, fmt, src, n, idx_dtyp
 
 
 @gpu
-@pytest.mark.parametrize("kernel", ["split", "row"])
+@pytest.mark.parametrize("kernel", ["split", "row", "lanes"])
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("src", SRC_DTYPES)
 def test_every_16_bit_value_around_the_quick_division_window(kernel, fmt, src):
@@ -482,4 +484,22 @@ def test_forced_fast_kernel_that_cannot_run_raises(kernel):
     before = buf.clone()
     with pytest.raises(ValueError, match="16-byte aligned"):
         fn(buf, loc, x[:, :512], x[:, 512:], -1, 3, None, -1.0)
+    assert_bitwise(buf, before)
+
+
+@gpu
+def test_forced_lanes_kernel_refuses_what_it_cannot_write():
+    """A module forced to the lanes kernel refuses fp8_ds_mla records and sources that are not 16-byte
+    aligned, before writing."""
+    x = values((5, 600), torch.bfloat16).cuda()
+    loc = slots(64, 4, torch.int64, "cuda")
+    record = rand((64, 656), torch.uint8, "cuda")
+    before = record.clone()
+    with pytest.raises(ValueError, match="lanes fp8 kernel writes e4m3 / e5m2"):
+        _fp8_module("fp8_ds_mla", torch.bfloat16, "lanes")(record, loc, x[:4, :512], x[:4, 512:576], -1, 3, None, -1.0)
+    assert_bitwise(record, before)
+    buf = rand((64, 576), torch.uint8, "cuda").view(torch.float8_e4m3fn)
+    before = buf.clone()
+    with pytest.raises(ValueError, match="16-byte aligned"):  # rows start 8 bytes into 16-byte lines
+        _fp8_module("fp8_e4m3", torch.bfloat16, "lanes")(buf, loc, x[:4, 4:516], x[:4, 516:580], -1, 1, None, 0.5)
     assert_bitwise(buf, before)
