@@ -101,13 +101,14 @@ def empty_kernel_us() -> float:
 
 
 def _timed_rows(op, case, n, moved, cases, bw, floor_us, *, eager=()) -> list[Row]:
-    """One row per (name, step) case; the first case is the torch baseline. Names in ``eager`` are
-    timed per call with events instead of graph replay (they sync on the host). ``x_floor``: µs over
-    the latency floor's of the same run."""
+    """One row per (name, step) case, or (name, step, bytes) for a case that moves other bytes than
+    ``moved`` (a reference write of another format); the first case is the torch baseline. Names in
+    ``eager`` are timed per call with events instead of graph replay (they sync on the host).
+    ``x_floor``: µs over the latency floor's of the same run."""
     from jitkv.ops._dispatch import BackendUnavailable  # noqa: PLC0415
 
     rows, base = [], None
-    for name, step in cases:
+    for name, step, *case_moved in cases:
         try:
             us = eager_us(step) if name in eager else graph_us(step)
         except (BackendUnavailable, RuntimeError, ValueError) as e:
@@ -115,7 +116,8 @@ def _timed_rows(op, case, n, moved, cases, bw, floor_us, *, eager=()) -> list[Ro
             continue
         base = us if base is None else base
         label = name + (" (eager)" if name in eager else "")
-        rows.append(Row(op, case, n, label, us, moved, base, bw, {"x_floor": round(us / floor_us, 2)}))
+        rows.append(Row(op, case, n, label, us, case_moved[0] if case_moved else moved, base, bw,
+                        {"x_floor": round(us / floor_us, 2)}))
     return rows
 
 
@@ -229,7 +231,8 @@ def mla_fp8_rows(bw: float, floor_us: float, ns=MLA_NS) -> list[Row]:
             moved = n * (1152 + width)
             kw = dict(kv_cache_dtype=fmt, scale=fmt_scale)
             cases = [
-                ("bf16 copy (jitkv auto)", lambda i: jitkv.set_mla_kv_buffer(copy_bufs[i], locs[i], nope[i], rope[i])),
+                ("bf16 copy (jitkv auto)", lambda i: jitkv.set_mla_kv_buffer(copy_bufs[i], locs[i], nope[i], rope[i]),
+                 n * 2 * 1152),
                 ("jitkv auto", lambda i: jitkv.set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i], **kw)),
             ] + [(f"jit {k}", lambda i, k=k: kernel[k](bufs[i], locs[i], nope[i], rope[i], -1, code, fmt_scale, -1.0))
                  for k in kernel] + [
@@ -260,14 +263,22 @@ STORE_NS = (1, 2, 4, 16, 64, 256, 1024, 4096, 16384, 131072)
 
 
 def store_cache_rows(bw: float, floor_us: float, ns=STORE_NS) -> list[Row]:
-    slots_per_layer = 1 << 18  # K and V caches of 8 heads x 128 bf16: 1 GB per layer, 8 GB in all
+    """H=8, D=128 K and V rows into flat caches: bf16 copies, then bf16 -> e4m3 with one scale per side or
+    one per head (vLLM's per-head quantization, its own kernels). The fp8 sweeps time the bf16 copy of
+    the same rows in the same case list ("bf16 copy (jitkv auto)", with its own bytes), the reference
+    their ratio is taken against."""
+    slots_per_layer = 1 << 18  # K and V caches of 8 heads x 128 bf16: 1 GB per layer, 8 GB (+ 4 GB fp8)
+
+    def caches(dtype):
+        return [torch.empty(slots_per_layer, 8, 128, device="cuda").normal_().to(dtype) for _ in range(2 * LAYERS)]
+
+    bf16_caches = caches(torch.bfloat16)
     rows = []
-    # fp8: one scale per side, or one per head (vLLM's per-head quantization, its own kernels)
     for label, cache_dtype, kv_dtype, scales in (("bf16", torch.bfloat16, "auto", 0),
                                                  ("bf16->fp8 e4m3", torch.float8_e4m3fn, "fp8_e4m3", 1),
                                                  ("bf16->fp8 e4m3 per-head", torch.float8_e4m3fn, "fp8_e4m3", 8)):
-        kcs = [torch.empty(slots_per_layer, 8, 128, device="cuda").normal_().to(cache_dtype) for _ in range(LAYERS)]
-        vcs = [torch.empty(slots_per_layer, 8, 128, device="cuda").normal_().to(cache_dtype) for _ in range(LAYERS)]
+        both = bf16_caches if kv_dtype == "auto" else caches(cache_dtype)
+        kcs, vcs = both[:LAYERS], both[LAYERS:]
         kw = {} if kv_dtype == "auto" else dict(kv_cache_dtype=kv_dtype,
                                                 k_scale=torch.linspace(0.5, 1.5, scales, device="cuda"),
                                                 v_scale=torch.linspace(0.25, 2.0, scales, device="cuda"))
@@ -285,14 +296,18 @@ def store_cache_rows(bw: float, floor_us: float, ns=STORE_NS) -> list[Row]:
                     kcs[i][sms[i]] = (ks[i].float() / kw["k_scale"].view(-1, 1)).clamp(-448, 448).to(cache_dtype)
                     vcs[i][sms[i]] = (vs[i].float() / kw["v_scale"].view(-1, 1)).clamp(-448, 448).to(cache_dtype)
 
-            cases = [("torch index", torch_index)] + [
+            cases = [("torch index", torch_index)]
+            if kv_dtype != "auto":
+                cases.append(("bf16 copy (jitkv auto)", lambda i: jitkv.store_cache(
+                    ks[i], vs[i], bf16_caches[i], bf16_caches[LAYERS + i], sms[i]), 2 * n * 1024 * 4))
+            cases += [
                 (name, lambda i, b=b: jitkv.store_cache(ks[i], vs[i], kcs[i], vcs[i], sms[i], backend=b, **kw))
                 for name, b in (("jitkv auto", None), ("triton", "triton"))
             ]
             rows += _timed_rows("store_cache", f"H8 D128 K+V {label}", n, moved, with_ceiling(cases, moved), bw,
                                 floor_us, eager=(CEILING,))
             del ks, vs, sms
-        del kcs, vcs
+        del both, kcs, vcs
     return rows
 
 
