@@ -33,6 +33,7 @@
 #include <tvm/ffi/function.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "mla/set_mla_kv_buffer.cuh"
 
@@ -75,6 +76,14 @@ MlaRowArgs row_args(const MlaArgs& p) {
           static_cast<uint16_t>(p.nope_row_stride / 16),
           static_cast<uint16_t>(p.rope_row_stride / 16),
           static_cast<uint32_t>(p.dst_row_stride / 8)};
+}
+
+// Calls launch(block) with the compact block where the call fits it (to_compact makes it from the
+// call's), else with the call's own: every latency kernel is built for both.
+template <typename Wide, typename ToCompact, typename Launch>
+cudaError_t with_block(const Wide& p, ToCompact to_compact, Launch&& launch) {
+  if (fits_row_args(p)) return launch(to_compact(p));
+  return launch(p);
 }
 
 #if JITKV_KV_FORMAT == 0
@@ -145,12 +154,11 @@ cudaError_t launch_latency_warps(const MlaParams& p, const DeviceInfo& info, cud
   const int64_t warps = p.n * kRowWarps;
   const int wpb = kRowWarps > 1 ? kRowWarps : jitkv::cuda::latency_warps_per_block(warps, info.sms);
   const dim3 grid(static_cast<unsigned>((warps + wpb - 1) / wpb)), block(32 * wpb);
-  if (fits_row_args(p)) {
-    return jitkv::cuda::launch(set_mla_kv_buffer_latency_kernel<kNope, kRope, kRowWarps, TLoc, MlaRowArgs>, grid,
-                               block, stream, kPdl && info.pdl(), row_args(p));
-  }
-  return jitkv::cuda::launch(set_mla_kv_buffer_latency_kernel<kNope, kRope, kRowWarps, TLoc, MlaArgs>, grid, block,
-                             stream, kPdl && info.pdl(), static_cast<const MlaArgs&>(p));
+  return with_block(static_cast<const MlaArgs&>(p), row_args, [&](const auto& args) {
+    using Args = std::decay_t<decltype(args)>;
+    return jitkv::cuda::launch(set_mla_kv_buffer_latency_kernel<kNope, kRope, kRowWarps, TLoc, Args>, grid, block,
+                               stream, kPdl && info.pdl(), args);
+  });
 }
 
 template <typename TLoc>
@@ -342,13 +350,11 @@ cudaError_t launch_fast(const MlaParams& p, const DeviceInfo& info, cudaStream_t
   } else {
     constexpr int wpb = kRowWarps == 2 ? kSplitBlockWarps : kRowBlockWarps;
     const dim3 grid(static_cast<unsigned>((p.n * kRowWarps + wpb - 1) / wpb)), block(32 * wpb);
-    if (fits_row_args(p)) {
-      return jitkv::cuda::launch(
-          set_mla_kv_buffer_fp8_kernel<kFormat, kSrc, kNope, kRope, kRowWarps, TLoc, MlaFp8RowArgs>, grid, block,
-          stream, kPdl && info.pdl(), fp8_row_args(p));
-    }
-    return jitkv::cuda::launch(set_mla_kv_buffer_fp8_kernel<kFormat, kSrc, kNope, kRope, kRowWarps, TLoc, MlaFp8Args>,
-                               grid, block, stream, kPdl && info.pdl(), static_cast<const MlaFp8Args&>(p));
+    return with_block(static_cast<const MlaFp8Args&>(p), fp8_row_args, [&](const auto& args) {
+      using Args = std::decay_t<decltype(args)>;
+      return jitkv::cuda::launch(set_mla_kv_buffer_fp8_kernel<kFormat, kSrc, kNope, kRope, kRowWarps, TLoc, Args>,
+                                 grid, block, stream, kPdl && info.pdl(), args);
+    });
   }
 }
 
@@ -359,12 +365,11 @@ cudaError_t launch_lanes(const MlaParams& p, const DeviceInfo& info, cudaStream_
     return cudaErrorInvalidValue;
   } else {
     const dim3 grid(static_cast<unsigned>(p.n)), block(32 * kLanesWarps);
-    if (fits_row_args(p)) {
-      return jitkv::cuda::launch(set_mla_kv_buffer_fp8_lanes_kernel<kFormat, kSrc, kNope, kRope, TLoc, MlaFp8RowArgs>,
-                                 grid, block, stream, kPdl && info.pdl(), fp8_row_args(p));
-    }
-    return jitkv::cuda::launch(set_mla_kv_buffer_fp8_lanes_kernel<kFormat, kSrc, kNope, kRope, TLoc, MlaFp8Args>,
-                               grid, block, stream, kPdl && info.pdl(), static_cast<const MlaFp8Args&>(p));
+    return with_block(static_cast<const MlaFp8Args&>(p), fp8_row_args, [&](const auto& args) {
+      using Args = std::decay_t<decltype(args)>;
+      return jitkv::cuda::launch(set_mla_kv_buffer_fp8_lanes_kernel<kFormat, kSrc, kNope, kRope, TLoc, Args>, grid,
+                                 block, stream, kPdl && info.pdl(), args);
+    });
   }
 }
 
