@@ -674,6 +674,13 @@ struct Fp8Row {
   }
 };
 
+// A lane's fp8 bytes of its nope and rope vectors (8 per vector), as cuda::quick_first returns them.
+template <int kNope, int kRope>
+struct Fp8Words {
+  uint2 nope[kNope];
+  uint2 rope[kRope > 0 ? kRope : 1];
+};
+
 // Rows can split across two warps when both parts halve into 16-byte vectors.
 template <int kNopeBytes, int kRopeBytes>
 constexpr bool fp8_row_splits() {
@@ -710,8 +717,9 @@ __device__ __forceinline__ float ds_mla_scale(uint32_t amax) {
 // latency pattern of set_mla_kv_buffer_latency_kernel with kRowWarps warps per row. Addresses before
 // the PDL wait; after it each warp issues its slot load, the per-tensor scale and all of its source
 // loads at once (padding rows' sources are read, never written), lets the next kernel launch, quantizes,
-// and stores if the slot is kept. One branch on the scale, none per value: the conversions of a lane's
-// vectors form one block of straight-line code the scheduler interleaves. fp8_ds_mla: a tile's amax is
+// and stores if the slot is kept. No branch per value: the conversions of a lane's vectors form one
+// block of straight-line code the scheduler interleaves, ahead of the one branch on the scale
+// (cuda::quick_first). fp8_ds_mla: a tile's amax is
 // a redux.sync max over the warp of the lanes' largest magnitudes (NaN left out, as vLLM's fmaxf does),
 // its scale max(amax / 448, FLT_MIN); lane 0 stores the warp's tile scales and the rope vectors are
 // copied unchanged. Args: MlaFp8RowArgs, or MlaFp8Args for the calls it cannot hold.
@@ -746,8 +754,8 @@ __global__ void __launch_bounds__(32 * 8)
   }
   cuda::pdl_launch_dependents();
 
-  uint2 qn[R::kNopeIters];
-  uint2 qr[R::kRopeIters > 0 ? R::kRopeIters : 1];
+  using Words = Fp8Words<R::kNopeIters, kDs ? 0 : R::kRopeIters>;  // fp8_ds_mla copies its rope vectors
+  Words q;
   constexpr int kVecsPerTile = kDs ? DsMla::kTile / 8 : 1;
   constexpr int kTilesPerReg = 32 / kVecsPerTile;  // a register row of the warp spans this many tiles
   constexpr int kWarpTiles = kDs ? R::kNopeShare / kVecsPerTile : 1;
@@ -767,44 +775,39 @@ __global__ void __launch_bounds__(32 * 8)
 #pragma unroll
     for (int t = 0; t < kWarpTiles; ++t) tile_scale[t] = ds_mla_scale<kSrc>(__reduce_max_sync(0xffffffffu, part[t]));
     cuda::Divider d[R::kNopeIters];
-    bool quick = true;
+    bool all_quick = true;
 #pragma unroll
     for (int i = 0; i < R::kNopeIters; ++i) {
       float s = tile_scale[i * kTilesPerReg];
 #pragma unroll
       for (int h = 1; h < kTilesPerReg; ++h) s = tile_in_reg == h ? tile_scale[i * kTilesPerReg + h] : s;
       d[i] = cuda::Divider(s);
-      quick &= d[i].quick_exact;
+      all_quick &= d[i].quick_exact;
     }
-    const auto convert = [&](auto quick) {
+    // all_quick: every tile scale but those of tiles with amax below 2^-71
+    q = cuda::quick_first(all_quick, [&](auto quick) {
+      Words o;
 #pragma unroll
-      for (int i = 0; i < R::kNopeIters; ++i) qn[i] = quantize_vec<kSrc, kFmt, decltype(quick)::value>(vn[i], d[i]);
-    };
-    if (quick) {  // every tile scale but those of tiles with amax below 2^-71
-      convert(std::true_type{});
-    } else {
-      convert(std::false_type{});
-    }
+      for (int i = 0; i < R::kNopeIters; ++i) o.nope[i] = quantize_vec<kSrc, kFmt, decltype(quick)::value>(vn[i], d[i]);
+      return o;
+    });
   } else {
     const cuda::Divider d(scale);
-    const auto convert = [&](auto quick) {
+    q = cuda::quick_first(d.quick_exact, [&](auto quick) {
+      Words o;
 #pragma unroll
-      for (int i = 0; i < R::kNopeIters; ++i) qn[i] = quantize_vec<kSrc, kFmt, decltype(quick)::value>(vn[i], d);
+      for (int i = 0; i < R::kNopeIters; ++i) o.nope[i] = quantize_vec<kSrc, kFmt, decltype(quick)::value>(vn[i], d);
 #pragma unroll
-      for (int i = 0; i < R::kRopeIters; ++i) qr[i] = quantize_vec<kSrc, kFmt, decltype(quick)::value>(vr[i], d);
-    };
-    if (d.quick_exact) {
-      convert(std::true_type{});
-    } else {
-      convert(std::false_type{});
-    }
+      for (int i = 0; i < R::kRopeIters; ++i) o.rope[i] = quantize_vec<kSrc, kFmt, decltype(quick)::value>(vr[i], d);
+      return o;
+    });
   }
 
   if (keeps(p, slot)) {
     char* dst = p.dst + slot * dst_stride(p);
 #pragma unroll
     for (int i = 0; i < R::kNopeIters; ++i) {
-      if (R::nope_has(i, lane)) reinterpret_cast<uint2*>(dst)[nope_vec + 32 * i] = qn[i];
+      if (R::nope_has(i, lane)) reinterpret_cast<uint2*>(dst)[nope_vec + 32 * i] = q.nope[i];
     }
     if constexpr (kDs) {
       if (lane == 0) store_scales(dst + DsMla::kScaleOffset + 4 * kWarpTiles * share, tile_scale);
@@ -815,7 +818,7 @@ __global__ void __launch_bounds__(32 * 8)
     } else {
 #pragma unroll
       for (int i = 0; i < R::kRopeIters; ++i) {
-        if (R::rope_has(i, lane)) reinterpret_cast<uint2*>(dst + kNopeBytes / 2)[rope_vec + 32 * i] = qr[i];
+        if (R::rope_has(i, lane)) reinterpret_cast<uint2*>(dst + kNopeBytes / 2)[rope_vec + 32 * i] = q.rope[i];
       }
     }
   }
@@ -851,7 +854,8 @@ __global__ void __launch_bounds__(32 * 8)
   cuda::pdl_launch_dependents();  // after every load (see set_mla_kv_buffer_latency_kernel)
   if (!keeps(p, slot)) return;     // padding, skipped and out-of-range slots are never written
   const cuda::Divider d(scale);
-  const uint2 q = d.quick_exact ? quantize_vec<kSrc, kFmt, true>(v, d) : quantize_vec<kSrc, kFmt, false>(v, d);
+  const uint2 q =
+      cuda::quick_first(d.quick_exact, [&](auto quick) { return quantize_vec<kSrc, kFmt, decltype(quick)::value>(v, d); });
   reinterpret_cast<uint2*>(p.dst + slot * dst_stride(p))[j] = q;
 }
 

@@ -513,28 +513,38 @@ struct Convert {
     return out;
   }
 
+  // Every element through Divider::quick (the scale inside its window).
+  template <int N>
+  __device__ __forceinline__ static Pack<N> divide_quick(const Pack<N * kRatio>& in, const Divider& div) {
+    float q[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) q[i] = div.quick(elem(in, i));
+    Pack<N> out;
+    if constexpr (N == 1) {
+      out.b = __nv_cvt_float_to_fp8(q[0], __NV_SATFINITE, kFmt);
+    } else if constexpr (N == 2) {
+      out.h = static_cast<uint16_t>(fp8x2(q[0], q[1]));
+    } else {
+#pragma unroll
+      for (int j = 0; j < N / 4; ++j)
+        out.w[j] = fp8x2(q[4 * j], q[4 * j + 1]) | (fp8x2(q[4 * j + 2], q[4 * j + 3]) << 16);
+    }
+    return out;
+  }
+
   template <int N>
   __device__ __forceinline__ static Pack<N> run(const Pack<N * kRatio>& in, const Divider& div) {
     if constexpr (!kQuant) {
       return in;
     } else if constexpr (kBulk) {
       return divide_each<N>(in, div.s);
+    } else if constexpr (N % 4 == 0) {  // quick first, exact after it for a scale outside the window
+      return cuda::quick_first(div.quick_exact, [&](auto quick) {
+        if constexpr (decltype(quick)::value) return divide_quick<N>(in, div);
+        else return divide_each<N>(in, div.s);
+      });
     } else {
-      if (!div.quick_exact) return divide_each<N>(in, div.s);  // a scale outside the quick window
-      float q[N];
-#pragma unroll
-      for (int i = 0; i < N; ++i) q[i] = div.quick(elem(in, i));
-      Pack<N> out;
-      if constexpr (N == 1) {
-        out.b = __nv_cvt_float_to_fp8(q[0], __NV_SATFINITE, kFmt);
-      } else if constexpr (N == 2) {
-        out.h = static_cast<uint16_t>(fp8x2(q[0], q[1]));
-      } else {
-#pragma unroll
-        for (int j = 0; j < N / 4; ++j)
-          out.w[j] = fp8x2(q[4 * j], q[4 * j + 1]) | (fp8x2(q[4 * j + 2], q[4 * j + 3]) << 16);
-      }
-      return out;
+      return div.quick_exact ? divide_quick<N>(in, div) : divide_each<N>(in, div.s);
     }
   }
 };
