@@ -538,13 +538,11 @@ struct Convert {
       return in;
     } else if constexpr (kBulk) {
       return divide_each<N>(in, div.s);
-    } else if constexpr (N % 4 == 0) {  // quick first, exact after it for a scale outside the window
+    } else {  // quick first, exact after it for a scale outside the window
       return cuda::quick_first(div.quick_exact, [&](auto quick) {
         if constexpr (decltype(quick)::value) return divide_quick<N>(in, div);
         else return divide_each<N>(in, div.s);
       });
-    } else {
-      return div.quick_exact ? divide_quick<N>(in, div) : divide_each<N>(in, div.s);
     }
   }
 };

@@ -50,11 +50,11 @@ struct Divider {
   __device__ __forceinline__ float exact(float x) const { return __fdiv_rn(x, s); }
 };
 
-// An empty asm that reads and writes every 32-bit word of v: v's value is computed before it.
+// An empty asm that reads and writes every 32-bit word of v (a last partial word zero-padded): v's
+// value is computed before it.
 template <class T>
 __device__ __forceinline__ void pin_words(T& v) {
-  static_assert(sizeof(T) % 4 == 0, "pin 32-bit words");
-  uint32_t w[sizeof(T) / 4];
+  uint32_t w[(sizeof(T) + 3) / 4] = {};
   memcpy(w, &v, sizeof(T));
 #pragma unroll
   for (uint32_t& x : w) asm volatile("" : "+r"(x));
