@@ -786,7 +786,7 @@ __global__ void __launch_bounds__(32 * 8)
     }
     // all_quick: every tile scale but those of tiles with amax below 2^-71
     q = cuda::quick_first(all_quick, [&](auto quick) {
-      Words o;
+      Words o{};  // its unused rope word stays zero
 #pragma unroll
       for (int i = 0; i < R::kNopeIters; ++i) o.nope[i] = quantize_vec<kSrc, kFmt, decltype(quick)::value>(vn[i], d[i]);
       return o;
@@ -794,7 +794,7 @@ __global__ void __launch_bounds__(32 * 8)
   } else {
     const cuda::Divider d(scale);
     q = cuda::quick_first(d.quick_exact, [&](auto quick) {
-      Words o;
+      Words o{};
 #pragma unroll
       for (int i = 0; i < R::kNopeIters; ++i) o.nope[i] = quantize_vec<kSrc, kFmt, decltype(quick)::value>(vn[i], d);
 #pragma unroll
