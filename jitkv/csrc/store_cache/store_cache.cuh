@@ -744,7 +744,7 @@ __device__ __forceinline__ void bulk_write(const StoreCacheArgs& p) {
 // cache (heads back to back: flat [S, H*D] / [S, H, D] caches, paged NHD ones with one block size for
 // K and V), vector i of a row sits at byte 16 i of the cache row and 16 i * ratio of the source row, so
 // a side is two pointers and two strides, kept in 32 and 16 bits (16-byte units), and the kernel's
-// parameter block is 64-112 bytes instead of StoreCacheArgs' 264. Under graph replay a launch's cost
+// parameter block is 64-88 bytes instead of StoreCacheArgs' 264. Under graph replay a launch's cost
 // grows with its parameter block (jitkv/cuda/launch.cuh warm_params); store_cache_cuda.cu
 // (use_row_kernel) has the measurements and the calls whose values fit (fits_row_args). Specialised
 // (16-byte) builds only.
@@ -756,8 +756,43 @@ struct RowArgs {
   uint32_t dst_stride16[2];  // bytes / 16 from one slot's cache row to the next
   uint16_t src_stride16[2];  // bytes / 16 from one token's source row to the next
   int32_t heads;
+
+  __device__ __forceinline__ const char* src_of(int side) const { return src[side]; }
+  __device__ __forceinline__ char* dst_of(int side) const { return dst[side]; }
+  __device__ __forceinline__ int64_t src_stride(int side) const { return int64_t{src_stride16[side]} * 16; }
+  __device__ __forceinline__ int64_t dst_stride(int side) const { return int64_t{dst_stride16[side]} * 16; }
 };
 static_assert(sizeof(RowArgs) == 64, "one 64-byte parameter block");
+
+// The fp8 row kernels' block: RowArgs' fields and the two scales in the same 64 bytes. V's source and
+// cache are offsets from K's (16-byte units), K and V share their row strides, and a scale is one word:
+// a float32 pointer (a device scale), or the scale's bits << 32 | 1 (a Python float; pointers to
+// float32 are 4-byte aligned, so bit 0 tells them apart). Calls whose values do not fit take the
+// latency kernel (store_cache_cuda.cu fits_row_fp8_args). NVIDIA H100, H8 D128 bf16 -> e4m3, flat
+// caches, device scales, graph replay, same run, against RowArgs + both scales (88 bytes): n = 1 / 2 /
+// 4 / 8 / 16 0.923 / 0.921 / 0.923 / 0.933 / 0.954 us vs 0.935 / 0.929 / 0.938 / 0.949 / 0.970, level
+// at 32-64 (python -m jitkv.benchmark --op store_cache, "bf16->fp8 e4m3" rows).
+struct RowFp8Args {
+  const char* src;  // K's; V's is src + 16 * v_src16
+  char* dst;        // K's; V's is dst + 16 * v_dst16
+  const void* slots;
+  int32_t v_src16, v_dst16;
+  int32_t n, num_slots;
+  uint32_t dst_stride16;  // K and V
+  uint16_t src_stride16;  // K and V
+  uint16_t heads;
+  uint64_t scale[2];  // K, V
+
+  __device__ __forceinline__ const char* src_of(int side) const { return src + (side ? int64_t{v_src16} * 16 : 0); }
+  __device__ __forceinline__ char* dst_of(int side) const { return dst + (side ? int64_t{v_dst16} * 16 : 0); }
+  __device__ __forceinline__ int64_t src_stride(int) const { return int64_t{src_stride16} * 16; }
+  __device__ __forceinline__ int64_t dst_stride(int) const { return int64_t{dst_stride16} * 16; }
+  __device__ __forceinline__ float scale_of(int side) const {
+    const uint64_t w = scale[side];
+    return w & 1 ? __uint_as_float(uint32_t(w >> 32)) : cuda::load(reinterpret_cast<const float*>(w));
+  }
+};
+static_assert(sizeof(RowFp8Args) == 64, "one 64-byte parameter block");
 
 // Paged caches: a slot's row is dst + slot * dst_stride + (slot / block_size) * block_adj.
 struct RowBlocks {
@@ -766,20 +801,12 @@ struct RowBlocks {
   int32_t block_shift;
 };
 
-struct RowScales {
-  const float* k_scale_ptr;  // nullptr: k_scale
-  const float* v_scale_ptr;
-  float k_scale, v_scale;
-};
-
 struct NoBlocks {};
-struct NoScales {};
 
-// The block of one row kernel: RowArgs, then RowBlocks for paged caches, RowScales for fp8.
+// The block of one row kernel: RowArgs (copies) or RowFp8Args, then RowBlocks for paged caches.
 template <bool kPaged, bool kQuant>
-struct RowArgsOf : RowArgs,
-                   std::conditional_t<kPaged, RowBlocks, NoBlocks>,
-                   std::conditional_t<kQuant, RowScales, NoScales> {};
+struct RowArgsOf : std::conditional_t<kQuant, RowFp8Args, RowArgs>, std::conditional_t<kPaged, RowBlocks, NoBlocks> {
+};
 
 // grid = (ceil(n / warps_per_block), chunks, sides) as the latency kernel; lane l of chunk c moves
 // kVec-byte vector 32 c + l of the K row and of the V row (or, with split sides, of the side
@@ -796,8 +823,8 @@ __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
   const int first = kSplit && blockIdx.z ? 1 : 0;  // the side this warp writes first: V with split sides
   const bool k_in = i < uint32_t(p.heads) * uint32_t((first ? kVHeadBytes : kKHeadBytes) / kVec);
   const bool v_in = !kSplit && i < uint32_t(p.heads) * uint32_t(kVHeadBytes / kVec);
-  const char* k_src = p.src[first] + token * (int64_t{p.src_stride16[first]} * 16) + i * kSrcVec;
-  const char* v_src = p.src[1] + token * (int64_t{p.src_stride16[1]} * 16) + i * kSrcVec;
+  const char* k_src = p.src_of(first) + token * p.src_stride(first) + i * kSrcVec;
+  const char* v_src = p.src_of(1) + token * p.src_stride(1) + i * kSrcVec;
   if (token >= p.n) return;
   cuda::pdl_wait();  // sources, indices and device scales may come from the previous kernel
   const int64_t slot = cuda::load(static_cast<const TSlot*>(p.slots) + token);
@@ -809,20 +836,19 @@ __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
   // check) the e4m3 write measured 0.05-0.09 us slower at n <= 64 (NVIDIA H100, graph replay).
   cuda::Divider k_div, v_div;
   if constexpr (Cv::kQuant) {
-    k_div = cuda::Divider(first ? (p.v_scale_ptr ? cuda::load(p.v_scale_ptr) : p.v_scale)
-                                : (p.k_scale_ptr ? cuda::load(p.k_scale_ptr) : p.k_scale));
-    if constexpr (!kSplit) v_div = cuda::Divider(p.v_scale_ptr ? cuda::load(p.v_scale_ptr) : p.v_scale);
+    k_div = cuda::Divider(p.scale_of(first));
+    if constexpr (!kSplit) v_div = cuda::Divider(p.scale_of(1));
   }
   // Padding (< 0) and out-of-range slots are never written.
   if (uint64_t(slot) >= uint64_t(p.num_slots)) return;
-  int64_t k_row = slot * (int64_t{p.dst_stride16[first]} * 16), v_row = slot * (int64_t{p.dst_stride16[1]} * 16);
+  int64_t k_row = slot * p.dst_stride(first), v_row = slot * p.dst_stride(1);
   if constexpr (kPaged) {
     const int64_t blk = int64_t(block_of(slot, p.block_magic, p.block_shift));
     k_row += blk * (first ? p.v_block_adj : p.k_block_adj);
     v_row += blk * p.v_block_adj;
   }
-  if (k_in) store_pack<kVec>(p.dst[first] + k_row + i * kVec, Cv::template run<kVec>(kd, k_div));
-  if (v_in) store_pack<kVec>(p.dst[1] + v_row + i * kVec, Cv::template run<kVec>(vd, v_div));
+  if (k_in) store_pack<kVec>(p.dst_of(first) + k_row + i * kVec, Cv::template run<kVec>(kd, k_div));
+  if (v_in) store_pack<kVec>(p.dst_of(1) + v_row + i * kVec, Cv::template run<kVec>(vd, v_div));
 }
 
 // grid = (ceil(n / warps_per_block), chunks, sides), block = 32 * warps_per_block; one warp per

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 
 #include "store_cache/store_cache.cuh"
@@ -185,25 +186,47 @@ bool fits_row_args(const StoreCacheParams& p) {
          fits_units(row_stride(p.v), 16, UINT32_MAX);
 }
 
+// Whether RowFp8Args holds the call (beyond fits_row_args): K and V with one source and one cache row
+// stride, V's pointers within 2^31 16-byte units of K's, fewer than 2^16 heads.
+bool fits_row_fp8_args(const StoreCacheParams& p) {
+  const auto fits_offset = [](const void* k, const void* v) {
+    const int64_t d = reinterpret_cast<int64_t>(v) - reinterpret_cast<int64_t>(k);
+    return d % 16 == 0 && d / 16 >= INT32_MIN && d / 16 <= INT32_MAX;
+  };
+  return p.k.src_stride_token == p.v.src_stride_token && row_stride(p.k) == row_stride(p.v) &&
+         p.num_heads <= UINT16_MAX && fits_offset(p.k.src, p.v.src) && fits_offset(p.k.dst, p.v.dst);
+}
+
 // The latency calls a row kernel takes in a 16-byte build (store_cache.cuh, row kernels): no loc_map, one
 // scale per side, dense rows, one block size for K and V. Measured on an NVIDIA H100, H8 D128 flat
 // caches, CUDA-graph replay, same run (python -m jitkv.benchmark --op store_cache), latency kernel vs
 // row kernel: bf16 n = 1 / 4 / 16 / 64 / 256 0.99 / 1.01 / 1.03 / 1.11 / 1.46 us vs 0.88 / 0.87 / 0.94 /
 // 1.02 / 1.26; bf16 -> e4m3 n = 1 / 4 / 16 / 64 1.06 / 1.09 / 1.13 / 1.18 vs 0.95 / 0.95 / 1.01 / 1.12.
-// RowArgs with 64-bit strides and skip_slot (96 bytes flat, 120 paged or fp8) vs its 32/16-bit form
-// (64, 88), same run (a build of each form; no benchmark row keeps the wider one): bf16 n = 1 / 2 / 4 /
-// 16 / 64 0.947 / 0.922 / 0.950 / 0.980 / 1.020 vs 0.865 / 0.879 / 0.898 / 0.909 / 1.019; paged
-// (block_size 16) n = 1 / 64 1.002 / 1.066 vs 0.913 / 1.023; e4m3 n = 1 / 4 / 16 / 64 0.958 / 0.950 /
-// 0.998 / 1.105 vs 0.950 / 0.945 / 0.996 / 1.099.
+// RowArgs with 64-bit strides and skip_slot (96 bytes flat, 120 paged) vs its 32/16-bit form (64, 88),
+// same run (a build of each form; no benchmark row keeps the wider one): bf16 n = 1 / 2 / 4 / 16 / 64
+// 0.947 / 0.922 / 0.950 / 0.980 / 1.020 vs 0.865 / 0.879 / 0.898 / 0.909 / 1.019; paged (block_size
+// 16) n = 1 / 64 1.002 / 1.066 vs 0.913 / 1.023. fp8 builds take RowFp8Args (store_cache.cuh).
 bool use_row_kernel(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_head_bytes) {
   return p.loc_map == nullptr && p.k.scale_stride == 0 && p.v.scale_stride == 0 && p.same_blocks &&
-         dense_rows(p, p.k, k_head_bytes) && dense_rows(p, p.v, v_head_bytes) && fits_row_args(p);
+         dense_rows(p, p.k, k_head_bytes) && dense_rows(p, p.v, v_head_bytes) && fits_row_args(p) &&
+         (kFp8 == Fp8::kNone || fits_row_fp8_args(p));
 }
 
-// A row kernel's parameter block from the call's, and its launch.
-template <bool kPaged, typename TSlot>
-cudaError_t launch_row(const StoreCacheParams& p, dim3 grid, dim3 block, cudaStream_t stream, bool pdl) {
-  RowArgsOf<kPaged, kFp8 != Fp8::kNone> a{};
+// One scale of RowFp8Args: the pointer, or the value's bits << 32 | 1.
+uint64_t scale_word(const Side& s) {
+  if (s.scale_ptr != nullptr) return reinterpret_cast<uint64_t>(s.scale_ptr);
+  uint32_t bits;
+  std::memcpy(&bits, &s.scale, 4);
+  return (uint64_t{bits} << 32) | 1u;
+}
+
+// V's pointer as an offset from K's in 16-byte units (fits_row_fp8_args checked it).
+int32_t offset16(const void* k, const void* v) {
+  return static_cast<int32_t>((reinterpret_cast<int64_t>(v) - reinterpret_cast<int64_t>(k)) / 16);
+}
+
+RowArgs copy_row_args(const StoreCacheParams& p) {
+  RowArgs a{};
   a.src[0] = p.k.src;
   a.src[1] = p.v.src;
   a.dst[0] = p.k.dst;
@@ -216,17 +239,40 @@ cudaError_t launch_row(const StoreCacheParams& p, dim3 grid, dim3 block, cudaStr
   a.src_stride16[0] = static_cast<uint16_t>(p.k.src_stride_token / 16);
   a.src_stride16[1] = static_cast<uint16_t>(p.v.src_stride_token / 16);
   a.heads = static_cast<int32_t>(p.num_heads);
+  return a;
+}
+
+RowFp8Args fp8_row_args(const StoreCacheParams& p) {
+  RowFp8Args a{};
+  a.src = p.k.src;
+  a.dst = p.k.dst;
+  a.slots = p.slots;
+  a.v_src16 = offset16(p.k.src, p.v.src);
+  a.v_dst16 = offset16(p.k.dst, p.v.dst);
+  a.n = static_cast<int32_t>(p.n);
+  a.num_slots = static_cast<int32_t>(p.k.num_slots);
+  a.dst_stride16 = static_cast<uint32_t>(row_stride(p.k) / 16);
+  a.src_stride16 = static_cast<uint16_t>(p.k.src_stride_token / 16);
+  a.heads = static_cast<uint16_t>(p.num_heads);
+  a.scale[0] = scale_word(p.k);
+  a.scale[1] = scale_word(p.v);
+  return a;
+}
+
+// A row kernel's parameter block from the call's, and its launch.
+template <bool kPaged, typename TSlot>
+cudaError_t launch_row(const StoreCacheParams& p, dim3 grid, dim3 block, cudaStream_t stream, bool pdl) {
+  RowArgsOf<kPaged, kFp8 != Fp8::kNone> a{};
+  if constexpr (kFp8 != Fp8::kNone) {
+    static_cast<RowFp8Args&>(a) = fp8_row_args(p);
+  } else {
+    static_cast<RowArgs&>(a) = copy_row_args(p);
+  }
   if constexpr (kPaged) {
     a.k_block_adj = block_adj(p.k);
     a.v_block_adj = block_adj(p.v);
     a.block_magic = p.k.block_magic;
     a.block_shift = p.k.block_shift;
-  }
-  if constexpr (kFp8 != Fp8::kNone) {
-    a.k_scale_ptr = p.k.scale_ptr;
-    a.v_scale_ptr = p.v.scale_ptr;
-    a.k_scale = p.k.scale;
-    a.v_scale = p.v.scale;
   }
   return jitkv::cuda::launch(store_cache_row_kernel<kKHeadBytes, kVHeadBytes, kRowVec, kSrc, kFp8, kPaged, TSlot>,
                              grid, block, stream, pdl, a);

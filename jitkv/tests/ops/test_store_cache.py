@@ -559,6 +559,43 @@ def test_row_kernel_calls_beyond_its_parameter_block(kv_dtype, n):
     _run(k, v, kc, vc, sm, "jit", skip_slot=4095, **kw)
 
 
+def _fp8_row_views(case, n, num_slots=4096):
+    """(k, v, cache, views) for a case of test_fp8_row_kernel_block: sources that are views of one
+    allocation, one cache allocation, and views(t), the K and V caches inside t (cache or a clone)."""
+    if case == "strides_differ":  # K rows 16 bytes apart in the source and the cache, V rows dense
+        src = _wide_range((n * (1032 + 1024),), torch.bfloat16, "cuda")
+        cache = rand((num_slots * (1040 + 1024),), torch.float8_e4m3fn, "cuda")
+        views = lambda t: (t[: num_slots * 1040].view(-1, 1040)[:, :1024].view(-1, 8, 128),
+                           t[num_slots * 1040 :].view(-1, 8, 128))
+        return src[: n * 1032].view(n, 1032)[:, :1024].view(n, 8, 128), src[n * 1032 :].view(n, 8, 128), cache, views
+    src = _wide_range((2, n, 8, 128), torch.bfloat16, "cuda")
+    if case == "paged":
+        return src[0], src[1], rand((2, num_slots // 16, 16, 8, 128), torch.float8_e4m3fn, "cuda"), lambda t: (t[0], t[1])
+    # "v_before_k": V's source and cache at lower addresses than K's
+    return src[1], src[0], rand((2, num_slots, 8, 128), torch.float8_e4m3fn, "cuda"), lambda t: (t[1], t[0])
+
+
+@gpu
+@pytest.mark.parametrize("case", ["v_before_k", "strides_differ", "paged"])
+@pytest.mark.parametrize("scales", ["float", "tensor"])
+@pytest.mark.parametrize("n", [1, 40])
+def test_fp8_row_kernel_block(case, scales, n):
+    """The fp8 row kernel's 64-byte block keeps V's pointers as offsets from K's and one row stride for
+    both (store_cache.cuh RowFp8Args): V below K in one allocation (negative offsets), K and V rows of
+    different strides (those calls take the latency kernel), paged caches; scales as floats and as
+    tensors. Every byte of the cache allocation is the reference's."""
+    k, v, cache, views = _fp8_row_views(case, n)
+    kw = dict(kv_cache_dtype="fp8_e4m3", k_scale=0.37, v_scale=2.5)
+    if scales == "tensor":
+        kw.update(k_scale=torch.tensor([0.37], device="cuda"), v_scale=torch.tensor([2.5], device="cuda"))
+    sm = slots(4096, n, torch.int64, "cuda")
+    sm[::7] = -1
+    ref = cache.clone()
+    jitkv.store_cache(k, v, *views(cache), sm, backend="jit", **kw)
+    reference.store_cache(k, v, *views(ref), sm, **kw)
+    assert_bitwise(cache, ref)
+
+
 @gpu
 @pytest.mark.parametrize("kv_dtype", KV_KINDS)
 def test_bulk_kernel_at_large_n(kv_dtype):
