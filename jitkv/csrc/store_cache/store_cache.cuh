@@ -383,10 +383,11 @@ int64_t store_cache_copy(TensorView k, TensorView v, TensorView k_cache, TensorV
 // Measured on H200 (H=8, D=128, e4m3): n = 1 latency kernel 1.3 us, bulk kernel 3.1 us; n = 131072
 // bulk kernel 203 us, with the latency kernel's division 225 us.
 //
-// Per-head scales (kPerHead, fp8 builds; the binding takes these kernels when a scale has a per-head
-// stride): a lane's vector lies in one head (head bytes are multiples of the vector width), so each
-// lane divides by the scale of its vector's head: its offset is computed with the addresses, the
-// scale loaded where the shared one was. The other kernels are compiled without any of it.
+// Per-head scales: a lane's vector lies in one head (head bytes are multiples of the vector width), so
+// each lane divides by the scale of its vector's head: its offset is computed with the addresses, the
+// scale loaded where the shared one was. The row kernels take contiguous per-head scales through their
+// scale word (RowFp8Args); the latency and bulk kernels have per-head forms (kPerHead, fp8 builds) for
+// the other calls, and their one-scale forms are compiled without any of it.
 // python -m jitkv.benchmark --op store_cache has the "fp8 e4m3 per-head" rows.
 
 enum class SrcType : int { kBytes = 0, kBF16 = 1, kF16 = 2, kF32 = 3 };  // kBytes: plain copy
@@ -740,7 +741,7 @@ __device__ __forceinline__ void bulk_write(const StoreCacheArgs& p) {
 }
 
 // ---- row kernels: the latency kernel for the common decode call, with a compact parameter block ----
-// When there is no loc_map, one scale per side, and K and V rows are dense in the source and in the
+// When there is no loc_map, one scale per side (or, fp8, contiguous per-head scales), and K and V rows are dense in the source and in the
 // cache (heads back to back: flat [S, H*D] / [S, H, D] caches, paged NHD ones with one block size for
 // K and V), vector i of a row sits at byte 16 i of the cache row and 16 i * ratio of the source row, so
 // a side is two pointers and two strides, kept in 32 and 16 bits (16-byte units), and the kernel's
@@ -766,12 +767,15 @@ static_assert(sizeof(RowArgs) == 64, "one 64-byte parameter block");
 
 // The fp8 row kernels' block: RowArgs' fields and the two scales in the same 64 bytes. V's source and
 // cache are offsets from K's (16-byte units), K and V share their row strides, and a scale is one word:
-// a float32 pointer (a device scale), or the scale's bits << 32 | 1 (a Python float; pointers to
-// float32 are 4-byte aligned, so bit 0 tells them apart). Calls whose values do not fit take the
-// latency kernel (store_cache_cuda.cu fits_row_fp8_args). NVIDIA H100, H8 D128 bf16 -> e4m3, flat
-// caches, device scales, graph replay, same run, against RowArgs + both scales (88 bytes): n = 1 / 2 /
-// 4 / 8 / 16 0.923 / 0.921 / 0.923 / 0.933 / 0.954 us vs 0.935 / 0.929 / 0.938 / 0.949 / 0.970, level
-// at 32-64 (python -m jitkv.benchmark --op store_cache, "bf16->fp8 e4m3" rows).
+// a float32 pointer (a device scale; bit 1 set: per-head scales, [heads] contiguous), or the scale's
+// bits << 32 | 1 (a Python float). Pointers to float32 are 4-byte aligned, so bits 0 and 1 are free.
+// Calls whose values do not fit take the latency kernel (store_cache_cuda.cu fits_row_fp8_args).
+// NVIDIA H100, H8 D128 bf16 -> e4m3, flat caches, device scales, graph replay, same run, against RowArgs
+// + both scales (88 bytes): n = 1 / 2 / 4 / 8 / 16 0.923 / 0.921 / 0.923 / 0.933 / 0.954 us vs 0.935 /
+// 0.929 / 0.938 / 0.949 / 0.970, level at 32-64; per-head scales, against the latency kernel: n = 1 / 2
+// / 4 / 8 / 16 / 32 / 64 0.932 / 0.955 / 0.954 / 0.958 / 0.981 / 1.041 / 1.082 us vs 1.172 / 1.180 / 1.161
+// / 1.262 / 1.252 / 1.259 / 1.340 (python -m jitkv.benchmark --op store_cache, "bf16->fp8 e4m3" and
+// "bf16->fp8 e4m3 per-head" rows).
 struct RowFp8Args {
   const char* src;  // K's; V's is src + 16 * v_src16
   char* dst;        // K's; V's is dst + 16 * v_dst16
@@ -787,10 +791,14 @@ struct RowFp8Args {
   __device__ __forceinline__ char* dst_of(int side) const { return dst + (side ? int64_t{v_dst16} * 16 : 0); }
   __device__ __forceinline__ int64_t src_stride(int) const { return int64_t{src_stride16} * 16; }
   __device__ __forceinline__ int64_t dst_stride(int) const { return int64_t{dst_stride16} * 16; }
-  __device__ __forceinline__ float scale_of(int side) const {
+  // A side's scale: loaded from scale_at(side, head of the lane's vector) when scale_is_ptr(side), else
+  // scale_value(side).
+  __device__ __forceinline__ bool scale_is_ptr(int side) const { return !(scale[side] & 1); }
+  __device__ __forceinline__ const float* scale_at(int side, uint32_t head) const {
     const uint64_t w = scale[side];
-    return w & 1 ? __uint_as_float(uint32_t(w >> 32)) : cuda::load(reinterpret_cast<const float*>(w));
+    return reinterpret_cast<const float*>((w & ~uint64_t{3}) + (w & 2 ? 4 * uint64_t{head} : 0));
   }
+  __device__ __forceinline__ float scale_value(int side) const { return __uint_as_float(uint32_t(scale[side] >> 32)); }
 };
 static_assert(sizeof(RowFp8Args) == 64, "one 64-byte parameter block");
 
@@ -825,6 +833,18 @@ __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
   const bool v_in = !kSplit && i < uint32_t(p.heads) * uint32_t(kVHeadBytes / kVec);
   const char* k_src = p.src_of(first) + token * p.src_stride(first) + i * kSrcVec;
   const char* v_src = p.src_of(1) + token * p.src_stride(1) + i * kSrcVec;
+  // fp8: where this lane's scales lie (per-head scales: those of vector i's heads), and whether it loads
+  // them (a device scale, vector i inside the row), pinned here, before the PDL wait, so that the
+  // scale loads go out right after the row loads.
+  const float *k_scale_at = nullptr, *v_scale_at = nullptr;
+  uint32_t k_scale_load = 0, v_scale_load = 0;
+  if constexpr (Cv::kQuant) {
+    k_scale_at = p.scale_at(first, i / uint32_t((first ? kVHeadBytes : kKHeadBytes) / kVec));
+    v_scale_at = p.scale_at(1, i / uint32_t(kVHeadBytes / kVec));
+    k_scale_load = k_in && p.scale_is_ptr(first);
+    v_scale_load = v_in && p.scale_is_ptr(1);
+    asm volatile("" : "+l"(k_scale_at), "+l"(v_scale_at), "+r"(k_scale_load), "+r"(v_scale_load));
+  }
   if (token >= p.n) return;
   cuda::pdl_wait();  // sources, indices and device scales may come from the previous kernel
   const int64_t slot = cuda::load(static_cast<const TSlot*>(p.slots) + token);
@@ -836,8 +856,8 @@ __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
   // check) the e4m3 write measured 0.05-0.09 us slower at n <= 64 (NVIDIA H100, graph replay).
   cuda::Divider k_div, v_div;
   if constexpr (Cv::kQuant) {
-    k_div = cuda::Divider(p.scale_of(first));
-    if constexpr (!kSplit) v_div = cuda::Divider(p.scale_of(1));
+    k_div = cuda::Divider(k_scale_load ? cuda::load(k_scale_at) : p.scale_value(first));
+    if constexpr (!kSplit) v_div = cuda::Divider(v_scale_load ? cuda::load(v_scale_at) : p.scale_value(1));
   }
   // Padding (< 0) and out-of-range slots are never written.
   if (uint64_t(slot) >= uint64_t(p.num_slots)) return;

@@ -198,7 +198,7 @@ bool fits_row_fp8_args(const StoreCacheParams& p) {
 }
 
 // The latency calls a row kernel takes in a 16-byte build (store_cache.cuh, row kernels): no loc_map, one
-// scale per side, dense rows, one block size for K and V. Measured on an NVIDIA H100, H8 D128 flat
+// scale per side or contiguous per-head scales, dense rows, one block size for K and V. Measured on an NVIDIA H100, H8 D128 flat
 // caches, CUDA-graph replay, same run (python -m jitkv.benchmark --op store_cache), latency kernel vs
 // row kernel: bf16 n = 1 / 4 / 16 / 64 / 256 0.99 / 1.01 / 1.03 / 1.11 / 1.46 us vs 0.88 / 0.87 / 0.94 /
 // 1.02 / 1.26; bf16 -> e4m3 n = 1 / 4 / 16 / 64 1.06 / 1.09 / 1.13 / 1.18 vs 0.95 / 0.95 / 1.01 / 1.12.
@@ -207,14 +207,14 @@ bool fits_row_fp8_args(const StoreCacheParams& p) {
 // 0.947 / 0.922 / 0.950 / 0.980 / 1.020 vs 0.865 / 0.879 / 0.898 / 0.909 / 1.019; paged (block_size
 // 16) n = 1 / 64 1.002 / 1.066 vs 0.913 / 1.023. fp8 builds take RowFp8Args (store_cache.cuh).
 bool use_row_kernel(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_head_bytes) {
-  return p.loc_map == nullptr && p.k.scale_stride == 0 && p.v.scale_stride == 0 && p.same_blocks &&
+  return p.loc_map == nullptr && p.k.scale_stride <= 1 && p.v.scale_stride <= 1 && p.same_blocks &&
          dense_rows(p, p.k, k_head_bytes) && dense_rows(p, p.v, v_head_bytes) && fits_row_args(p) &&
          (kFp8 == Fp8::kNone || fits_row_fp8_args(p));
 }
 
-// One scale of RowFp8Args: the pointer, or the value's bits << 32 | 1.
+// One scale of RowFp8Args: the pointer (| 2 for per-head scales), or the value's bits << 32 | 1.
 uint64_t scale_word(const Side& s) {
-  if (s.scale_ptr != nullptr) return reinterpret_cast<uint64_t>(s.scale_ptr);
+  if (s.scale_ptr != nullptr) return reinterpret_cast<uint64_t>(s.scale_ptr) | (s.scale_stride ? 2u : 0u);
   uint32_t bits;
   std::memcpy(&bits, &s.scale, 4);
   return (uint64_t{bits} << 32) | 1u;
