@@ -741,14 +741,14 @@ __device__ __forceinline__ void bulk_write(const StoreCacheArgs& p) {
 }
 
 // ---- row kernels: the latency kernel for the common decode call, with a compact parameter block ----
-// When there is no loc_map, one scale per side (or, fp8, contiguous per-head scales), and K and V rows are dense in the source and in the
-// cache (heads back to back: flat [S, H*D] / [S, H, D] caches, paged NHD ones with one block size for
-// K and V), vector i of a row sits at byte 16 i of the cache row and 16 i * ratio of the source row, so
-// a side is two pointers and two strides, kept in 32 and 16 bits (16-byte units), and the kernel's
-// parameter block is 64-88 bytes instead of StoreCacheArgs' 264. Under graph replay a launch's cost
-// grows with its parameter block (jitkv/cuda/launch.cuh warm_params); store_cache_cuda.cu
-// (use_row_kernel) has the measurements and the calls whose values fit (fits_row_args). Specialised
-// (16-byte) builds only.
+// When there is no loc_map, one scale per side (fp8: or contiguous per-head scales), and K and V rows
+// are dense in the source and in the cache (heads back to back: flat [S, H*D] / [S, H, D] caches, paged
+// NHD ones with one block size for K and V), vector i of a row sits at byte 16 i of the cache row and
+// 16 i * ratio of the source row, so a side is two pointers and two strides, kept in 32 and 16 bits
+// (16-byte units), and the kernel's parameter block is 64-88 bytes instead of StoreCacheArgs' 264.
+// Under graph replay a launch's cost grows with its parameter block (jitkv/cuda/launch.cuh
+// warm_params); store_cache_cuda.cu (use_row_kernel) has the measurements and the calls whose values
+// fit (fits_row_args). Specialised (16-byte) builds only.
 struct RowArgs {
   const char* src[2];  // K, V
   char* dst[2];
@@ -834,8 +834,9 @@ __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
   const char* k_src = p.src_of(first) + token * p.src_stride(first) + i * kSrcVec;
   const char* v_src = p.src_of(1) + token * p.src_stride(1) + i * kSrcVec;
   // fp8: where this lane's scales lie (per-head scales: those of vector i's heads), and whether it loads
-  // them (a device scale, vector i inside the row), pinned here, before the PDL wait, so that the
-  // scale loads go out right after the row loads.
+  // them (a device scale, vector i inside the row): parameter-block arithmetic, kept apart from the
+  // loads by an empty asm (the form the RowFp8Args measurements timed; the scale loads issue after
+  // the row loads).
   const float *k_scale_at = nullptr, *v_scale_at = nullptr;
   uint32_t k_scale_load = 0, v_scale_load = 0;
   if constexpr (Cv::kQuant) {

@@ -198,10 +198,11 @@ bool fits_row_fp8_args(const StoreCacheParams& p) {
 }
 
 // The latency calls a row kernel takes in a 16-byte build (store_cache.cuh, row kernels): no loc_map, one
-// scale per side or contiguous per-head scales, dense rows, one block size for K and V. Measured on an NVIDIA H100, H8 D128 flat
-// caches, CUDA-graph replay, same run (python -m jitkv.benchmark --op store_cache), latency kernel vs
-// row kernel: bf16 n = 1 / 4 / 16 / 64 / 256 0.99 / 1.01 / 1.03 / 1.11 / 1.46 us vs 0.88 / 0.87 / 0.94 /
-// 1.02 / 1.26; bf16 -> e4m3 n = 1 / 4 / 16 / 64 1.06 / 1.09 / 1.13 / 1.18 vs 0.95 / 0.95 / 1.01 / 1.12.
+// scale per side or contiguous per-head scales, dense rows, one block size for K and V. Measured on an
+// NVIDIA H100, H8 D128 flat caches, CUDA-graph replay, same run (python -m jitkv.benchmark --op
+// store_cache), latency kernel vs row kernel: bf16 n = 1 / 4 / 16 / 64 / 256 0.99 / 1.01 / 1.03 / 1.11 /
+// 1.46 us vs 0.88 / 0.87 / 0.94 / 1.02 / 1.26; bf16 -> e4m3 n = 1 / 4 / 16 / 64 1.06 / 1.09 / 1.13 /
+// 1.18 vs 0.95 / 0.95 / 1.01 / 1.12.
 // RowArgs with 64-bit strides and skip_slot (96 bytes flat, 120 paged) vs its 32/16-bit form (64, 88),
 // same run (a build of each form; no benchmark row keeps the wider one): bf16 n = 1 / 2 / 4 / 16 / 64
 // 0.947 / 0.922 / 0.950 / 0.980 / 1.020 vs 0.865 / 0.879 / 0.898 / 0.909 / 1.019; paged (block_size
