@@ -829,8 +829,9 @@ __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
   const int64_t token = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const uint32_t i = blockIdx.y * 32 + (threadIdx.x & 31);
   const int first = kSplit && blockIdx.z ? 1 : 0;  // the side this warp writes first: V with split sides
-  const bool k_in = i < uint32_t(p.heads) * uint32_t((first ? kVHeadBytes : kKHeadBytes) / kVec);
-  const bool v_in = !kSplit && i < uint32_t(p.heads) * uint32_t(kVHeadBytes / kVec);
+  const uint32_t k_head_vecs = (first ? kVHeadBytes : kKHeadBytes) / kVec, v_head_vecs = kVHeadBytes / kVec;
+  const bool k_in = i < uint32_t(p.heads) * k_head_vecs;
+  const bool v_in = !kSplit && i < uint32_t(p.heads) * v_head_vecs;
   const char* k_src = p.src_of(first) + token * p.src_stride(first) + i * kSrcVec;
   const char* v_src = p.src_of(1) + token * p.src_stride(1) + i * kSrcVec;
   // fp8: where this lane's scales lie (per-head scales: those of vector i's heads), and whether it loads
@@ -840,8 +841,8 @@ __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
   const float *k_scale_at = nullptr, *v_scale_at = nullptr;
   uint32_t k_scale_load = 0, v_scale_load = 0;
   if constexpr (Cv::kQuant) {
-    k_scale_at = p.scale_at(first, i / uint32_t((first ? kVHeadBytes : kKHeadBytes) / kVec));
-    v_scale_at = p.scale_at(1, i / uint32_t(kVHeadBytes / kVec));
+    k_scale_at = p.scale_at(first, i / k_head_vecs);
+    v_scale_at = p.scale_at(1, i / v_head_vecs);
     k_scale_load = k_in && p.scale_is_ptr(first);
     v_scale_load = v_in && p.scale_is_ptr(1);
     asm volatile("" : "+l"(k_scale_at), "+l"(v_scale_at), "+r"(k_scale_load), "+r"(v_scale_load));
