@@ -51,8 +51,8 @@ def store_cache(
             shape ``[H]``: per-head scales (vLLM's per-head quantization), head h of every row stored
             as RNE(clamp(x / scale[h], ±max)); K and V each take either kind. A tensor's values must
             be finite and > 0 too: checked on the host for CPU tensors, and for CUDA tensors only
-            under ``JITKV_DEBUG=1`` (the check syncs; otherwise the kernel divides by the values as
-            given).
+            under ``JITKV_DEBUG=1`` (the check syncs; otherwise a value that is not finite and > 0
+            writes unspecified codes, never outside the cache).
         loc_map: optional ``[num_full_slots]`` int32/int64; ``slot = loc_map[slot]`` first (full ->
             sliding-window pool), fused in the kernel; a mapped value < 0 is skipped.
         skip_slot: an extra padding slot, compared before ``loc_map``; None for none.

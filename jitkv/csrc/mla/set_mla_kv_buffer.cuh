@@ -570,9 +570,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 #if defined(JITKV_DSMLA_BYTES)
 // ---- FP8 writers ----
-// stored = cvt.rn.satfinite(x / scale) with the correctly rounded fp32 quotient (cuda::Divider: quick
-// for every value when the scale lies in its window, __fdiv_rn otherwise), then the hardware's
-// round-to-nearest-even conversion, which saturates finite overflow and +-inf to +-max (the bytes of
+// stored = cvt.rn.satfinite(x / scale) with the correctly rounded fp32 quotient (cuda::Divider::quick,
+// no branch; the generic kernel: __fdiv_rn), then the hardware's round-to-nearest-even conversion, which saturates finite overflow and +-inf to +-max (the bytes of
 // clamp(-max, max) first) and gives 0x7F for NaN: bit-equal to torch's
 // (x.float() / scale).clamp(-max, max).to(float8) on the GPU.
 
@@ -637,17 +636,16 @@ __device__ __forceinline__ uint32_t fp8x4(float a, float b, float c, float d) {
   return lo | (hi << 16);
 }
 
-// The 8 fp8 bytes of a 16-byte source vector: x / scale through Divider::quick (kQuick, the scale in its
-// window) or Divider::exact.
-template <Src16 kSrc, KvFormat kFmt, bool kQuick>
+// The 8 fp8 bytes of a 16-byte source vector: x / scale through Divider::quick.
+template <Src16 kSrc, KvFormat kFmt>
 __device__ __forceinline__ uint2 quantize_vec(const uint4& v, const cuda::Divider& d) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
   float q[8];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const float2 x = Src16Traits<kSrc>::pair(w[k]);
-    q[2 * k] = kQuick ? d.quick(x.x) : d.exact(x.x);
-    q[2 * k + 1] = kQuick ? d.quick(x.y) : d.exact(x.y);
+    q[2 * k] = d.quick(x.x);
+    q[2 * k + 1] = d.quick(x.y);
   }
   return make_uint2(fp8x4<kFmt>(q[0], q[1], q[2], q[3]), fp8x4<kFmt>(q[4], q[5], q[6], q[7]));
 }
@@ -674,7 +672,7 @@ struct Fp8Row {
   }
 };
 
-// A lane's fp8 bytes of its nope and rope vectors (8 per vector), as cuda::quick_first returns them.
+// A lane's fp8 bytes of its nope and rope vectors (8 per vector).
 template <int kNope, int kRope>
 struct Fp8Words {
   uint2 nope[kNope];
@@ -717,10 +715,9 @@ __device__ __forceinline__ float ds_mla_scale(uint32_t amax) {
 // latency pattern of set_mla_kv_buffer_latency_kernel with kRowWarps warps per row. Addresses before
 // the PDL wait; after it each warp issues its slot load, the per-tensor scale and all of its source
 // loads at once (padding rows' sources are read, never written), lets the next kernel launch, quantizes,
-// and stores if the slot is kept. No branch per value: the conversions of a lane's vectors form one
-// block of straight-line code the scheduler interleaves, ahead of the one branch on the scale
-// (cuda::quick_first). fp8_ds_mla: a tile's amax is
-// a redux.sync max over the warp of the lanes' largest magnitudes (NaN left out, as vLLM's fmaxf does),
+// and stores if the slot is kept. No branch: the conversions of a lane's vectors form one block of
+// straight-line code the scheduler interleaves (cuda::Divider::quick). fp8_ds_mla: a tile's amax is a
+// redux.sync max over the warp of the lanes' largest magnitudes (NaN left out, as vLLM's fmaxf does),
 // its scale max(amax / 448, FLT_MIN); lane 0 stores the warp's tile scales and the rope vectors are
 // copied unchanged. Args: MlaFp8RowArgs, or MlaFp8Args for the calls it cannot hold.
 template <KvFormat kFmt, Src16 kSrc, int kNopeBytes, int kRopeBytes, int kRowWarps, typename TLoc, typename Args>
@@ -774,33 +771,19 @@ __global__ void __launch_bounds__(32 * 8)
     }
 #pragma unroll
     for (int t = 0; t < kWarpTiles; ++t) tile_scale[t] = ds_mla_scale<kSrc>(__reduce_max_sync(0xffffffffu, part[t]));
-    cuda::Divider d[R::kNopeIters];
-    bool all_quick = true;
 #pragma unroll
     for (int i = 0; i < R::kNopeIters; ++i) {
       float s = tile_scale[i * kTilesPerReg];
 #pragma unroll
       for (int h = 1; h < kTilesPerReg; ++h) s = tile_in_reg == h ? tile_scale[i * kTilesPerReg + h] : s;
-      d[i] = cuda::Divider(s);
-      all_quick &= d[i].quick_exact;
+      q.nope[i] = quantize_vec<kSrc, kFmt>(vn[i], cuda::Divider(s));
     }
-    // all_quick: every tile scale but those of tiles with amax below 2^-71
-    q = cuda::quick_first(all_quick, [&](auto quick) {
-      Words o{};  // its unused rope word stays zero
-#pragma unroll
-      for (int i = 0; i < R::kNopeIters; ++i) o.nope[i] = quantize_vec<kSrc, kFmt, decltype(quick)::value>(vn[i], d[i]);
-      return o;
-    });
   } else {
     const cuda::Divider d(scale);
-    q = cuda::quick_first(d.quick_exact, [&](auto quick) {
-      Words o{};
 #pragma unroll
-      for (int i = 0; i < R::kNopeIters; ++i) o.nope[i] = quantize_vec<kSrc, kFmt, decltype(quick)::value>(vn[i], d);
+    for (int i = 0; i < R::kNopeIters; ++i) q.nope[i] = quantize_vec<kSrc, kFmt>(vn[i], d);
 #pragma unroll
-      for (int i = 0; i < R::kRopeIters; ++i) o.rope[i] = quantize_vec<kSrc, kFmt, decltype(quick)::value>(vr[i], d);
-      return o;
-    });
+    for (int i = 0; i < R::kRopeIters; ++i) q.rope[i] = quantize_vec<kSrc, kFmt>(vr[i], d);
   }
 
   if (keeps(p, slot)) {
@@ -853,10 +836,7 @@ __global__ void __launch_bounds__(32 * 8)
   const uint4 v = cuda::load(reinterpret_cast<const uint4*>(src));
   cuda::pdl_launch_dependents();  // after every load (see set_mla_kv_buffer_latency_kernel)
   if (!keeps(p, slot)) return;     // padding, skipped and out-of-range slots are never written
-  const cuda::Divider d(scale);
-  const uint2 q =
-      cuda::quick_first(d.quick_exact, [&](auto quick) { return quantize_vec<kSrc, kFmt, decltype(quick)::value>(v, d); });
-  reinterpret_cast<uint2*>(p.dst + slot * dst_stride(p))[j] = q;
+  reinterpret_cast<uint2*>(p.dst + slot * dst_stride(p))[j] = quantize_vec<kSrc, kFmt>(v, cuda::Divider(scale));
 }
 
 template <KvFormat kFmt>

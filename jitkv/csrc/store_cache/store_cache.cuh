@@ -377,9 +377,8 @@ int64_t store_cache_copy(TensorView k, TensorView v, TensorView k_cache, TensorV
 //
 // FP8: stored = cvt.rn.satfinite(x / scale): a true fp32 division (bit-identical to __fdiv_rn), then
 // the hardware round-to-nearest-even conversion, which saturates finite overflow and +-inf to +-max
-// (the same bytes as clamp(-max, max) first) and maps NaN to 0x7F. The latency kernel divides without
-// a branch per element (Divider::quick, one branch on the scale); the bulk kernel calls __fdiv_rn per
-// element (fewer registers).
+// (the same bytes as clamp(-max, max) first) and maps NaN to 0x7F. The latency kernels divide without
+// a branch (Divider::quick); the bulk kernel calls __fdiv_rn per element (fewer registers).
 // Measured on H200 (H=8, D=128, e4m3): n = 1 latency kernel 1.3 us, bulk kernel 3.1 us; n = 131072
 // bulk kernel 203 us, with the latency kernel's division 225 us.
 //
@@ -514,7 +513,7 @@ struct Convert {
     return out;
   }
 
-  // Every element through Divider::quick (the scale inside its window).
+  // Every element through Divider::quick.
   template <int N>
   __device__ __forceinline__ static Pack<N> divide_quick(const Pack<N * kRatio>& in, const Divider& div) {
     float q[N];
@@ -538,12 +537,9 @@ struct Convert {
     if constexpr (!kQuant) {
       return in;
     } else if constexpr (kBulk) {
-      return divide_each<N>(in, div.s);
-    } else {  // quick first, exact after it for a scale outside the window
-      return cuda::quick_first(div.quick_exact, [&](auto quick) {
-        if constexpr (decltype(quick)::value) return divide_quick<N>(in, div);
-        else return divide_each<N>(in, div.s);
-      });
+      return divide_each<N>(in, div.scale);
+    } else {
+      return divide_quick<N>(in, div);
     }
   }
 };

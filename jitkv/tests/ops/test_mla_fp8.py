@@ -459,8 +459,8 @@ def test_every_cuda_kernel_keeps_the_contract(kernel, pdl, fmt, src, n, idx_dtyp
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("src", SRC_DTYPES)
 def test_every_16_bit_value_around_the_quick_division_window(kernel, fmt, src):
-    """The fast kernels divide without a per-value range check when the scale lies in the quick window
-    (jitkv/cuda/fp8.cuh Divider) and with __fdiv_rn otherwise: torch's bytes for every bf16/fp16 value
+    """The fast kernels divide without a branch, a scale outside the quick window first brought into it
+    (jitkv/cuda/fp8.cuh Divider): torch's bytes for every bf16/fp16 value
     at scales outside, on the edges of and inside that window, as a float and as a device tensor."""
     from jitkv.ops.mla import FORMATS as CODES  # noqa: PLC0415
 

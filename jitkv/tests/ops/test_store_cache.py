@@ -775,8 +775,8 @@ def _every_float32_binade(n_rows, width):
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("src", [torch.bfloat16, torch.float16, torch.float32])
 def test_every_value_around_the_quick_division_window(device, kv_dtype, src):
-    """The CUDA latency kernels divide without a per-value range check when the scale lies in the
-    quick window (jitkv/cuda/fp8.cuh Divider) and with __fdiv_rn otherwise: the reference's bytes for
+    """The CUDA latency kernels divide without a branch, a scale outside the quick window first
+    brought into it (jitkv/cuda/fp8.cuh Divider): the reference's bytes for
     every bf16/fp16 value (float32: every binade) at scales outside, on the edges of and inside that
     window, per side and per head (CPU too)."""
     h, d = 8, 128

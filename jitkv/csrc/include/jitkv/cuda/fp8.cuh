@@ -1,7 +1,7 @@
 // fp8 arithmetic of the CUDA kernels.
 //  - Divider: exact fp32 division for the fp8 writers (store_cache, set_mla_kv_buffer): stored =
 //    cvt.rn.satfinite(x / scale) needs the correctly rounded quotient, which __fdiv_rn gives at the
-//    cost of a range check and a branch per element; quick_first runs the writers' conversions.
+//    cost of a range check and a branch per element; Divider::quick gives it with neither.
 //  - dequant8: eight fp8 bytes times a scale -> eight bf16, for the readers (DeepSeek-V4 gather,
 //    gather_mla_cache).
 #pragma once
@@ -11,70 +11,59 @@
 
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 namespace jitkv {
 namespace cuda {
 
-// Division by one scale, for an fp8 conversion: quick(x) is __fdiv_rn's own fast path (r = rcp.approx(s)
-// refined by one Newton step, q = x * r, q' = q + r * (x - q * s), the residual entering negated so
-// that x = -0 keeps its sign) without its per-element range check and branch. __fdiv_rn's result is
-// the correctly rounded quotient wherever no intermediate over- or underflows; for a scale with
-// 2^-80 <= s < 2^100 (quick_exact) the other cases give the same fp8 byte:
+// Division by one scale, for an fp8 conversion, with no branch: quick(x) is __fdiv_rn's own fast path
+// (r = rcp.approx(s) refined by one Newton step, q = x * r, q' = q + r * (x - q * s), the residual
+// entering negated so that x = -0 keeps its sign) without its per-element range check. __fdiv_rn's
+// result is the correctly rounded quotient wherever no intermediate over- or underflows; for a scale
+// with 2^-80 <= s < 2^100 the other cases give the same fp8 byte:
 //  - |x * r| >= 2^128: q = +-inf and q' NaN; quick returns q, saturated to +-max like the true
 //    quotient (at least 2^127 in magnitude). x = +-inf likewise; x NaN stays NaN.
 //  - |x| < 2^-103 (the residual may round): |x / s| < 2^-23 and q' within a few ulps of it, both
 //    below half the smallest subnormal of e4m3 (2^-9) and e5m2 (2^-16): +-0 with x's sign.
-// Other scales take exact() (__fdiv_rn) for every element. The CUDA tests feed every bf16 and fp16
-// value through each writer at scales on both sides of the window.
+// Any other finite scale > 0 is brought into that window by a power of two f (2^100 below it, 2^-100
+// above it, 1 inside), which multiplies x too: x * f / (scale * f) is x / scale, and where x * f is
+// not exact the fp8 byte is still the true quotient's: x * 2^100 overflows only where |x / scale| >=
+// 2^128 / 2^20 (saturated; quick(+-inf) is +-inf), and x * 2^-100 rounds only below 2^-126, where
+// |x / scale| < 2^-126 (scale * f >= 1) gives +-0. scale = +inf (an fp8_ds_mla tile holding an
+// infinity) takes f = 0 and a finite s: +-0 for finite x, NaN for +-inf, as __fdiv_rn. The window
+// test and both scaled products run side by side, so the reciprocal waits for two selects more than
+// the bare one, and there is no branch. NVIDIA H100, graph replay, against __fdiv_rn's fast path
+// behind a window test and a branch to __fdiv_rn, same runs (two hosts): the floors of
+// python -m jitkv.benchmark ("latency floor" rows: one thread, 8 bf16 values -> e4m3 at n = 1) 0.842 /
+// 0.870 us against 0.849 / 0.878, the fp8_ds_mla floor (one warp, two tiles) 0.903 / 0.914 against
+// 0.948 / 0.960; fp8_ds_mla writes of 512+64 bf16 rows 0.03-0.05 us faster at n = 1-64, store_cache
+// H8 D128 e4m3 0-0.03 us faster, e4m3 MLA rows level. A scale that is not finite and > 0 otherwise (a device scale is not checked unless JITKV_DEBUG=1) gives unspecified codes. The CUDA
+// tests feed every bf16 and fp16 value through each writer at scales on both sides of the window.
 struct Divider {
-  static constexpr uint32_t kLoExp = 127 - 80, kSpan = 100 + 80;  // biased exponents of 2^-80 ... 2^99
-
-  float s, r;
-  bool quick_exact;
+  float f;      // multiplies x: the power of two that brings the scale into the window (1 inside it)
+  float s, r;   // the scale times f (finite) and its refined reciprocal
+  float scale;  // as given (__fdiv_rn by it: the bulk kernels)
 
   Divider() = default;
-  __device__ __forceinline__ explicit Divider(float scale) : s(scale) {
+  __device__ __forceinline__ explicit Divider(float scale_) : scale(scale_) {
+    const float a = fabsf(scale_);
+    const bool below = a < 0x1p-80f, above = a >= 0x1p100f;  // NaN: neither
+    // scale * f from products formed beside the window test (+inf: 2^100, any finite value serves)
+    const float up = __fmul_rn(scale_, 0x1p100f), down = fminf(__fmul_rn(scale_, 0x1p-100f), 0x1p100f);
+    s = below ? up : above ? down : scale_;
+    f = below ? 0x1p100f : !above ? 1.0f : a == __int_as_float(0x7f800000) ? 0.0f : 0x1p-100f;
     float r0;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(scale));
-    r = __fmaf_rn(r0, __fmaf_rn(r0, -scale, 1.0f), r0);
-    quick_exact = (__float_as_uint(scale) >> 23) - kLoExp < kSpan;  // scale > 0: no sign bit
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(s));
+    r = __fmaf_rn(r0, __fmaf_rn(r0, -s, 1.0f), r0);
   }
 
+  // fp32 x / scale, correctly rounded wherever its fp8 byte depends on it (see above).
   __device__ __forceinline__ float quick(float x) const {
+    x = __fmul_rn(x, f);
     const float q = __fmul_rn(x, r);
     const float refined = __fmaf_rn(-r, __fmaf_rn(q, s, -x), q);
     return fabsf(q) == __int_as_float(0x7f800000) ? q : refined;
   }
-
-  __device__ __forceinline__ float exact(float x) const { return __fdiv_rn(x, s); }
 };
-
-// An empty asm that reads and writes every 32-bit word of v (a last partial word zero-padded): v's
-// value is computed before it.
-template <class T>
-__device__ __forceinline__ void pin_words(T& v) {
-  uint32_t w[(sizeof(T) + 3) / 4] = {};
-  memcpy(w, &v, sizeof(T));
-#pragma unroll
-  for (uint32_t& x : w) asm volatile("" : "+r"(x));
-  memcpy(&v, w, sizeof(T));
-}
-
-// f(std::true_type) converts through Divider::quick, f(std::false_type) through Divider::exact, each
-// returning the packed fp8 words. The quick conversion runs for every scale and is pinned before the
-// window test (quick_exact: every divider of f in its window), so a scale inside the window (every
-// scale a model uses) never waits for that test and its branch; a scale outside it converts a second
-// time, exactly. NVIDIA H100, graph replay, same run, against testing the window first: 512+64 bf16
-// -> e4m3 MLA rows (lanes kernel) n = 1 / 2 / 4 0.884 / 0.891 / 0.897 us against 0.901 / 0.908 / 0.919,
-// level at 16-64 rows; H=8 x D=128 store_cache rows level within +-0.02 us at n = 1-64.
-template <class F>
-__device__ __forceinline__ auto quick_first(bool quick_exact, F&& f) {
-  auto q = f(std::true_type{});
-  pin_words(q);
-  if (!quick_exact) q = f(std::false_type{});
-  return q;
-}
 
 __device__ __forceinline__ float f16_bits_to_f32(uint32_t h) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
