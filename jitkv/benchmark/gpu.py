@@ -80,21 +80,22 @@ def latency_floor_spec(arch: str):
     from jitkv.jit import JitSpec  # noqa: PLC0415
 
     return JitSpec("latency_floor_cuda", ("benchmark/latency_floor_cuda.cu",),
-                   target=arch, exports=("latency_floor",))
+                   target=arch, exports=("latency_floor", "latency_floor_e4m3", "latency_floor_ds_mla"))
 
 
-def latency_floor_us(bufs, repeats=3) -> float:
+def latency_floor_us(bufs, repeats=3, kernel="latency_floor", *args) -> float:
     """The fastest KV write the contract allows, under the same graph replay: one thread, PDL wait ->
     slot and 16-byte source loads together -> trigger dependents -> store
     (csrc/benchmark/latency_floor_cuda.cu), into ``bufs[layer]`` (one [rows, >= 16 bytes] cache per
-    layer). The least of ``repeats`` timings (new slots each): a disturbed one would lower every row's
-    "x floor" (single timings of it ranged 0.84-0.95 us over runs on one H100)."""
-    fn = jitkv.jit.get_function(latency_floor_spec(jitkv.jit.cuda_arch(torch.device("cuda"))), "latency_floor")
+    layer); ``kernel`` and ``args`` (after dst, loc, src) pick one of that file's fp8 floors instead.
+    The least of ``repeats`` timings (new slots each): a disturbed one would lower every row's "x
+    floor" (single timings of it ranged 0.84-0.95 us over runs on one H100)."""
+    fn = jitkv.jit.get_function(latency_floor_spec(jitkv.jit.cuda_arch(torch.device("cuda"))), kernel)
     srcs = [torch.randn(1, 576, device="cuda").bfloat16() for _ in range(LAYERS)]
     times = []
     for _ in range(repeats):
         locs = [torch.randint(0, b.shape[0], (1,), device="cuda") for b in bufs]
-        times.append(graph_us(lambda i: fn(bufs[i], locs[i], srcs[i])))
+        times.append(graph_us(lambda i: fn(bufs[i], locs[i], srcs[i], *args)))
     return min(times)
 
 
@@ -161,15 +162,32 @@ def with_ceiling(cases, moved: int):
     return cases + [(CEILING, lambda i: dst[i].copy_(src[i]))]
 
 
+# The fp8 floors (csrc/benchmark/latency_floor_cuda.cu): the least an fp8 write of one row must do at
+# n = 1, exactly as the contract divides, and with x * rcp.approx(scale) (less than any exact writer).
+FP8_FLOORS = (("fp8 e4m3, exact division", 576, "latency_floor_e4m3", True),
+              ("fp8 e4m3, x * rcp.approx(scale)", 576, "latency_floor_e4m3", False),
+              ("fp8_ds_mla 2 tiles, exact division", 656, "latency_floor_ds_mla", 512, True),
+              ("fp8_ds_mla 2 tiles, x * rcp.approx(scale)", 656, "latency_floor_ds_mla", 512, False))
+
+
 def floor_rows(bw: float, empty_us: float) -> tuple[float, list[Row]]:
-    """The latency floor (µs) and its rows, measured into 8 layers of 2^19-row caches."""
+    """The latency floor (µs) and its rows, measured into 8 layers of 2^19-row caches, with the fp8
+    floors beside it (their "x floor" is over the copy's: what a conversion adds at the least)."""
     bufs = [torch.empty(1 << 19, 576, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
     floor_us = latency_floor_us(bufs)
-    return floor_us, [
+    rows = [
         Row("empty kernel", "triton, graph", 0, "—", empty_us, 0, None, bw, {"x_floor": round(empty_us / floor_us, 2)}),
         Row("latency floor", "PDL wait -> slot + 16 B loads -> trigger -> store, 1 thread", 1, "jit", floor_us, 32,
             None, bw, {"x_floor": 1.0}),
     ]
+    del bufs
+    scale = torch.tensor([0.37], device="cuda")
+    for label, width, kernel, *args in FP8_FLOORS:
+        bufs = [torch.empty(1 << 19, width, dtype=torch.uint8, device="cuda") for _ in range(LAYERS)]
+        us = latency_floor_us(bufs, 3, kernel, *([scale] if kernel.endswith("e4m3") else []), *args)
+        rows.append(Row("latency floor", label, 1, "jit", us, 0, None, bw, {"x_floor": round(us / floor_us, 2)}))
+        del bufs
+    return floor_us, rows
 
 
 def mla_rows(bw: float, floor_us: float, ns=MLA_NS) -> list[Row]:

@@ -1,54 +1,191 @@
-// Benchmark-only kernel and its tvm-ffi binding: the fastest KV write the contract allows. One thread
-// waits for the previous kernel (PDL), loads loc[0] and 16 source bytes together (one memory round
-// trip), lets the next kernel launch, and stores the bytes at that slot if it is in range: the floor
-// under any set_mla_kv_buffer / store_cache / DSv4 writer launch at n = 1.
+// Benchmark-only kernels and their tvm-ffi bindings: the least that a KV write at n = 1 must do under
+// the contract, so that each jitkv row can be read against it (python -m jitkv.benchmark).
+//  - latency_floor: the fastest copy. One thread waits for the previous kernel (PDL), loads loc[0] and
+//    16 source bytes together (one memory round trip), lets the next kernel launch, and stores the
+//    bytes at that slot if it is in range: the floor under any set_mla_kv_buffer / store_cache / DSv4
+//    writer launch at n = 1.
+//  - latency_floor_e4m3: the same thread with one fp8 conversion on the way: the device scale loaded
+//    with the slot and the 8 bf16 values, then x / scale -> e4m3 -> 8 bytes stored. `exact` divides as
+//    the jitkv writers do (cuda::Divider::quick); otherwise x * rcp.approx(scale),
+//    which no exact division undercuts (it needs the reciprocal and the product at the least).
+//  - latency_floor_ds_mla: one warp quantizing two 128-value tiles of an fp8_ds_mla record (lanes
+//    0-15 and 16-31, 8 bf16 values each): each lane's largest magnitude, a redux.sync max per tile,
+//    the tile scale amax / 448, the division, the 8-byte stores and lane 0's two scales. `exact` as
+//    the jitkv writer (correctly rounded scale, cuda::Divider); otherwise amax * (1 / 448) and x *
+//    rcp.approx(scale), NaN not left out of the amax: less than any writer of the record must do.
+// Each fp8 floor does no more than the contract demands of its write, so a jitkv kernel cannot run
+// below it, and a target under it is beyond the hardware.
+#include <cuda_fp8.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
+#include <cfloat>
 #include <cstdint>
 
 #include "jitkv/check.h"
+#include "jitkv/cuda/fp8.cuh"
 #include "jitkv/cuda/launch.cuh"
 
 namespace {
 
 using jitkv::data_ptr;
+using jitkv::cuda::Divider;
+using jitkv::cuda::load;
 using tvm::ffi::TensorView;
 
 __global__ void latency_floor_kernel(const int64_t* loc, const uint4* src, char* dst, int64_t row_bytes,
                                      int64_t num_rows) {
   if (threadIdx.x != 0) return;
   jitkv::cuda::pdl_wait();
-  const int64_t slot = jitkv::cuda::load(loc);
-  const uint4 v = jitkv::cuda::load(src);
+  const int64_t slot = load(loc);
+  const uint4 v = load(src);
   jitkv::cuda::pdl_launch_dependents();
   if (slot >= 0 && slot < num_rows) *reinterpret_cast<uint4*>(dst + slot * row_bytes) = v;
+}
+
+__device__ __forceinline__ float rcp_approx(float s) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+}
+
+// The 8 bf16 values of v divided by the scale (kExact: d.quick(x); else x * r), as 8 e4m3 bytes.
+template <bool kExact>
+__device__ __forceinline__ uint2 quantize8(const uint4& v, const Divider& d, float r) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  float q[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float x = __uint_as_float(k % 2 ? w[k / 2] & 0xffff0000u : w[k / 2] << 16);
+    q[k] = kExact ? d.quick(x) : x * r;
+  }
+  return make_uint2(e4m3x4(q[0], q[1], q[2], q[3]), e4m3x4(q[4], q[5], q[6], q[7]));
+}
+
+template <bool kExact>
+__device__ __forceinline__ void divider_of(float s, Divider& d, float& r) {
+  if constexpr (kExact) d = Divider(s);
+  else r = rcp_approx(s);
+}
+
+template <bool kExact>
+__global__ void latency_floor_e4m3_kernel(const int64_t* loc, const uint4* src, const float* scale, char* dst,
+                                          int64_t row_bytes, int64_t num_rows) {
+  if (threadIdx.x != 0) return;
+  jitkv::cuda::pdl_wait();
+  const int64_t slot = load(loc);
+  const float s = load(scale);
+  const uint4 v = load(src);
+  jitkv::cuda::pdl_launch_dependents();
+  if (slot < 0 || slot >= num_rows) return;
+  Divider d;
+  float r = 0.0f;
+  divider_of<kExact>(s, d, r);
+  *reinterpret_cast<uint2*>(dst + slot * row_bytes) = quantize8<kExact>(v, d, r);
+}
+
+// A tile's scale from its amax (bf16 bits): kExact as the jitkv writer, max(RN(amax / 448), FLT_MIN).
+template <bool kExact>
+__device__ __forceinline__ float tile_scale(uint32_t amax) {
+  constexpr float kInv = 1.0f / 448.0f;
+  const float a = __uint_as_float(amax << 16);
+  if constexpr (!kExact) return a * kInv;
+  const float q = __fmul_rn(a, kInv);
+  return fmaxf(amax == 0x7f80u ? a : __fmaf_rn(__fmaf_rn(-q, 448.0f, a), kInv, q), FLT_MIN);
+}
+
+template <bool kExact>
+__global__ void latency_floor_ds_mla_kernel(const int64_t* loc, const uint4* src, char* dst, int64_t row_bytes,
+                                            int64_t num_rows, int64_t scale_offset) {
+  const int lane = threadIdx.x & 31;
+  jitkv::cuda::pdl_wait();
+  const int64_t slot = load(loc);
+  const uint4 v = load(src + lane);
+  jitkv::cuda::pdl_launch_dependents();
+  const uint32_t mx = __vmaxu2(__vmaxu2(v.x & 0x7fff7fffu, v.y & 0x7fff7fffu), __vmaxu2(v.z & 0x7fff7fffu, v.w & 0x7fff7fffu));
+  const uint32_t amax = max(mx >> 16, mx & 0xffffu);
+  const float s0 = tile_scale<kExact>(__reduce_max_sync(0xffffffffu, lane < 16 ? amax : 0u));
+  const float s1 = tile_scale<kExact>(__reduce_max_sync(0xffffffffu, lane < 16 ? 0u : amax));
+  Divider d;
+  float r = 0.0f;
+  divider_of<kExact>(lane < 16 ? s0 : s1, d, r);
+  const uint2 q = quantize8<kExact>(v, d, r);
+  if (slot < 0 || slot >= num_rows) return;
+  char* row = dst + slot * row_bytes;
+  reinterpret_cast<uint2*>(row)[lane] = q;
+  if (lane == 0) *reinterpret_cast<float2*>(row + scale_offset) = make_float2(s0, s1);
 }
 
 bool on_cuda(const TensorView& t) { return t.device().device_type == kDLCUDA; }
 int64_t nbytes(const TensorView& t) { return t.numel() * jitkv::elem_bytes(t.dtype()); }
 
-// dst: [rows, >= 16 bytes] with 16-byte aligned rows; loc: int64, >= 1 entry; src: >= 16 aligned bytes.
-void latency_floor(TensorView dst, TensorView loc, TensorView src) {
+// What every floor takes: dst [rows, >= min_row bytes] with `align`-byte aligned rows, loc int64 [>= 1],
+// src of >= src_bytes 16-byte aligned bytes. Returns dst's row stride in bytes.
+int64_t check_floor_args(const char* name, const TensorView& dst, const TensorView& loc, const TensorView& src,
+                         int64_t min_row, int64_t align, int64_t src_bytes) {
   const int64_t row_bytes = dst.ndim() == 2 ? dst.stride(0) * jitkv::elem_bytes(dst.dtype()) : 0;
-  const bool dst_ok = on_cuda(dst) && dst.ndim() == 2 && dst.size(1) * jitkv::elem_bytes(dst.dtype()) >= 16 &&
-                      row_bytes % 16 == 0 && jitkv::aligned16(data_ptr(dst));
+  const bool dst_ok = on_cuda(dst) && dst.ndim() == 2 && dst.size(1) * jitkv::elem_bytes(dst.dtype()) >= min_row &&
+                      row_bytes % align == 0 && jitkv::aligned16(data_ptr(dst));
   const bool loc_ok = on_cuda(loc) && loc.dtype().code == kDLInt && loc.dtype().bits == 64 && loc.numel() >= 1;
-  if (!dst_ok || !loc_ok || !on_cuda(src) || nbytes(src) < 16 || !jitkv::aligned16(data_ptr(src))) {
-    TVM_FFI_THROW(ValueError) << "latency_floor: expected CUDA tensors dst [rows, >= 16 bytes] (16-byte aligned "
-                              << "rows), loc int64 [>= 1], src of >= 16 bytes (16-byte aligned)";
+  if (!dst_ok || !loc_ok || !on_cuda(src) || nbytes(src) < src_bytes || !jitkv::aligned16(data_ptr(src))) {
+    TVM_FFI_THROW(ValueError) << name << ": expected CUDA tensors dst [rows, >= " << min_row << " bytes] (" << align
+                              << "-byte aligned rows), loc int64 [>= 1], src of >= " << src_bytes
+                              << " bytes (16-byte aligned)";
   }
+  return row_bytes;
+}
+
+// Launches kernel<<<1, 32>>>(args...) on dst's device and the caller's stream, with PDL from sm_90.
+template <typename... KArgs, typename... Args>
+void launch_floor(const char* name, const TensorView& dst, void (*kernel)(KArgs...), Args... args) {
   const int device = dst.device().device_id;
   const jitkv::cuda::DeviceInfo info = jitkv::cuda::device_info(device);
   jitkv::cuda::DeviceGuard guard(device);
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
-  jitkv::cuda::check_launch(
-      "latency_floor", jitkv::cuda::launch(latency_floor_kernel, dim3(1), dim3(32), stream, info.pdl(),
-                                           static_cast<const int64_t*>(static_cast<void*>(data_ptr(loc))),
-                                           reinterpret_cast<const uint4*>(data_ptr(src)), data_ptr(dst), row_bytes,
-                                           dst.size(0)));
+  jitkv::cuda::check_launch(name, jitkv::cuda::launch(kernel, dim3(1), dim3(32), stream, info.pdl(), args...));
+}
+
+template <typename T>
+const T* ptr_of(const TensorView& t) {
+  return reinterpret_cast<const T*>(data_ptr(t));
+}
+
+void latency_floor(TensorView dst, TensorView loc, TensorView src) {
+  const int64_t row_bytes = check_floor_args("latency_floor", dst, loc, src, 16, 16, 16);
+  launch_floor("latency_floor", dst, latency_floor_kernel, ptr_of<int64_t>(loc), ptr_of<uint4>(src), data_ptr(dst),
+               row_bytes, dst.size(0));
+}
+
+// scale: a float32 tensor of >= 1 element on the device.
+void latency_floor_e4m3(TensorView dst, TensorView loc, TensorView src, TensorView scale, bool exact) {
+  const int64_t row_bytes = check_floor_args("latency_floor_e4m3", dst, loc, src, 8, 8, 16);
+  if (!on_cuda(scale) || scale.dtype().code != kDLFloat || scale.dtype().bits != 32 || scale.numel() < 1) {
+    TVM_FFI_THROW(ValueError) << "latency_floor_e4m3: expected a float32 CUDA scale of >= 1 element";
+  }
+  launch_floor("latency_floor_e4m3", dst, exact ? latency_floor_e4m3_kernel<true> : latency_floor_e4m3_kernel<false>,
+               ptr_of<int64_t>(loc), ptr_of<uint4>(src), ptr_of<float>(scale), data_ptr(dst), row_bytes, dst.size(0));
+}
+
+// dst rows hold the 256 e4m3 bytes at 0 and the two scales at scale_offset (a multiple of 8, >= 256).
+void latency_floor_ds_mla(TensorView dst, TensorView loc, TensorView src, int64_t scale_offset, bool exact) {
+  const int64_t row_bytes = check_floor_args("latency_floor_ds_mla", dst, loc, src, 264, 16, 512);
+  if (scale_offset < 256 || scale_offset % 8 != 0 || scale_offset + 8 > dst.size(1) * jitkv::elem_bytes(dst.dtype())) {
+    TVM_FFI_THROW(ValueError) << "latency_floor_ds_mla: expected a scale_offset of >= 256, a multiple of 8 with 8 "
+                              << "bytes in the row, got " << scale_offset;
+  }
+  launch_floor("latency_floor_ds_mla", dst,
+               exact ? latency_floor_ds_mla_kernel<true> : latency_floor_ds_mla_kernel<false>, ptr_of<int64_t>(loc),
+               ptr_of<uint4>(src), data_ptr(dst), row_bytes, dst.size(0), scale_offset);
 }
 
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(latency_floor, latency_floor);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(latency_floor_e4m3, latency_floor_e4m3);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(latency_floor_ds_mla, latency_floor_ds_mla);

@@ -1,4 +1,6 @@
-"""The benchmark's latency-floor kernel writes 16 bytes at loc[0] and nothing else (GPU only)."""
+"""The benchmark's latency-floor kernels write their bytes at loc[0] and nothing else (GPU only): the
+copy floor 16 source bytes, the e4m3 floor 8 values divided by the scale, the fp8_ds_mla floor two
+128-value tiles and their scales. Their exact modes write torch's bytes."""
 
 from __future__ import annotations
 
@@ -9,14 +11,17 @@ import jitkv
 from jitkv.tests.conftest import assert_bitwise, gpu, rand
 
 
-def _floor_fn():
+def _floor_fn(name="latency_floor"):
     from jitkv.benchmark.gpu import latency_floor_spec  # noqa: PLC0415
 
-    return jitkv.jit.get_function(latency_floor_spec(jitkv.jit.cuda_arch(torch.device("cuda"))), "latency_floor")
+    return jitkv.jit.get_function(latency_floor_spec(jitkv.jit.cuda_arch(torch.device("cuda"))), name)
+
+
+SLOTS = [0, 37, 63, -1, 64, 1 << 40]
 
 
 @gpu
-@pytest.mark.parametrize("slot", [0, 37, 63, -1, 64, 1 << 40])
+@pytest.mark.parametrize("slot", SLOTS)
 def test_writes_16_bytes_at_the_slot_only(slot):
     fn = _floor_fn()
     dst = rand((64, 576), torch.bfloat16, "cuda")
@@ -30,9 +35,56 @@ def test_writes_16_bytes_at_the_slot_only(slot):
 
 
 @gpu
+@pytest.mark.parametrize("slot", SLOTS)
+@pytest.mark.parametrize("scale", [0.37, 2.0**-90, 2.0**110])
+def test_e4m3_floor_writes_the_quotients_at_the_slot_only(slot, scale):
+    fn = _floor_fn("latency_floor_e4m3")
+    src = rand((1, 576), torch.bfloat16, "cuda") * 40
+    scale_t = torch.tensor([scale], device="cuda")
+    for exact in (True, False):
+        dst = rand((64, 576), torch.uint8, "cuda")
+        before = dst.clone()
+        fn(dst, torch.tensor([slot], device="cuda"), src, scale_t, exact)
+        torch.cuda.synchronize()
+        if not 0 <= slot < 64:
+            assert_bitwise(dst, before)
+            continue
+        q = (src[0, :8].float() / scale_t).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        if exact:
+            before[slot, :8] = q
+        else:  # x * rcp.approx(scale): torch's codes give or take one rounding step
+            assert (dst[slot, :8].int() - q.int()).abs().max() <= 1
+            before[slot, :8] = dst[slot, :8]
+        assert_bitwise(dst, before)
+
+
+@gpu
+@pytest.mark.parametrize("slot", SLOTS)
+def test_ds_mla_floor_writes_two_tiles_and_their_scales_at_the_slot_only(slot):
+    fn = _floor_fn("latency_floor_ds_mla")
+    src = rand((1, 576), torch.bfloat16, "cuda") * 40
+    dst = rand((64, 656), torch.uint8, "cuda")
+    expected = dst.clone()
+    fn(dst, torch.tensor([slot], device="cuda"), src, 512, True)
+    torch.cuda.synchronize()
+    if 0 <= slot < 64:
+        tiles = src[0, :256].float().view(2, 128)
+        amax = tiles.abs().amax(dim=1)  # divided by a tensor: torch multiplies by 1 / a Python scalar
+        scales = (amax / torch.full_like(amax, 448.0)).clamp_min(torch.finfo(torch.float32).tiny)
+        expected[slot, :256] = (tiles / scales[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).flatten()
+        expected[slot, 512:520] = scales.view(torch.uint8)
+    assert_bitwise(dst, expected)
+
+
+@gpu
 def test_bad_input():
     fn = _floor_fn()
     dst = torch.empty(64, 576, dtype=torch.bfloat16, device="cuda")
     src = torch.empty(1, 576, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="latency_floor: expected CUDA tensors dst"):
         fn(dst, torch.tensor([3], dtype=torch.int32, device="cuda"), src)
+    loc = torch.tensor([3], device="cuda")
+    with pytest.raises(ValueError, match="latency_floor_e4m3: expected a float32 CUDA scale"):
+        _floor_fn("latency_floor_e4m3")(dst, loc, src, torch.ones(1, dtype=torch.float64, device="cuda"), True)
+    with pytest.raises(ValueError, match="latency_floor_ds_mla: expected a scale_offset"):
+        _floor_fn("latency_floor_ds_mla")(torch.empty(64, 656, dtype=torch.uint8, device="cuda"), loc, src, 100, True)
