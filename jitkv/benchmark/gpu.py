@@ -78,12 +78,13 @@ def copy_gbps(nbytes=2 << 30) -> float:
 def latency_floor_spec(arch: str):
     """The benchmark-only CUDA module of ``latency_floor_us``."""
     from jitkv.jit import JitSpec  # noqa: PLC0415
+    from jitkv.ops.mla import DS_MLA_ARGS  # noqa: PLC0415  (the fp8 floors use the MLA writers' conversions)
 
-    return JitSpec("latency_floor_cuda", ("benchmark/latency_floor_cuda.cu",),
+    return JitSpec("latency_floor_cuda", ("benchmark/latency_floor_cuda.cu",), args=DS_MLA_ARGS,
                    target=arch, exports=("latency_floor", "latency_floor_e4m3", "latency_floor_ds_mla"))
 
 
-def latency_floor_us(bufs, repeats=3, kernel="latency_floor", *args) -> float:
+def latency_floor_us(bufs, kernel="latency_floor", args=(), repeats=3) -> float:
     """The fastest KV write the contract allows, under the same graph replay: one thread, PDL wait ->
     slot and 16-byte source loads together -> trigger dependents -> store
     (csrc/benchmark/latency_floor_cuda.cu), into ``bufs[layer]`` (one [rows, >= 16 bytes] cache per
@@ -162,14 +163,6 @@ def with_ceiling(cases, moved: int):
     return cases + [(CEILING, lambda i: dst[i].copy_(src[i]))]
 
 
-# The fp8 floors (csrc/benchmark/latency_floor_cuda.cu): the least an fp8 write of one row must do at
-# n = 1, exactly as the contract divides, and with x * rcp.approx(scale) (less than any exact writer).
-FP8_FLOORS = (("fp8 e4m3, exact division", 576, "latency_floor_e4m3", True),
-              ("fp8 e4m3, x * rcp.approx(scale)", 576, "latency_floor_e4m3", False),
-              ("fp8_ds_mla 2 tiles, exact division", 656, "latency_floor_ds_mla", 512, True),
-              ("fp8_ds_mla 2 tiles, x * rcp.approx(scale)", 656, "latency_floor_ds_mla", 512, False))
-
-
 def floor_rows(bw: float, empty_us: float) -> tuple[float, list[Row]]:
     """The latency floor (µs) and its rows, measured into 8 layers of 2^19-row caches, with the fp8
     floors beside it (their "x floor" is over the copy's: what a conversion adds at the least)."""
@@ -181,10 +174,16 @@ def floor_rows(bw: float, empty_us: float) -> tuple[float, list[Row]]:
             None, bw, {"x_floor": 1.0}),
     ]
     del bufs
+    # The fp8 floors: the least an fp8 write of one row must do at n = 1, dividing exactly as the
+    # contract does, and by x * rcp.approx(scale) (less than any exact writer).
     scale = torch.tensor([0.37], device="cuda")
-    for label, width, kernel, *args in FP8_FLOORS:
+    for label, width, kernel, args in (
+            ("fp8 e4m3, exact division", 576, "latency_floor_e4m3", (scale, True)),
+            ("fp8 e4m3, x * rcp.approx(scale)", 576, "latency_floor_e4m3", (scale, False)),
+            ("fp8_ds_mla 2 tiles, exact division", 656, "latency_floor_ds_mla", (512, True)),
+            ("fp8_ds_mla 2 tiles, x * rcp.approx(scale)", 656, "latency_floor_ds_mla", (512, False))):
         bufs = [torch.empty(1 << 19, width, dtype=torch.uint8, device="cuda") for _ in range(LAYERS)]
-        us = latency_floor_us(bufs, 3, kernel, *([scale] if kernel.endswith("e4m3") else []), *args)
+        us = latency_floor_us(bufs, kernel, args)
         rows.append(Row("latency floor", label, 1, "jit", us, 0, None, bw, {"x_floor": round(us / floor_us, 2)}))
         del bufs
     return floor_us, rows

@@ -6,31 +6,33 @@
 //    writer launch at n = 1.
 //  - latency_floor_e4m3: the same thread with one fp8 conversion on the way: the device scale loaded
 //    with the slot and the 8 bf16 values, then x / scale -> e4m3 -> 8 bytes stored. `exact` divides as
-//    the jitkv writers do (cuda::Divider::quick); otherwise x * rcp.approx(scale),
-//    which no exact division undercuts (it needs the reciprocal and the product at the least).
+//    the MLA writers do (their quantize_vec); otherwise x * rcp.approx(scale), which no exact division
+//    undercuts (it needs the reciprocal and the product at the least).
 //  - latency_floor_ds_mla: one warp quantizing two 128-value tiles of an fp8_ds_mla record (lanes
-//    0-15 and 16-31, 8 bf16 values each): each lane's largest magnitude, a redux.sync max per tile,
-//    the tile scale amax / 448, the division, the 8-byte stores and lane 0's two scales. `exact` as
-//    the jitkv writer (correctly rounded scale, cuda::Divider); otherwise amax * (1 / 448) and x *
-//    rcp.approx(scale), NaN not left out of the amax: less than any writer of the record must do.
+//    0-15 and 16-31, 8 bf16 values each): each lane's largest magnitude (NaN not left out), a
+//    redux.sync max per tile, the tile scale amax / 448, the division, the 8-byte stores and lane 0's
+//    two scales. `exact` as the MLA writer (its ds_mla_scale and quantize_vec); otherwise amax *
+//    (1 / 448) and x * rcp.approx(scale): less than any writer of the record must do.
 // Each fp8 floor does no more than the contract demands of its write, so a jitkv kernel cannot run
-// below it, and a target under it is beyond the hardware.
-#include <cuda_fp8.h>
+// below it, and a target under it is beyond the hardware. The module is built with the fp8_ds_mla
+// layout's arguments (jitkv/ops/mla.py DS_MLA_ARGS), which the MLA family's header needs.
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
-#include <cfloat>
 #include <cstdint>
 
 #include "jitkv/check.h"
 #include "jitkv/cuda/fp8.cuh"
 #include "jitkv/cuda/launch.cuh"
+#include "mla/set_mla_kv_buffer.cuh"
 
 namespace {
 
 using jitkv::data_ptr;
 using jitkv::cuda::Divider;
 using jitkv::cuda::load;
+using jitkv::mla::KvFormat;
+using jitkv::mla::Src16;
 using tvm::ffi::TensorView;
 
 __global__ void latency_floor_kernel(const int64_t* loc, const uint4* src, char* dst, int64_t row_bytes,
@@ -49,23 +51,21 @@ __device__ __forceinline__ float rcp_approx(float s) {
   return r;
 }
 
-__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
-  return lo | (hi << 16);
-}
-
-// The 8 bf16 values of v divided by the scale (kExact: d.quick(x); else x * r), as 8 e4m3 bytes.
+// The 8 bf16 values of v divided by the scale (kExact: as the MLA writers, d.quick(x); else x * r), as 8
+// e4m3 bytes.
 template <bool kExact>
 __device__ __forceinline__ uint2 quantize8(const uint4& v, const Divider& d, float r) {
+  if constexpr (kExact) return jitkv::mla::quantize_vec<Src16::kBF16, KvFormat::kE4M3>(v, d);
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
   float q[8];
 #pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const float x = __uint_as_float(k % 2 ? w[k / 2] & 0xffff0000u : w[k / 2] << 16);
-    q[k] = kExact ? d.quick(x) : x * r;
+  for (int k = 0; k < 4; ++k) {
+    const float2 x = jitkv::mla::Src16Traits<Src16::kBF16>::pair(w[k]);
+    q[2 * k] = x.x * r;
+    q[2 * k + 1] = x.y * r;
   }
-  return make_uint2(e4m3x4(q[0], q[1], q[2], q[3]), e4m3x4(q[4], q[5], q[6], q[7]));
+  return make_uint2(jitkv::mla::fp8x4<KvFormat::kE4M3>(q[0], q[1], q[2], q[3]),
+                    jitkv::mla::fp8x4<KvFormat::kE4M3>(q[4], q[5], q[6], q[7]));
 }
 
 template <bool kExact>
@@ -90,14 +90,11 @@ __global__ void latency_floor_e4m3_kernel(const int64_t* loc, const uint4* src, 
   *reinterpret_cast<uint2*>(dst + slot * row_bytes) = quantize8<kExact>(v, d, r);
 }
 
-// A tile's scale from its amax (bf16 bits): kExact as the jitkv writer, max(RN(amax / 448), FLT_MIN).
+// A tile's scale from its amax (bf16 bits): kExact as the MLA writer, max(RN(amax / 448), FLT_MIN).
 template <bool kExact>
 __device__ __forceinline__ float tile_scale(uint32_t amax) {
-  constexpr float kInv = 1.0f / 448.0f;
-  const float a = __uint_as_float(amax << 16);
-  if constexpr (!kExact) return a * kInv;
-  const float q = __fmul_rn(a, kInv);
-  return fmaxf(amax == 0x7f80u ? a : __fmaf_rn(__fmaf_rn(-q, 448.0f, a), kInv, q), FLT_MIN);
+  if constexpr (kExact) return jitkv::mla::ds_mla_scale<Src16::kBF16>(amax);
+  return __uint_as_float(amax << 16) * (1.0f / jitkv::mla::DsMla::kFp8Max);
 }
 
 template <bool kExact>
@@ -108,7 +105,8 @@ __global__ void latency_floor_ds_mla_kernel(const int64_t* loc, const uint4* src
   const int64_t slot = load(loc);
   const uint4 v = load(src + lane);
   jitkv::cuda::pdl_launch_dependents();
-  const uint32_t mx = __vmaxu2(__vmaxu2(v.x & 0x7fff7fffu, v.y & 0x7fff7fffu), __vmaxu2(v.z & 0x7fff7fffu, v.w & 0x7fff7fffu));
+  const uint32_t mx =
+      __vmaxu2(__vmaxu2(v.x & 0x7fff7fffu, v.y & 0x7fff7fffu), __vmaxu2(v.z & 0x7fff7fffu, v.w & 0x7fff7fffu));
   const uint32_t amax = max(mx >> 16, mx & 0xffffu);
   const float s0 = tile_scale<kExact>(__reduce_max_sync(0xffffffffu, lane < 16 ? amax : 0u));
   const float s1 = tile_scale<kExact>(__reduce_max_sync(0xffffffffu, lane < 16 ? 0u : amax));

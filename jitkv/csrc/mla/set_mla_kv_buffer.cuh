@@ -571,9 +571,9 @@ __global__ void __launch_bounds__(kWarps * 32)
 #if defined(JITKV_DSMLA_BYTES)
 // ---- FP8 writers ----
 // stored = cvt.rn.satfinite(x / scale) with the correctly rounded fp32 quotient (cuda::Divider::quick,
-// no branch; the generic kernel: __fdiv_rn), then the hardware's round-to-nearest-even conversion, which saturates finite overflow and +-inf to +-max (the bytes of
-// clamp(-max, max) first) and gives 0x7F for NaN: bit-equal to torch's
-// (x.float() / scale).clamp(-max, max).to(float8) on the GPU.
+// no branch; the generic kernel: __fdiv_rn), then the hardware's round-to-nearest-even conversion,
+// which saturates finite overflow and +-inf to +-max (the bytes of clamp(-max, max) first) and gives
+// 0x7F for NaN: bit-equal to torch's (x.float() / scale).clamp(-max, max).to(float8) on the GPU.
 
 enum class Src16 : int { kBF16 = 1, kF16 = 2 };  // k_nope/k_rope dtype of an fp8 module (JitSpec src_dtype)
 

@@ -36,8 +36,9 @@ namespace cuda {
 // python -m jitkv.benchmark ("latency floor" rows: one thread, 8 bf16 values -> e4m3 at n = 1) 0.842 /
 // 0.870 us against 0.849 / 0.878, the fp8_ds_mla floor (one warp, two tiles) 0.903 / 0.914 against
 // 0.948 / 0.960; fp8_ds_mla writes of 512+64 bf16 rows 0.03-0.05 us faster at n = 1-64, store_cache
-// H8 D128 e4m3 0-0.03 us faster, e4m3 MLA rows level. A scale that is not finite and > 0 otherwise (a device scale is not checked unless JITKV_DEBUG=1) gives unspecified codes. The CUDA
-// tests feed every bf16 and fp16 value through each writer at scales on both sides of the window.
+// H8 D128 e4m3 0-0.03 us faster, e4m3 MLA rows level. A scale that is not finite and > 0 otherwise (a
+// device scale is not checked unless JITKV_DEBUG=1) gives unspecified codes. The CUDA tests feed every
+// bf16 and fp16 value through each writer at scales on both sides of the window.
 struct Divider {
   float f;      // multiplies x: the power of two that brings the scale into the window (1 inside it)
   float s, r;   // the scale times f (finite) and its refined reciprocal
