@@ -9,45 +9,18 @@ from __future__ import annotations
 
 import torch
 
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-# kv_cache_dtype names accepted by the writers, and the fp8 dtype each stores.
+from .codes import FP8_MAX, DsMla, Dsv4, Indexer, KvFormat  # noqa: E402
+
+# Transitional names of jitkv/codes.py's constants (the family modules are moving to codes.py).
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-# Codes of the cache formats in kernels' build arguments: 0 is a plain copy.
-FP8_CODES = {None: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
-DS_MLA_CODE = 3  # the fp8_ds_mla record (below) among those codes
-
-# DeepSeek-V4 FP8 K cache record (docs/design.md §5): per token 448 dims as e4m3, 64 dims as bf16,
-# then 8 bytes of UE8M0 scales (7 groups of 64 dims + one zero byte); a block holds all its tokens'
-# data, then all their scales.
-DSV4_HEAD_DIM = 512
-DSV4_NOPE = 448  # dims stored as e4m3, one UE8M0 scale per 64
-DSV4_ROPE = 64  # dims stored as bf16
-DSV4_DATA_BYTES = DSV4_NOPE + 2 * DSV4_ROPE  # 576
-DSV4_SCALE_BYTES = 8  # 7 used + 1 zero byte
-DSV4_TOKEN_BYTES = DSV4_DATA_BYTES + DSV4_SCALE_BYTES  # 584
-DSV4_GROUP = 64
-
-# vLLM's "fp8_ds_mla" MLA record (DeepSeek-V3.2 sparse MLA), 656 bytes per token: the 512 nope values
-# as e4m3 in 4 tiles of 128, each tile's fp32 scale (amax / 448), then the 64 rope values as bf16:
-# [512 B e4m3 | 16 B fp32 scales | 128 B bf16].
-DS_MLA_NOPE = 512
-DS_MLA_ROPE = 64
-DS_MLA_TILE = 128
-DS_MLA_TILES = DS_MLA_NOPE // DS_MLA_TILE  # 4
-DS_MLA_SCALE_OFFSET = DS_MLA_NOPE  # 512
-DS_MLA_ROPE_OFFSET = DS_MLA_SCALE_OFFSET + 4 * DS_MLA_TILES  # 528
-DS_MLA_RECORD_BYTES = DS_MLA_ROPE_OFFSET + 2 * DS_MLA_ROPE  # 656
-
-# DeepSeek-V3.2 sparse-attention indexer K cache (vLLM's indexer_k_quant_and_cache /
-# cp_gather_indexer_k_quant_cache, sglang's NSA index_k pool), 132 bytes per token: the 128-dim key
-# as e4m3 and one fp32 scale per token (one quant block of 128 values). A block holds all its tokens'
-# values, then all their scales: [block_size * 128 B e4m3 | block_size * 4 B fp32].
-INDEXER_HEAD_DIM = 128  # e4m3 bytes per token
-INDEXER_QUANT_BLOCK = 128  # values per scale: one scale per token
-INDEXER_SCALE_BYTES = 4  # one fp32 scale
-INDEXER_TOKEN_BYTES = INDEXER_HEAD_DIM + INDEXER_SCALE_BYTES  # 132
-INDEXER_FP8_MAX = 448.0  # e4m3: scale = max(amax, INDEXER_AMAX_MIN) / 448
-INDEXER_AMAX_MIN = 1e-4
+FP8_CODES = {None: int(KvFormat.COPY), torch.float8_e4m3fn: int(KvFormat.E4M3), torch.float8_e5m2: int(KvFormat.E5M2)}
+DS_MLA_CODE = int(KvFormat.DS_MLA)
+DSV4_HEAD_DIM, DSV4_NOPE, DSV4_ROPE, DSV4_GROUP = Dsv4.HEAD_DIM, Dsv4.NOPE, Dsv4.ROPE, Dsv4.GROUP
+DSV4_DATA_BYTES, DSV4_SCALE_BYTES, DSV4_TOKEN_BYTES = Dsv4.DATA_BYTES, Dsv4.SCALE_BYTES, Dsv4.TOKEN_BYTES
+DS_MLA_NOPE, DS_MLA_ROPE, DS_MLA_TILE, DS_MLA_TILES = DsMla.NOPE, DsMla.ROPE, DsMla.TILE, DsMla.TILES
+DS_MLA_SCALE_OFFSET, DS_MLA_ROPE_OFFSET, DS_MLA_RECORD_BYTES = DsMla.SCALE_OFFSET, DsMla.ROPE_OFFSET, DsMla.BYTES
+INDEXER_HEAD_DIM, INDEXER_QUANT_BLOCK, INDEXER_SCALE_BYTES = Indexer.HEAD_DIM, Indexer.QUANT_BLOCK, Indexer.SCALE_BYTES
+INDEXER_TOKEN_BYTES, INDEXER_FP8_MAX, INDEXER_AMAX_MIN = Indexer.TOKEN_BYTES, Indexer.FP8_MAX, Indexer.AMAX_MIN
 
 
 class PagedRecordLayout:

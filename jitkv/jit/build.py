@@ -33,7 +33,7 @@ from typing import Callable, TypeVar
 from . import toolchain
 from .cache_dir import cache_dir, is_writable, lookup_layers, private_subdir, untrusted
 from .errors import JitUnavailable
-from .spec import JitSpec, env_flag
+from .spec import JitSpec, env_flag, write_generated
 from .util import cache_once
 
 logger = logging.getLogger("jitkv")
@@ -314,7 +314,8 @@ def _build_and_publish(spec: JitSpec, final: Path) -> None:
                 extra_cflags=spec.host_cflags(),
                 extra_cuda_cflags=spec.cuda_cflags() if spec.is_cuda else None,
                 extra_ldflags=spec.ldflags(),
-                extra_include_paths=[str(d) for d in spec.include_dirs()],
+                extra_include_paths=[str(write_generated(spec, staging / "generated")),
+                                     *(str(d) for d in spec.include_dirs())],
                 build_directory=str(staging / "build"),
                 backend="cuda" if spec.is_cuda else None,
             )
@@ -325,6 +326,7 @@ def _build_and_publish(spec: JitSpec, final: Path) -> None:
     lib = staging / os.path.basename(so)
     os.replace(so, lib)
     shutil.rmtree(staging / "build")  # objects and ninja files name this layer's path
+    shutil.rmtree(staging / "generated")
     _write_manifest(spec, lib, seconds)
     # Readable by all, writable by us only, whatever the umask: the trust check refuses looser modes.
     os.chmod(lib, 0o755)

@@ -11,11 +11,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import _version
+from .. import _version, codes
 from . import toolchain
 from .util import cache_once
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
+# Headers made from Python at build time (include name -> the function giving its text): in every
+# spec's closure that includes one, keyed by the hash of its text like a source on disk.
+GENERATED = {"jitkv/codes.h": codes.header}
 _INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*[<"]([^>"\n]+)[>"]', re.M)
 
 
@@ -65,8 +68,17 @@ class JitSpec:
         return ["-Wl,--no-undefined"] + ([] if self.is_cuda else ["-fopenmp"])
 
     def closure(self) -> list[tuple[str, Path]]:
-        """Entry sources plus every quoted or <jitkv/...> include they reach, as (key path, file)."""
+        """Entry sources plus every quoted or <jitkv/...> include they reach on disk, as (key path,
+        file); generated headers are ``generated()``."""
+        return sorted(self._closure()[0].items())
+
+    def generated(self) -> list[str]:
+        """The GENERATED headers the sources include, by include name."""
+        return sorted(self._closure()[1])
+
+    def _closure(self) -> tuple[dict[str, Path], set[str]]:
         seen: dict[str, Path] = {}
+        generated: set[str] = set()
         dirs = tuple(str(d) for d in self.include_dirs())
         todo = [_realpath(str(self.root / s)) for s in self.sources]
         while todo:
@@ -76,10 +88,13 @@ class JitSpec:
                 continue
             seen[rel] = Path(path)
             for inc in _scan(path)[1]:
+                if inc in GENERATED:
+                    generated.add(inc)
+                    continue
                 found = _find_include(inc, (os.path.dirname(path), *dirs))
                 if found is not None:
                     todo.append(found)
-        return sorted(seen.items())
+        return seen, generated
 
     def _key_path(self, path: str) -> str:
         for base in (self.root, CSRC):
@@ -94,7 +109,9 @@ class JitSpec:
         artifact is recorded in its manifest instead)."""
         import tvm_ffi  # noqa: PLC0415  (imports torch; only when something is built or loaded)
 
-        files = {rel: _scan(str(p))[0] for rel, p in self.closure()}
+        on_disk, generated = self._closure()
+        files = {rel: _scan(str(p))[0] for rel, p in sorted(on_disk.items())}
+        files.update({f"generated:{inc}": _generated(inc)[0] for inc in sorted(generated)})
         comps: dict[str, object] = {
             "op": self.op,
             "sources": list(self.sources),
@@ -126,6 +143,23 @@ class JitSpec:
     def describe(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.args)
         return f"{self.op}[{args}] for {self.target_name}" if args else f"{self.op} for {self.target_name}"
+
+
+@cache_once
+def _generated(inc: str) -> tuple[str, str]:
+    """(sha256, text) of a GENERATED header, made once per process."""
+    text = GENERATED[inc]()
+    return hashlib.sha256(text.encode()).hexdigest(), text
+
+
+def write_generated(spec: JitSpec, root: Path) -> Path:
+    """Write the generated headers ``spec`` includes under ``root`` (an include dir of its build)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for inc in spec.generated():
+        path = root / inc
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(_generated(inc)[1])
+    return root
 
 
 @cache_once

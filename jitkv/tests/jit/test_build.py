@@ -77,6 +77,45 @@ def test_key_reads_a_settled_source_once_and_sees_every_edit(tmp_path, monkeypat
     assert _spec(root).key() != base and sorted(reads) == ["add.cpp", "delta.h"]
 
 
+CODES = textwrap.dedent(
+    """
+    #include "jitkv/codes.h"
+    #include <tvm/ffi/function.h>
+    int64_t record_bytes() { return jitkv::codes::DsMla::kBytes + int(jitkv::codes::KvFormat::kDsMla); }
+    TVM_FFI_DLL_EXPORT_TYPED_FUNC(record_bytes, record_bytes);
+    """
+)
+
+
+def test_generated_codes_header_is_built_with_and_keyed_by_its_text(tmp_path, monkeypatch):
+    """A source including jitkv/codes.h sees jitkv.codes' values; its key hashes the header's text."""
+    from jitkv import codes  # noqa: PLC0415
+    from jitkv.jit import spec as spec_module  # noqa: PLC0415
+
+    root = _tree(tmp_path / "src", body=CODES)
+    monkeypatch.setenv("JITKV_CACHE_DIR", str(tmp_path / "cache"))
+    spec = JitSpec("tiny_codes", ("tiny/add.cpp",), exports=("record_bytes",), root=root)
+    assert spec.generated() == ["jitkv/codes.h"] and "jitkv/codes.h" not in dict(spec.closure())
+    assert get_module(spec).record_bytes() == codes.DsMla.BYTES + codes.KvFormat.DS_MLA
+    key = spec.key()
+    monkeypatch.setitem(spec_module.GENERATED, "jitkv/codes.h", lambda: codes.header() + "// changed\n")
+    spec_module._generated.cache_clear()
+    try:
+        assert spec.key() != key
+    finally:
+        monkeypatch.undo()
+        spec_module._generated.cache_clear()
+
+
+def test_codes_header_names():
+    from jitkv import codes  # noqa: PLC0415
+
+    text = codes.header()
+    assert "enum class KvFormat : int32_t { kCopy = 0, kE4M3 = 1, kE5M2 = 2, kDsMla = 3 };" in text
+    assert "static constexpr int kRopeOffset = 528;" in text and "static constexpr float kFP8Max = 0x1.cp+8f;" in text
+    assert codes.cpp_name("NEEDS_ANY_ALIGNMENT") == "kNeedsAnyAlignment"
+
+
 def test_closure_follows_includes(tmp_path):
     rels = [rel for rel, _ in _spec(_tree(tmp_path)).closure()]
     assert rels == ["include/jitkv/check.h", "tiny/add.cpp", "tiny/delta.h"]
