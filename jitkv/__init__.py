@@ -7,16 +7,12 @@ import logging as _logging
 import os as _os
 import warnings as _warnings
 
+from . import ops as _ops
 from ._version import __version__
-from .ops import _custom_ops  # noqa: F401  (registers torch.ops.jitkv.* for torch.compile)
-from .ops._dispatch import BackendUnavailable, JitkvFallbackWarning, backend_info
-from .ops.dsv4 import DSV4_K_CACHE, dequantize_and_gather_k_cache, quantize_and_insert_k_cache
-from .ops.indexer import INDEXER_K_CACHE, gather_indexer_k_quant_cache, indexer_k_quant_and_cache
-from .ops.mla import set_mla_kv_buffer
-from .ops.mla_gather import gather_mla_cache
-from .ops.store_cache import store_cache
+from .ops import *  # noqa: F403  (every family's public names: the ops and their record layouts)
+from .ops import BackendUnavailable, JitkvFallbackWarning, backend_info
+from .ops._custom_ops import register_all as _register_custom_ops
 from .prebuild import prebuild, warmup
-
 
 def _log_level(text: str) -> int:
     """JITKV_LOG_LEVEL as a level: a number, or a name in any case; anything else warns once and
@@ -44,21 +40,7 @@ def _setup_logging() -> None:
 
 
 _setup_logging()
+_register_custom_ops()  # torch.ops.jitkv.*, what torch.compile traces
 
-__all__ = [
-    "BackendUnavailable",
-    "DSV4_K_CACHE",
-    "INDEXER_K_CACHE",
-    "JitkvFallbackWarning",
-    "__version__",
-    "backend_info",
-    "dequantize_and_gather_k_cache",
-    "gather_indexer_k_quant_cache",
-    "indexer_k_quant_and_cache",
-    "gather_mla_cache",
-    "prebuild",
-    "quantize_and_insert_k_cache",
-    "set_mla_kv_buffer",
-    "store_cache",
-    "warmup",
-]
+__all__ = sorted(["BackendUnavailable", "JitkvFallbackWarning", "__version__", "backend_info", "prebuild", "warmup",
+                  *_ops.__all__])

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .codes import FP8_MAX, DsMla, Dsv4, Indexer, KvFormat  # noqa: E402
+from . import checks
+from .codes import FP8_MAX, DsMla, Dsv4, Indexer, KvFormat  # noqa: F401
 
 # Transitional names of jitkv/codes.py's constants (the family modules are moving to codes.py).
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -57,18 +58,14 @@ class PagedRecordLayout:
         token_bytes]`` view with packed tokens; block stride ``stride(0)`` >= ``block_size *
         token_bytes`` and, like the base pointer, a multiple of ``alignment``. The same rules as the
         families' C++ parsers."""
-        from .ops import _validate  # noqa: PLC0415  (ops imports this module)
-
         op, arg, tb = op or self.name, self.cache_arg, self.token_bytes
-        _validate.tensor(op, arg, cache)
-        if not (cache.is_cpu or cache.is_cuda):
-            raise _validate.unsupported_device(op, arg, cache)
+        checks.tensor(op, arg, cache)
         if not isinstance(block_size, int) or isinstance(block_size, bool):
             raise TypeError(f"{op}: block_size: expected an int, got {type(block_size).__name__}")
         if block_size < 1:
             raise ValueError(f"{op}: block_size: expected a positive int, got {block_size}")
         if cache.dtype != torch.uint8:
-            raise TypeError(f"{op}: {arg}: expected dtype uint8, got {cache.dtype}")
+            raise TypeError(f"{op}: {arg}: expected dtype uint8, got {checks.dtype_name(cache.dtype)}")
         used = block_size * tb
         if cache.dim() == 2:
             if cache.shape[1] // tb != block_size:
@@ -86,7 +83,7 @@ class PagedRecordLayout:
         else:
             raise ValueError(f"{op}: {arg}: expected a 2-D [num_blocks, block_stride] or 3-D [num_blocks, block_size, "
                              f"{tb}] tensor, got {list(cache.shape)}")
-        _validate.last_dim_contiguous(op, arg, cache)
+        checks.last_dim_contiguous(op, arg, cache)
         stride = cache.stride(0)
         if cache.shape[0] > 1 and (stride < used or stride % self.alignment):  # one block: no stride
             raise ValueError(f"{op}: {arg}: expected stride(0) (the block stride in bytes) to be a multiple of "

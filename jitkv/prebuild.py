@@ -10,15 +10,14 @@ import torch
 
 from .jit import JitSpec, JitUnavailable, ensure_built, get_module
 from .jit.toolchain import cuda_arch, normalize_cuda_arch
-from .ops import dsv4, indexer, mla, mla_gather, store_cache
-
-_FAMILIES = (store_cache, mla, dsv4, indexer, mla_gather)
+from .ops import OPS
 
 
 def specs_for(target: str) -> list[JitSpec]:
-    """Every module jitkv prebuilds for a target ("cpu" or a CUDA arch such as "9.0a")."""
+    """Every module jitkv prebuilds for a target ("cpu" or a CUDA arch such as "9.0a"): each op's
+    declared specs, once each."""
     target = target if target == "cpu" else normalize_cuda_arch(target)
-    return [spec for fam in _FAMILIES for spec in fam.jit_specs(target)]
+    return list(dict.fromkeys(spec for op in OPS.values() for spec in op.specs(target)))
 
 
 def prebuild(targets=("cpu",), *, jobs: int | None = None, progress: bool = False) -> dict[str, str]:

@@ -142,8 +142,14 @@ def _bits(t):
     return t.view(_BITS[t.element_size()])
 
 
-def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, skip_slot=None, strict=None):
-    """kv_buffer[loc[i], :nope] = k_nope[i]; kv_buffer[loc[i], nope:nope+rope] = k_rope[i]."""
+def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, kv_cache_dtype="auto", scale=None, skip_slot=None,
+                      strict=None):
+    """kv_buffer[loc[i], :nope] = k_nope[i]; kv_buffer[loc[i], nope:nope+rope] = k_rope[i], copied, or
+    quantized for an fp8 kv_cache_dtype (``set_mla_kv_buffer_fp8``)."""
+    if kv_cache_dtype != "auto":
+        set_mla_kv_buffer_fp8(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype=kv_cache_dtype, scale=scale,
+                              skip_slot=skip_slot, strict=strict)
+        return
     nope = _bits(cache_k_nope.select(1, 0) if cache_k_nope.dim() == 3 else cache_k_nope)
     rope = _bits(cache_k_rope.select(1, 0) if cache_k_rope.dim() == 3 else cache_k_rope)
     buf = _bits(kv_buffer.select(1, 0) if kv_buffer.dim() == 3 else kv_buffer)[:, : nope.shape[1] + rope.shape[1]]
@@ -451,8 +457,8 @@ _BF16_NAN = 0x7FFF
 
 
 def check_gather_rows(cu_seq_lens, rows, *, op="gather_mla_cache"):
-    """Raise before anything is written when cu_seq_lens does not describe rows of ``out``: ValueError
-    where it decreases, IndexError where a request starts below row 0 or ends past ``rows``. Reads
+    """Raise ValueError before anything is written when cu_seq_lens does not describe rows of ``out``:
+    where it decreases, where a request starts below row 0 or ends past ``rows``. Reads
     cu_seq_lens on the host (a CUDA sync: refused during graph capture, as ``check_slots``)."""
     _refuse_capture(cu_seq_lens, "cu_seq_lens", op)
     cu = cu_seq_lens.long().cpu()
@@ -462,9 +468,9 @@ def check_gather_rows(cu_seq_lens, rows, *, op="gather_mla_cache"):
         raise ValueError(f"{op}: cu_seq_lens: expected non-decreasing values, got {int(cu[i])} then {int(cu[i + 1])} "
                          f"at positions {i}, {i + 1}")
     if cu.numel() and int(cu[0]) < 0:
-        raise IndexError(f"{op}: cu_seq_lens: request 0 starts at row {int(cu[0])}, below row 0 of out")
+        raise ValueError(f"{op}: cu_seq_lens: request 0 starts at row {int(cu[0])}, below row 0 of out")
     if cu.numel() and int(cu[-1]) > rows:
-        raise IndexError(f"{op}: cu_seq_lens: the requests end at row {int(cu[-1])}, past out's {rows} rows")
+        raise ValueError(f"{op}: out: has {rows} rows, but the requests end at row {int(cu[-1])} (cu_seq_lens[-1])")
 
 
 def _gather_plan(rows, block_table, cu_seq_lens, seq_starts, block_size, num_blocks):

@@ -15,21 +15,39 @@ import torch
 from .common import print_table
 
 
+def _choices() -> dict[str, set[str]]:
+    """``--op`` names: each op and each family (its module), mapped to the families they select."""
+    from jitkv.ops import OPS  # noqa: PLC0415
+
+    choices = {}
+    for op in OPS.values():
+        if op.bench_cpu or op.bench_gpu:
+            choices.setdefault(op.name, set()).add(op.family)
+            choices.setdefault(op.family, set()).add(op.family)
+    return choices
+
+
 def main(argv=None) -> int:
+    choices = _choices()
     p = argparse.ArgumentParser(prog="python -m jitkv.benchmark", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present, else cpu")
-    p.add_argument("--op", choices=["store_cache", "set_mla_kv_buffer", "dsv4", "indexer", "gather_mla_cache", "build"],
-                   action="append", default=None)
+    p.add_argument("--op", choices=[*sorted(choices), "build"], action="append", default=None,
+                   help="an op or a family (its module under jitkv/ops); repeatable; default: all, and build")
+    p.add_argument("--quick", action="store_true", help="the smallest case of each sweep, short timings (a smoke run)")
     p.add_argument("--json", metavar="FILE", help="write every row and the machine description here")
     p.add_argument("--plot", metavar="FILE.png", help="plot GB/s and µs against n per op (needs matplotlib)")
     args = p.parse_args(argv)
     if args.plot:
         _require_matplotlib(p)  # before minutes of benchmarking, not after
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    ops = set(args.op or ["store_cache", "set_mla_kv_buffer", "dsv4", "indexer", "gather_mla_cache", "build"])
+    picked = args.op or [*choices, "build"]
+    families = set().union(*(choices[name] for name in picked if name != "build"))
     report = {"device": _describe(device), "torch": torch.__version__, "rows": [], "build": {}}
-    rows = _cpu(ops, report) if device == "cpu" else _gpu(ops, report)
+    rows = (_cpu if device == "cpu" else _gpu)(families, report, args.quick)
+    if "build" in picked:
+        report["build"] = _build(device)
+        _print_build(report["build"])
     report["rows"] = [r.as_dict() for r in rows]
     if args.json:
         with open(args.json, "w") as f:
@@ -37,6 +55,16 @@ def main(argv=None) -> int:
     if args.plot:
         return _plot(report, args.plot)
     return 0
+
+
+def _sections(families, kind):
+    """(title, op, its bench function) of every selected family's cases, in declaration order."""
+    from jitkv.ops import OPS  # noqa: PLC0415
+
+    for op in OPS.values():
+        bench = getattr(op, f"bench_{kind}")
+        if bench is not None and op.family in families:
+            yield op.family, bench
 
 
 def _require_matplotlib(parser) -> None:
@@ -76,39 +104,25 @@ def _cpu_model() -> str:
     return names[0] if names else platform.processor() or platform.machine()
 
 
-def _cpu(ops, report):
+def _cpu(families, report, quick=False):
     from . import cpu  # noqa: PLC0415
 
     print(f"# jitkv CPU benchmark ({_describe('cpu')}, torch {torch.__version__})")
     rows = []
-    if ops & {"store_cache", "set_mla_kv_buffer"}:
-        report["copy_gbps"] = cpu.copy_gbps()
+    if families:
+        report["copy_gbps"] = cpu.copy_gbps(8 << 20) if quick else cpu.copy_gbps()
         print(f"memory copy: {report['copy_gbps']:.1f} GB/s (read + write, a copy_ far larger than the LLC)")
-    if "store_cache" in ops:
-        part = cpu.store_cache_rows() + cpu.store_cache_fp8_rows()
-        print_table("store_cache", part)
-        big = cpu.large_cache_rows()
-        print_table("store_cache, cache far larger than the LLC (fraction of copy_ bandwidth)", big)
-        rows += part + big
-    if "set_mla_kv_buffer" in ops:
-        part = cpu.mla_rows() + cpu.mla_fp8_rows()
-        print_table("set_mla_kv_buffer", part)
+    harness = cpu.Harness(report.get("copy_gbps"), quick=quick)
+    for family, bench in _sections(families, "cpu"):
+        part = bench(harness)
+        print_table(family, part)
         rows += part
-    if "indexer" in ops:
-        part = cpu.indexer_rows()
-        print_table("DeepSeek-V3.2 indexer K cache", part)
-        rows += part
-    if "gather_mla_cache" in ops:
-        part = cpu.mla_gather_rows()
-        print_table("gather_mla_cache", part)
-        rows += part
-    if "build" in ops:
-        report["build"] = cpu.build_timings()
-        _print_build(report["build"])
     return rows
 
 
-def _gpu(ops, report):
+def _gpu(families, report, quick=False):
+    from jitkv.ops import OPS  # noqa: PLC0415
+
     from . import gpu  # noqa: PLC0415
 
     bw = gpu.copy_gbps()
@@ -117,28 +131,24 @@ def _gpu(ops, report):
     print(f"# jitkv GPU benchmark ({torch.cuda.get_device_name()}, torch {torch.__version__})")
     print(f"device-to-device copy: {bw:.0f} GB/s (read + write); latency floor under graph replay: {floor:.2f} µs")
     print_table("floor (CUDA graph, 8 layers)", rows)
-    graph = "(CUDA graph, 8 layers, caches >> L2)"
-    sections = (  # (op selecting it or None for always, title, rows)
-        ("set_mla_kv_buffer", f"set_mla_kv_buffer {graph}", lambda: gpu.mla_rows(bw, floor)),
-        ("set_mla_kv_buffer", f"set_mla_kv_buffer fp8 {graph}; vs torch: the bf16 copy's µs / the row's",
-         lambda: gpu.mla_fp8_rows(bw, floor)),
-        ("store_cache", f"store_cache {graph}", lambda: gpu.store_cache_rows(bw, floor)),
-        (None, "host cost per eager call (n = 1)", gpu.host_overhead_rows),
-        ("dsv4", f"DeepSeek-V4 FP8 K cache {graph}", lambda: gpu.dsv4_rows(bw, floor)),
-        ("indexer", f"DeepSeek-V3.2 indexer K cache {graph}", lambda: gpu.indexer_rows(bw, floor)),
-        ("gather_mla_cache", f"gather_mla_cache {graph}", lambda: gpu.mla_gather_rows(bw, floor)),
-    )
-    for op, title, run in sections:
-        if op is None or op in ops:
-            part = run()
-            print_table(title, part)
-            rows += part
-    if "build" in ops:
-        from .warm_start import warm_start  # noqa: PLC0415
+    harness = gpu.Harness(bw, floor, quick=quick)
+    for family, bench in _sections(families, "gpu"):
+        part = bench(harness)
+        print_table(f"{family} (CUDA graph, 8 layers, caches >> L2)", part)
+        rows += part
+    part = gpu.host_overhead_rows([op for op in OPS.values() if op.family in families])
+    print_table("host cost per eager call (sample call)", part)
+    return rows + part
 
-        report["build"] = warm_start("cuda")
-        _print_build(report["build"])
-    return rows
+
+def _build(device: str) -> dict:
+    if device == "cpu":
+        from .cpu import build_timings  # noqa: PLC0415
+
+        return build_timings()
+    from .warm_start import warm_start  # noqa: PLC0415
+
+    return warm_start("cuda")
 
 
 def _print_build(build: dict) -> None:

@@ -3,19 +3,20 @@ the dequantize-and-gather reader."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .. import layouts, reference
-from ..jit import JitSpec
-from . import _validate
-from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_error, require_triton
-from ._dispatch import BackendUnavailable, Dispatcher
+from .. import checks, layouts, reference
+from ..codes import Dsv4
+from ..jit import JitSpec, cuda_arch
+from ._op import BackendUnavailable, Op, jit_function
+from ._samples import index, rand, slots
+
+__all__ = ["DSV4_K_CACHE", "dequantize_and_gather_k_cache", "quantize_and_insert_k_cache"]
 
 WRITE_OP = "quantize_and_insert_k_cache"
 GATHER_OP = "dequantize_and_gather_k_cache"
-# No CPU kernel: on CPU the torch reference is the implementation, not a fallback.
-_WRITE = Dispatcher(WRITE_OP, order={"cpu": ("torch",)})
-_GATHER = Dispatcher(GATHER_OP, order={"cpu": ("torch",)})
 
 
 class DSv4KCacheLayout(layouts.PagedRecordLayout):
@@ -31,13 +32,13 @@ class DSv4KCacheLayout(layouts.PagedRecordLayout):
     16 bytes (the kernels' vector alignment) from ``block_size * 584`` up; kernels use ``stride(0)``
     and ``scale_offset(block_size)`` and touch only the first ``block_size * 584`` bytes of a block."""
 
-    head_dim = layouts.DSV4_HEAD_DIM
-    nope_dim = layouts.DSV4_NOPE
-    rope_dim = layouts.DSV4_ROPE
-    group_size = layouts.DSV4_GROUP
-    data_bytes = layouts.DSV4_DATA_BYTES
-    scale_bytes = layouts.DSV4_SCALE_BYTES
-    token_bytes = layouts.DSV4_TOKEN_BYTES
+    head_dim = Dsv4.HEAD_DIM
+    nope_dim = Dsv4.NOPE
+    rope_dim = Dsv4.ROPE
+    group_size = Dsv4.GROUP
+    data_bytes = Dsv4.DATA_BYTES
+    scale_bytes = Dsv4.SCALE_BYTES
+    token_bytes = Dsv4.TOKEN_BYTES
     name = "DSV4_K_CACHE"
     cache_arg = "k_cache"
     data_offset = 0
@@ -49,9 +50,8 @@ class DSv4KCacheLayout(layouts.PagedRecordLayout):
 
     def block_stride(self, block_size: int) -> int:
         """The block stride ``allocate`` uses by default, the smallest a cache may have: block_size * 584
-        rounded up to 16 bytes (37,376 at block_size 64, as vLLM allocates). A larger stride, e.g. one
-        padded to a multiple of 576, measured no faster on an H100 (writer n = 1 ... 65,536 and gather
-        1 x 32,768 within 0.05 us)."""
+        rounded up to 16 bytes (37,376 at block_size 64, as vLLM allocates); a larger stride measured no
+        faster (docs/performance.md, ``DSV4_K_CACHE.block_stride``)."""
         return super().block_stride(block_size)
 
 
@@ -83,12 +83,11 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, *, block_size=64, back
     Algorithm: CUDA — one warp per token, 16-byte loads, warp-shuffle amax, hardware e4m3
     conversion, 16-byte stores; Triton fallback (integer-exact conversion); torch reference on CPU.
     """
-    if torch.compiler.is_compiling():
-        return torch.ops.jitkv.quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size, backend)
-    _get(_WRITE, device_index(WRITE_OP, "k_cache", k_cache), backend, k)(k, k_cache, slot_mapping, block_size)
+    QUANTIZE_AND_INSERT_K_CACHE.run((k, k_cache, slot_mapping, block_size), backend)
 
 
-def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset=0, *, backend=None):
+def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset=0, *,
+                                  backend=None):
     """Gather each request's last tokens from the DeepSeek-V4 FP8 K cache, dequantized to bf16.
 
     For request r, the last ``gather_lens[r]`` tokens (``gather_lens=None``: all ``seq_lens[r]``):
@@ -113,187 +112,195 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
     in flight, exact power-of-two scaling, 16-byte stores, grid sized from num_reqs * max_tokens;
     Triton fallback; torch reference on CPU.
     """
-    if torch.compiler.is_compiling():
-        return torch.ops.jitkv.dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table,
-                                                            block_size, offset, backend)
-    _get(_GATHER, device_index(GATHER_OP, "out", out), backend, out)(out, k_cache, seq_lens, gather_lens,
-                                                                       block_table, block_size, offset)
+    DEQUANTIZE_AND_GATHER_K_CACHE.run((out, k_cache, seq_lens, gather_lens, block_table, block_size, offset), backend)
 
 
-# ------------------------------------------------------------------------------------ validation
+# ---------------------------------------------------------------------------------------- checks
 
 
-def _check_bf16_rows(op, name, t, dev, ndim, shape_desc):
+def _bf16_rows(op, name, t, dev, ndim, shape_desc):
     """A bf16 tensor of ``ndim`` dims whose last dim is 512 and contiguous, on ``dev``."""
-    _validate.tensor(op, name, t)
-    _validate.same_device(op, name, t, dev, "k_cache")
-    if t.dtype != torch.bfloat16:
-        raise TypeError(f"{op}: {name}: expected dtype bfloat16, got {t.dtype}")
-    if t.dim() != ndim or t.shape[-1] != 512:
+    checks.tensor(op, name, t)
+    checks.same_device(op, name, t, dev, "k_cache")
+    checks.dtype(op, name, t, (torch.bfloat16,))
+    if t.dim() != ndim or t.shape[-1] != Dsv4.HEAD_DIM:
         raise ValueError(f"{op}: {name}: expected shape {shape_desc}, got {list(t.shape)}")
-    _validate.last_dim_contiguous(op, name, t)
+    checks.last_dim_contiguous(op, name, t)
 
 
-def _check_write(k, k_cache, slot_mapping, block_size):
+def check_write(k, k_cache, slot_mapping, block_size):
     op = WRITE_OP
     DSV4_K_CACHE.validate(k_cache, block_size, op)
     dev = k_cache.device
-    _validate.index(op, "slot_mapping", slot_mapping, dev, "k_cache")
-    _check_bf16_rows(op, "k", k, dev, 2, "[n', 512]")
-    _validate.rows_at_least(op, "k", k, slot_mapping.numel(), "slot_mapping")
+    checks.index(op, "slot_mapping", slot_mapping, dev, "k_cache")
+    _bf16_rows(op, "k", k, dev, 2, "[n', 512]")
+    checks.rows_at_least(op, "k", k, slot_mapping.numel(), "slot_mapping")
+    return k, k_cache, slot_mapping, block_size
 
 
-def _check_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset):
+def debug_check_write(k, k_cache, slot_mapping, block_size):
+    """JITKV_DEBUG=1 on CUDA: every slot's range on the host (the kernels skip an out-of-range one)."""
+    reference.check_slots(slot_mapping, k_cache.shape[0] * block_size, op=WRITE_OP)
+
+
+def check_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset):
     op = GATHER_OP
     DSV4_K_CACHE.validate(k_cache, block_size, op)
     dev = k_cache.device
-    _check_bf16_rows(op, "out", out, dev, 3, "[num_reqs, max_tokens, 512]")
+    _bf16_rows(op, "out", out, dev, 3, "[num_reqs, max_tokens, 512]")
+    checks.written(op, "out", out)
     num_reqs = out.shape[0]
     for name, t in (("seq_lens", seq_lens), ("gather_lens", gather_lens)):
         if t is None and name == "gather_lens":
             continue
-        _validate.index(op, name, t, dev, "k_cache")
-        if t.dtype != torch.int32:
-            raise TypeError(f"{op}: {name}: expected dtype int32, got {t.dtype}")
+        checks.index(op, name, t, dev, "k_cache")
+        checks.dtype(op, name, t, (torch.int32,))
         if t.shape[0] != num_reqs:
             raise ValueError(f"{op}: {name}: expected {num_reqs} entries (out.shape[0]), got {t.shape[0]}")
-    _validate.tensor(op, "block_table", block_table)
-    _validate.same_device(op, "block_table", block_table, dev, "k_cache")
-    if block_table.dtype != torch.int32:
-        raise TypeError(f"{op}: block_table: expected dtype int32, got {block_table.dtype}")
+    checks.tensor(op, "block_table", block_table)
+    checks.same_device(op, "block_table", block_table, dev, "k_cache")
+    checks.dtype(op, "block_table", block_table, (torch.int32,))
     if block_table.dim() != 2 or block_table.shape[0] != num_reqs:
         raise ValueError(f"{op}: block_table: expected shape [{num_reqs}, max_blocks], got {list(block_table.shape)}")
-    _validate.last_dim_contiguous(op, "block_table", block_table)
-    if not isinstance(offset, int) or offset < 0:
-        raise ValueError(f"{op}: offset: expected an int >= 0, got {offset!r}")
+    checks.last_dim_contiguous(op, "block_table", block_table)
+    checks.integer(op, "offset", offset, minimum=0)
+    return out, k_cache, seq_lens, gather_lens, block_table, block_size, offset
 
 
-def _host_range_check(k, k_cache, slot_mapping, block_size):
-    """JITKV_DEBUG=1: raise IndexError for a slot past the cache (GPU kernels would skip it)."""
-    reference.check_slots(slot_mapping, k_cache.shape[0] * block_size, op=WRITE_OP)
+# -------------------------------------------------------------------------------------- variants
 
 
-def _flat(k_cache):
-    """The 2-D [num_blocks, block_stride] uint8 view Triton kernels take."""
-    if k_cache.dim() == 2:
-        return k_cache
-    stride = k_cache.stride(0)
-    return k_cache.as_strided((k_cache.shape[0], stride), (stride, 1))
+@dataclass(frozen=True)
+class Variant:
+    """Whether the bf16 rows (k, or out) suit the CUDA kernels' 16-byte vectors: a 16-byte aligned base
+    and row strides that are multiples of 8 elements. An unaligned view falls back like any
+    unavailable backend (Triton, then torch), recorded in backend_info and warned about once."""
+
+    aligned: bool
 
 
-# -------------------------------------------------------------------------------------- backends
+def _vector_aligned(t) -> tuple:
+    return (t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]),)
+
+
+def _write_variant(k, k_cache, slot_mapping, block_size) -> tuple:
+    return _vector_aligned(k)
+
+
+def _gather_variant(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset) -> tuple:
+    return _vector_aligned(out)
+
+
+# ------------------------------------------------------------------------------------------- jit
 
 
 def cuda_spec(arch: str) -> JitSpec:
-    """The CUDA module of both ops, built for the record of jitkv/layouts.py."""
-    record = (("dsv4_head_dim", layouts.DSV4_HEAD_DIM), ("dsv4_nope", layouts.DSV4_NOPE),
-              ("dsv4_group", layouts.DSV4_GROUP), ("dsv4_scale_bytes", layouts.DSV4_SCALE_BYTES))
+    """The CUDA module of both ops, built for the record of jitkv/codes.py."""
+    record = (("dsv4_head_dim", Dsv4.HEAD_DIM), ("dsv4_nope", Dsv4.NOPE), ("dsv4_group", Dsv4.GROUP),
+              ("dsv4_scale_bytes", Dsv4.SCALE_BYTES))
     return JitSpec("dsv4_cuda", ("dsv4/dsv4_cuda.cu",), args=record, target=arch, exports=(WRITE_OP, GATHER_OP))
 
 
-_WRITE_ARGS = ("k", "k_cache", "slot_mapping", "block_size")
-_GATHER_ARGS = ("out", "k_cache", "seq_lens", "gather_lens", "block_table", "block_size", "offset")
+def specs(target: str) -> list[JitSpec]:
+    return [] if target == "cpu" else [cuda_spec(target)]
 
 
-def _vector_aligned(t) -> bool:
-    """The CUDA kernels move 16-byte vectors: base 16-byte aligned, row strides multiples of 8 bf16."""
-    return isinstance(t, torch.Tensor) and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
-
-
-def _get(dispatcher, index, backend, bf16_rows):
-    """The op for a device index; on CUDA the variant is whether the bf16 rows (k or out) suit the
-    CUDA kernels' 16-byte vectors: an unaligned view falls back like any unavailable backend
-    (Triton, then torch), recorded in backend_info and warned about once."""
-    if index < 0:
-        return dispatcher.get_cpu(backend)
-    aligned = not isinstance(bf16_rows, torch.Tensor) or _vector_aligned(bf16_rows)  # the binding names a non-tensor
-    return dispatcher.get_cuda(index, backend, (aligned,))
-
-
-def _jit_factory(op, arg_names):
+def _jit_factory(name):
     """The CUDA binding checks every argument but the layout's semantics (the block size a cache
     holds, its block stride), which ``DSV4_K_CACHE.validate`` checks first; it keeps the guards that
     keep the kernels inside the tensors."""
-    block_size_at = arg_names.index("block_size")
-    rows = arg_names[0]
+    block_size_at = 3 if name == WRITE_OP else 5
 
     def factory(device, variant):
-        if device.type == "cuda" and variant != (True,):
+        if not variant.aligned:
+            rows = "k" if name == WRITE_OP else "out"
             raise BackendUnavailable(f"{rows}: the CUDA kernels need a 16-byte aligned base and row strides that "
                                      "are multiples of 8 elements")
-        fn, info = jit_function(cuda_spec(cuda_target(device)), op)
-        debug = op == WRITE_OP and debug_checks()
+        fn, info = jit_function(cuda_spec(cuda_arch(device)), name)
 
         def run(*args):
-            DSV4_K_CACHE.validate(args[1], args[block_size_at], op)
-            if debug:
-                _host_range_check(*args)
-            try:
-                fn(*args)
-            except (TypeError, RuntimeError) as e:
-                raise name_ffi_error(op, e, arg_names, args) from None
+            DSV4_K_CACHE.validate(args[1], args[block_size_at], name)
+            fn(*args)
 
-        return run, info
+        return OPS_OF[name].with_debug_checks(device, run), info
 
     return factory
 
 
-@_WRITE.register("triton")
-def _write_triton(device, variant):
-    require_triton(device)
-    from ..triton.dsv4 import quantize_and_insert_k_cache_triton  # noqa: PLC0415
-
-    debug = debug_checks()
-
-    def run(k, k_cache, slot_mapping, block_size):
-        _check_write(k, k_cache, slot_mapping, block_size)
-        if debug:
-            _host_range_check(k, k_cache, slot_mapping, block_size)
-        with torch.cuda.device(device):
-            quantize_and_insert_k_cache_triton(k, _flat(k_cache), slot_mapping, block_size)
-
-    return run, {}
+# ------------------------------------------------------------------------------ sample and bench
 
 
-@_GATHER.register("triton")
-def _gather_triton(device, variant):
-    require_triton(device)
-    from ..triton.dsv4 import dequantize_and_gather_k_cache_triton  # noqa: PLC0415
-
-    def run(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset):
-        _check_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset)
-        with torch.cuda.device(device):
-            dequantize_and_gather_k_cache_triton(out, _flat(k_cache), seq_lens, gather_lens, block_table, block_size, offset)
-
-    return run, {}
+def _sample_cache(device, gen):
+    return DSV4_K_CACHE.allocate(4, 64, device).copy_(rand((4, DSV4_K_CACHE.block_stride(64)), torch.uint8, device, gen))
 
 
-@_WRITE.register("torch")
-def _write_torch(device, variant):
-    def run(k, k_cache, slot_mapping, block_size):
-        _check_write(k, k_cache, slot_mapping, block_size)
-        reference.quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size=block_size)
-
-    return run, {}
+def sample_write(device, gen=None) -> dict:
+    return dict(k=rand((8, 512), torch.bfloat16, device, gen), k_cache=_sample_cache(device, gen),
+                slot_mapping=slots(256, 8, torch.int64, device, gen), block_size=64)
 
 
-@_GATHER.register("torch")
-def _gather_torch(device, variant):
-    def run(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset):
-        _check_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset)
-        reference.dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset)
-
-    return run, {}
+def sample_gather(device, gen=None) -> dict:
+    return dict(out=rand((2, 100, 512), torch.bfloat16, device, gen), k_cache=_sample_cache(device, gen),
+                seq_lens=index([90, 200], device=device), gather_lens=index([70, 100], device=device),
+                block_table=index([[2, 0, 3, 1], [1, 3, 0, 2]], device=device), block_size=64, offset=0)
 
 
-_WRITE.register("jit")(_jit_factory(WRITE_OP, _WRITE_ARGS))
-_GATHER.register("jit")(_jit_factory(GATHER_OP, _GATHER_ARGS))
+def _paged_slots(n: int, block_size: int, num_blocks: int) -> torch.Tensor:
+    """n slots filling whole blocks (in random block order) position by position."""
+    blocks = torch.randperm(num_blocks, device="cuda")[: (n + block_size - 1) // block_size]
+    return (blocks[:, None] * block_size + torch.arange(block_size, device="cuda")).flatten()[:n]
 
 
-def jit_specs(target: str) -> list[JitSpec]:
-    return [] if target == "cpu" else [cuda_spec(target)]
+def _bench_gpu(h) -> list:
+    """The gather of whole requests and the writer into random unique token slots and into whole pages,
+    against the torch reference; 307 MB of cache per layer."""
+    bs, blocks_per_layer, layers = 64, 8192, h.layers
+    caches = [DSV4_K_CACHE.allocate(blocks_per_layer, bs, "cuda").random_(0, 256) for _ in range(layers)]
+    rows = []
+    for reqs, k_len in h.sizes(((1, 512), (1, 2048), (1, 8192), (1, 32768), (16, 4096))):
+        nblk = k_len // bs
+        tables = [torch.randperm(blocks_per_layer, device="cuda")[: reqs * nblk].view(reqs, nblk).int()
+                  for _ in range(layers)]
+        seq = torch.full((reqs,), k_len, dtype=torch.int32, device="cuda")
+        outs = [torch.empty(reqs, k_len, 512, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
+        moved = reqs * k_len * (584 + 1024) + reqs * nblk * 4
+        cases = [("torch reference", lambda i: reference.dequantize_and_gather_k_cache(outs[i], caches[i], seq, None,
+                                                                                       tables[i], bs))]
+        cases += [(name, lambda i, b=b: dequantize_and_gather_k_cache(outs[i], caches[i], seq, None, tables[i], bs,
+                                                                      backend=b))
+                  for name, b in (("jitkv auto", None), ("triton", "triton"))]
+        rows += h.rows(GATHER_OP, f"{reqs} req x {k_len}", reqs * k_len, moved, cases, eager=("torch reference",))
+        del outs, tables
+    for n in h.sizes((1, 16, 128, 4096, 65536)):
+        ks = [rand((n, 512), torch.bfloat16, "cuda") for _ in range(layers)]
+        # Random unique token slots (the worst case: most 8-byte scale writes share their 32-byte
+        # sector with no other write), and whole pages in random order (a prefill's paged slots).
+        token_slots = [torch.randperm(blocks_per_layer * bs, device="cuda")[:n] for _ in range(layers)]
+        page_slots = [_paged_slots(n, bs, blocks_per_layer) for _ in range(layers)]
+        cases = [("torch reference", lambda i: reference.quantize_and_insert_k_cache(ks[i], caches[i], token_slots[i],
+                                                                                     block_size=bs))]
+        for kind, sms in (("", token_slots), (", paged slots", page_slots)):
+            cases += [(name + kind, lambda i, b=b, sms=sms: quantize_and_insert_k_cache(ks[i], caches[i], sms[i],
+                                                                                        block_size=bs, backend=b))
+                      for name, b in (("jitkv auto", None), ("triton", "triton"))]
+        rows += h.rows(WRITE_OP, "block_size 64", n, n * (1024 + 584), cases, eager=("torch reference",))
+        del ks, token_slots, page_slots
+    return rows
 
 
-def reset() -> None:
-    _WRITE.reset()
-    _GATHER.reset()
+# No CPU kernel: on CPU the torch reference is the implementation, not a fallback.
+_ORDER = {"cpu": ("torch",)}
+QUANTIZE_AND_INSERT_K_CACHE = Op(
+    quantize_and_insert_k_cache, schema="(Tensor k, Tensor(a!) k_cache, Tensor slot_mapping, *, int block_size=64)",
+    home="k_cache", check=check_write, debug_check=debug_check_write, variant=_write_variant, variant_type=Variant,
+    specs=specs, reference=reference.quantize_and_insert_k_cache, triton="quantize_and_insert_k_cache_triton",
+    sample=sample_write, bench_gpu=_bench_gpu, backends=_ORDER)
+DEQUANTIZE_AND_GATHER_K_CACHE = Op(
+    dequantize_and_gather_k_cache, schema=("(Tensor(a!) out, Tensor k_cache, Tensor seq_lens, Tensor? gather_lens, "
+                                           "Tensor block_table, int block_size, int offset=0)"),
+    home="k_cache", check=check_gather, variant=_gather_variant, variant_type=Variant, specs=specs,
+    reference=reference.dequantize_and_gather_k_cache, triton="dequantize_and_gather_k_cache_triton",
+    sample=sample_gather, backends=_ORDER)
+OPS_OF = {op.name: op for op in (QUANTIZE_AND_INSERT_K_CACHE, DEQUANTIZE_AND_GATHER_K_CACHE)}
+for _op in OPS_OF.values():
+    _op.backend("jit")(_jit_factory(_op.name))

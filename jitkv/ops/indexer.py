@@ -3,27 +3,21 @@ quantize-and-insert writer and the gather back to contiguous values and scales."
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .. import layouts, reference
-from ..jit import JitSpec
-from ..layouts import (
-    INDEXER_AMAX_MIN,
-    INDEXER_FP8_MAX,
-    INDEXER_HEAD_DIM,
-    INDEXER_QUANT_BLOCK,
-    INDEXER_SCALE_BYTES,
-    INDEXER_TOKEN_BYTES,
-)
-from . import _validate
-from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_error, require_triton
-from ._dispatch import BackendUnavailable, Dispatcher
+from .. import checks, layouts, reference
+from ..codes import Indexer, ScaleFmt
+from ..jit import JitSpec, cuda_arch
+from ._op import BackendUnavailable, Op, jit_function
+from ._samples import index, rand, slots
+
+__all__ = ["INDEXER_K_CACHE", "gather_indexer_k_quant_cache", "indexer_k_quant_and_cache"]
 
 WRITE_OP = "indexer_k_quant_and_cache"
 GATHER_OP = "gather_indexer_k_quant_cache"
-_WRITE = Dispatcher(WRITE_OP)
-_GATHER = Dispatcher(GATHER_OP)
-SCALE_FMTS = {None: 0, "ue8m0": 1}  # scale_fmt -> the bindings' code
+SCALE_FMTS = {None: ScaleFmt.FP32, "ue8m0": ScaleFmt.UE8M0}  # scale_fmt -> the bindings' code
 
 
 class IndexerKCacheLayout(layouts.PagedRecordLayout):
@@ -44,15 +38,15 @@ class IndexerKCacheLayout(layouts.PagedRecordLayout):
     ``block_size * 132`` up to 16 (8448 at block_size 64, as vLLM and sglang allocate), the alignment
     the CUDA kernels need (other views run the Triton kernels)."""
 
-    head_dim = INDEXER_HEAD_DIM
-    quant_block_size = INDEXER_QUANT_BLOCK
-    data_bytes = INDEXER_HEAD_DIM
-    scale_bytes = INDEXER_SCALE_BYTES
-    token_bytes = INDEXER_TOKEN_BYTES
+    head_dim = Indexer.HEAD_DIM
+    quant_block_size = Indexer.QUANT_BLOCK
+    data_bytes = Indexer.HEAD_DIM
+    scale_bytes = Indexer.SCALE_BYTES
+    token_bytes = Indexer.TOKEN_BYTES
     name = "INDEXER_K_CACHE"
     cache_arg = "kv_cache"
     data_offset = 0
-    alignment = INDEXER_SCALE_BYTES  # bytes: base pointer and block stride (fp32 scales)
+    alignment = Indexer.SCALE_BYTES  # bytes: base pointer and block stride (fp32 scales)
 
     def scale_offset(self, block_size: int) -> int:
         """Bytes from a block's start to its scales."""
@@ -103,13 +97,10 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, *, block_size, scale_fm
 
     Algorithm: CUDA — half a warp per token (16 lanes x 16-byte loads), the slot and the row loaded
     together after the PDL wait, a 4-shuffle amax, hardware saturating e4m3 conversion, one 128-byte
-    line and a 4-byte scale per token; CPU — slots resolved first, then AVX-512 conversion per token,
+    line and a 4-byte scale per token; CPU — slots resolved first, then vector conversion per token,
     OpenMP above a payload threshold; Triton fallback (integer-exact conversion); torch reference.
     """
-    if torch.compiler.is_compiling():
-        return torch.ops.jitkv.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, block_size, scale_fmt, backend)
-    _call(_WRITE, device_index(WRITE_OP, "kv_cache", kv_cache), backend,
-          (k, kv_cache, slot_mapping, block_size, _scale_fmt_code(scale_fmt)), _VECTOR_VIEWS["write"], _check_write)
+    INDEXER_K_QUANT_AND_CACHE.run((k, kv_cache, slot_mapping, block_size, scale_fmt), backend)
 
 
 def gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, *, block_size, backend=None):
@@ -136,121 +127,117 @@ def gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq
     Algorithm: CUDA — 8 lanes per token (16-byte loads and stores), each lane finds its request by a
     binary search over cu_seq_lens; CPU — the same per row, memcpy; Triton fallback; torch reference.
     """
-    if torch.compiler.is_compiling():
-        return torch.ops.jitkv.gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens,
-                                                            block_size, backend)
-    _call(_GATHER, device_index(GATHER_OP, "kv_cache", kv_cache), backend,
-          (kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size), _VECTOR_VIEWS["gather"], _check_gather)
+    GATHER_INDEXER_K_QUANT_CACHE.run((kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size), backend)
+
+
+# ---------------------------------------------------------------------------------------- checks
 
 
 def _scale_fmt_code(scale_fmt) -> int:
     try:
-        return SCALE_FMTS[scale_fmt]
+        return int(SCALE_FMTS[scale_fmt])
     except (KeyError, TypeError):
         raise ValueError(f"{WRITE_OP}: scale_fmt: expected None or 'ue8m0', got {scale_fmt!r}") from None
 
 
-def _aligned(t, bytes_: int) -> bool:
-    """Base and row stride (of more than one row) multiples of ``bytes_``. A non-tensor or a tensor whose
-    last dim is not contiguous counts as aligned: it is bad input, which the binding names."""
-    if not isinstance(t, torch.Tensor) or (t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1):
-        return True
-    return t.data_ptr() % bytes_ == 0 and (t.dim() == 0 or t.shape[0] <= 1 or t.stride(0) * t.element_size() % bytes_ == 0)
-
-
-# The views the CUDA kernels' vectors need, per op: (argument position, name, bytes).
-_VECTOR_VIEWS = {
-    "write": ((1, "kv_cache", 16), (0, "k", 16)),
-    "gather": ((0, "kv_cache", 16), (1, "dst_k", 16), (2, "dst_scale", 4)),
-}
-
-
-def _call(dispatcher, index, backend, args, views, check):
-    """Run the op on a device index. On CUDA the variant is the first view the CUDA kernels cannot take
-    (16-byte vectors; 4-byte scales), decided here from the arguments: such a view runs on Triton, then
-    torch, recorded in backend_info and warned about once. Arguments with such a view are checked
-    first (``check``), so bad input raises its own error whatever backend would take it."""
-    if index < 0:
-        dispatcher.get_cpu(backend)(*args)
-        return
-    bad = next((f"{name}: the CUDA kernels need a {n}-byte aligned base and row stride"
-                for at, name, n in views if not _aligned(args[at], n)), None)
-    if bad is not None:
-        check(*args)
-    dispatcher.get_cuda(index, backend, () if bad is None else (bad,))(*args)
-
-
-# ------------------------------------------------------------------------------------ validation
-
-
-def _check_write(k, kv_cache, slot_mapping, block_size, scale_fmt):
+def check_write(k, kv_cache, slot_mapping, block_size, scale_fmt):
     op = WRITE_OP
     INDEXER_K_CACHE.validate(kv_cache, block_size, op)
     dev = kv_cache.device
-    _validate.index(op, "slot_mapping", slot_mapping, dev, "kv_cache")
-    _validate.tensor(op, "k", k)
-    _validate.same_device(op, "k", k, dev, "kv_cache")
-    if k.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"{op}: k: expected dtype bfloat16 or float16, got {k.dtype}")
-    if k.dim() != 2 or k.shape[1] != INDEXER_HEAD_DIM:
-        raise ValueError(f"{op}: k: expected shape [n', {INDEXER_HEAD_DIM}], got {list(k.shape)}")
-    _validate.last_dim_contiguous(op, "k", k)
-    _validate.rows_at_least(op, "k", k, slot_mapping.numel(), "slot_mapping")
+    checks.index(op, "slot_mapping", slot_mapping, dev, "kv_cache")
+    checks.tensor(op, "k", k)
+    checks.same_device(op, "k", k, dev, "kv_cache")
+    checks.dtype(op, "k", k, (torch.bfloat16, torch.float16))
+    if k.dim() != 2 or k.shape[1] != Indexer.HEAD_DIM:
+        raise ValueError(f"{op}: k: expected shape [n', {Indexer.HEAD_DIM}], got {list(k.shape)}")
+    checks.last_dim_contiguous(op, "k", k)
+    checks.rows_at_least(op, "k", k, slot_mapping.numel(), "slot_mapping")
+    _scale_fmt_code(scale_fmt)
+    return k, kv_cache, slot_mapping, block_size, scale_fmt
+
+
+def debug_check_write(k, kv_cache, slot_mapping, block_size, scale_fmt):
+    """JITKV_DEBUG=1 on CUDA: every slot's range on the host (the kernels skip an out-of-range one)."""
+    reference.check_slots(slot_mapping, kv_cache.shape[0] * block_size, op=WRITE_OP)
 
 
 def _int32(op, name, t, dev, rank, shape):
-    _validate.tensor(op, name, t)
-    _validate.same_device(op, name, t, dev, "kv_cache")
-    if t.dtype != torch.int32:
-        raise TypeError(f"{op}: {name}: expected dtype int32, got {t.dtype}")
+    checks.tensor(op, name, t)
+    checks.same_device(op, name, t, dev, "kv_cache")
+    checks.dtype(op, name, t, (torch.int32,))
     if t.dim() != rank:
         raise ValueError(f"{op}: {name}: expected shape {shape}, got {list(t.shape)}")
-    _validate.last_dim_contiguous(op, name, t)
+    checks.last_dim_contiguous(op, name, t)
 
 
-def _check_gather(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size):
+def check_gather(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size):
     op = GATHER_OP
     INDEXER_K_CACHE.validate(kv_cache, block_size, op)
     dev = kv_cache.device
-    _validate.tensor(op, "dst_k", dst_k)
-    _validate.same_device(op, "dst_k", dst_k, dev, "kv_cache")
-    if dst_k.dtype not in (torch.uint8, torch.float8_e4m3fn):
-        raise TypeError(f"{op}: dst_k: expected dtype uint8 or float8_e4m3fn, got {dst_k.dtype}")
-    if dst_k.dim() != 2 or dst_k.shape[1] != INDEXER_HEAD_DIM:
-        raise ValueError(f"{op}: dst_k: expected shape [num_tokens, {INDEXER_HEAD_DIM}], got {list(dst_k.shape)}")
-    _validate.last_dim_contiguous(op, "dst_k", dst_k)
+    checks.tensor(op, "dst_k", dst_k)
+    checks.same_device(op, "dst_k", dst_k, dev, "kv_cache")
+    checks.dtype(op, "dst_k", dst_k, (torch.uint8, torch.float8_e4m3fn))
+    if dst_k.dim() != 2 or dst_k.shape[1] != Indexer.HEAD_DIM:
+        raise ValueError(f"{op}: dst_k: expected shape [num_tokens, {Indexer.HEAD_DIM}], got {list(dst_k.shape)}")
+    checks.last_dim_contiguous(op, "dst_k", dst_k)
     _check_dst_scale(op, dst_scale, dev, dst_k.shape[0])
+    for name, t in (("dst_k", dst_k), ("dst_scale", dst_scale)):
+        checks.written(op, name, t)
     _int32(op, "block_table", block_table, dev, 2, "[batch, max_blocks]")
     _int32(op, "cu_seq_lens", cu_seq_lens, dev, 1, "[batch + 1]")
     if cu_seq_lens.shape[0] != block_table.shape[0] + 1:
         raise ValueError(f"{op}: cu_seq_lens: expected {block_table.shape[0] + 1} entries (block_table.shape[0] + 1), "
                          f"got {cu_seq_lens.shape[0]}")
+    return kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size
 
 
 def _check_dst_scale(op, s, dev, num_tokens):
-    _validate.tensor(op, "dst_scale", s)
-    _validate.same_device(op, "dst_scale", s, dev, "kv_cache")
-    if s.dtype not in (torch.float32, torch.uint8):
-        raise TypeError(f"{op}: dst_scale: expected dtype float32 or uint8, got {s.dtype}")
+    checks.tensor(op, "dst_scale", s)
+    checks.same_device(op, "dst_scale", s, dev, "kv_cache")
+    checks.dtype(op, "dst_scale", s, (torch.float32, torch.uint8))
     if s.dtype == torch.float32:
         ok = s.dim() in (1, 2) and s.shape[0] == num_tokens and (s.dim() == 1 or s.shape[1] == 1)
     else:
-        ok = s.dim() == 2 and s.shape[0] == num_tokens and s.shape[1] == INDEXER_SCALE_BYTES
+        ok = s.dim() == 2 and s.shape[0] == num_tokens and s.shape[1] == Indexer.SCALE_BYTES
     if not ok:
-        raise ValueError(f"{op}: dst_scale: expected shape [T] or [T, 1] (float32) or [T, {INDEXER_SCALE_BYTES}] "
+        raise ValueError(f"{op}: dst_scale: expected shape [T] or [T, 1] (float32) or [T, {Indexer.SCALE_BYTES}] "
                          f"(uint8) with T = dst_k.shape[0] = {num_tokens}, got {list(s.shape)}")
-    _validate.last_dim_contiguous(op, "dst_scale", s)
+    checks.last_dim_contiguous(op, "dst_scale", s)
 
 
-def _host_range_check(k, kv_cache, slot_mapping, block_size, scale_fmt):
-    """JITKV_DEBUG=1: raise IndexError for a slot past the cache (GPU kernels would skip it)."""
-    reference.check_slots(slot_mapping, kv_cache.shape[0] * block_size, op=WRITE_OP)
+# -------------------------------------------------------------------------------------- variants
 
 
-# -------------------------------------------------------------------------------------- backends
+@dataclass(frozen=True)
+class Variant:
+    """The first argument whose view the CUDA kernels' vectors cannot take (a 16-byte aligned base and
+    row stride; 4-byte for dst_scale), or "" when every view suits them. Such a view runs on Triton,
+    then torch, recorded in backend_info and warned about once."""
 
-_LAYOUT_ARGS = (("head_dim", INDEXER_HEAD_DIM), ("scale_bytes", INDEXER_SCALE_BYTES), ("fp8_max", INDEXER_FP8_MAX),
-                ("amax_min", INDEXER_AMAX_MIN))
+    misaligned: str
+
+
+def _aligned(t, bytes_: int) -> bool:
+    """Base and row stride (of more than one row) multiples of ``bytes_``. A tensor whose last dim is not
+    contiguous counts as aligned: it is bad input, which the binding names."""
+    if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        return True
+    return t.data_ptr() % bytes_ == 0 and (t.dim() == 0 or t.shape[0] <= 1 or t.stride(0) * t.element_size() % bytes_ == 0)
+
+
+def _write_variant(k, kv_cache, slot_mapping, block_size, scale_fmt) -> tuple:
+    return next((name for name, t in (("kv_cache", kv_cache), ("k", k)) if not _aligned(t, 16)), ""),
+
+
+def _gather_variant(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size) -> tuple:
+    views = (("kv_cache", kv_cache, 16), ("dst_k", dst_k, 16), ("dst_scale", dst_scale, 4))
+    return next((name for name, t, n in views if not _aligned(t, n)), ""),
+
+
+# ------------------------------------------------------------------------------------------- jit
+
+_LAYOUT_ARGS = (("head_dim", Indexer.HEAD_DIM), ("scale_bytes", Indexer.SCALE_BYTES), ("fp8_max", Indexer.FP8_MAX),
+                ("amax_min", Indexer.AMAX_MIN))
 
 
 def cpu_spec() -> JitSpec:
@@ -262,93 +249,125 @@ def cuda_spec(arch: str) -> JitSpec:
                    exports=(WRITE_OP, GATHER_OP))
 
 
-_WRITE_ARGS = ("k", "kv_cache", "slot_mapping", "block_size", "scale_fmt")
-_GATHER_ARGS = ("kv_cache", "dst_k", "dst_scale", "block_table", "cu_seq_lens", "block_size")
+def specs(target: str) -> list[JitSpec]:
+    return [cpu_spec()] if target == "cpu" else [cuda_spec(target)]
 
 
-def _jit_factory(op, arg_names):
-    """The bindings check every argument (csrc/indexer/indexer_k_cache.cuh); a CUDA variant other than
-    the default is a view the vector kernels cannot take, named by its reason (see ``_call``)."""
+def _jit_factory(name):
+    """The bindings check every argument (csrc/indexer/indexer_k_cache.cuh); a misaligned view (the
+    CUDA variant) is refused here, before any build."""
 
     def factory(device, variant):
-        if variant:
-            raise BackendUnavailable(variant[0])
-        spec = cpu_spec() if device.type == "cpu" else cuda_spec(cuda_target(device))
-        fn, info = jit_function(spec, op)
-        debug = device.type == "cuda" and op == WRITE_OP and debug_checks()
-
-        def run(*args):
-            if debug:
-                _check_write(*args)
-                _host_range_check(*args)
-            try:
-                fn(*args)
-            except (TypeError, RuntimeError) as e:
-                raise name_ffi_error(op, e, arg_names, args) from None
-
-        return run, info
+        if variant is not None and variant.misaligned:
+            bytes_ = 4 if variant.misaligned == "dst_scale" else 16
+            raise BackendUnavailable(f"{variant.misaligned}: the CUDA kernels need a {bytes_}-byte aligned base and "
+                                     "row stride")
+        spec = cpu_spec() if device.type == "cpu" else cuda_spec(cuda_arch(device))
+        fn, info = jit_function(spec, name)
+        if name == WRITE_OP:
+            def run(k, kv_cache, slot_mapping, block_size, scale_fmt):
+                fn(k, kv_cache, slot_mapping, block_size, _scale_fmt_code(scale_fmt))
+        else:
+            run = fn
+        return OPS_OF[name].with_debug_checks(device, run), info
 
     return factory
 
 
-_WRITE.register("jit")(_jit_factory(WRITE_OP, _WRITE_ARGS))
-_GATHER.register("jit")(_jit_factory(GATHER_OP, _GATHER_ARGS))
+# ------------------------------------------------------------------------------ sample and bench
 
 
-@_WRITE.register("triton")
-def _write_triton(device, variant):
-    require_triton(device)
-    from ..triton.indexer import indexer_k_quant_and_cache_triton  # noqa: PLC0415
-
-    debug = debug_checks()
-
-    def run(k, kv_cache, slot_mapping, block_size, scale_fmt):
-        _check_write(k, kv_cache, slot_mapping, block_size, scale_fmt)
-        if debug:
-            _host_range_check(k, kv_cache, slot_mapping, block_size, scale_fmt)
-        with torch.cuda.device(device):
-            indexer_k_quant_and_cache_triton(k, kv_cache, slot_mapping, block_size, scale_fmt == SCALE_FMTS["ue8m0"])
-
-    return run, {}
+def _sample_cache(device, gen):
+    return INDEXER_K_CACHE.allocate(4, 64, device).copy_(rand((4, INDEXER_K_CACHE.block_stride(64)), torch.uint8,
+                                                                device, gen))
 
 
-@_GATHER.register("triton")
-def _gather_triton(device, variant):
-    require_triton(device)
-    from ..triton.indexer import gather_indexer_k_quant_cache_triton  # noqa: PLC0415
-
-    def run(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size):
-        _check_gather(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size)
-        with torch.cuda.device(device):
-            gather_indexer_k_quant_cache_triton(kv_cache, dst_k.view(torch.uint8), reference.indexer_scale_bytes(dst_scale),
-                                                block_table, cu_seq_lens, block_size)
-
-    return run, {}
+def sample_write(device, gen=None) -> dict:
+    return dict(k=rand((8, 128), torch.bfloat16, device, gen), kv_cache=_sample_cache(device, gen),
+                slot_mapping=slots(256, 8, torch.int64, device, gen), block_size=64, scale_fmt="ue8m0")
 
 
-@_WRITE.register("torch")
-def _write_torch(device, variant):
-    def run(k, kv_cache, slot_mapping, block_size, scale_fmt):
-        _check_write(k, kv_cache, slot_mapping, block_size, scale_fmt)
-        reference.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, block_size=block_size,
-                                            scale_fmt="ue8m0" if scale_fmt == SCALE_FMTS["ue8m0"] else None)
-
-    return run, {}
+def sample_gather(device, gen=None) -> dict:
+    return dict(kv_cache=_sample_cache(device, gen), dst_k=rand((100, 128), torch.float8_e4m3fn, device, gen),
+                dst_scale=rand((100, 4), torch.uint8, device, gen),
+                block_table=index([[2, 0, 3, 1], [1, 3, 0, 2]], device=device),
+                cu_seq_lens=index([0, 70, 95], device=device), block_size=64)
 
 
-@_GATHER.register("torch")
-def _gather_torch(device, variant):
-    def run(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size):
-        _check_gather(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size)
-        reference.gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size=block_size)
+def _bench_cpu(h) -> list:
+    """The writer (ue8m0) and the gather of one request, against the torch reference."""
+    bs, nb = 64, 1024
+    cache = INDEXER_K_CACHE.allocate(nb, bs, "cpu").random_(0, 256)
+    rows = []
+    for n in h.sizes((1, 133, 4096)):
+        k, sm = rand((n, 128), torch.bfloat16), slots(nb * bs, n)
+        kw = dict(block_size=bs, scale_fmt="ue8m0")
+        rows += h.rows(WRITE_OP, "bf16, block_size 64, ue8m0", n, n * (2 * 128 + 132), [
+            ("torch reference", lambda: reference.indexer_k_quant_and_cache(k, cache, sm, **kw)),
+            ("jitkv jit", lambda: indexer_k_quant_and_cache(k, cache, sm, **kw))])
+    for n in h.sizes((2048, 16384)):
+        table = torch.randperm(nb)[: n // bs].int()[None]
+        cu = torch.tensor([0, n], dtype=torch.int32)
+        args = (cache, torch.empty(n, 128, dtype=torch.uint8), torch.empty(n, dtype=torch.float32), table, cu)
+        rows += h.rows(GATHER_OP, "1 request", n, n * 2 * 132, [
+            ("torch reference", lambda: reference.gather_indexer_k_quant_cache(*args, block_size=bs)),
+            ("jitkv jit", lambda: gather_indexer_k_quant_cache(*args, block_size=bs))])
+    return rows
 
-    return run, {}
+
+def _bench_gpu(h) -> list:
+    """The writer (bf16 keys, ue8m0 scales as the model runs it, and plain fp32 scales) into random unique
+    token slots, and the gather of whole requests; 138 MB of cache per layer."""
+    bs, blocks_per_layer, layers = 64, 16384, h.layers
+    caches = [INDEXER_K_CACHE.allocate(blocks_per_layer, bs, "cuda").random_(0, 256) for _ in range(layers)]
+    rows = []
+    for n in h.sizes((1, 2, 16, 128, 1024, 4096, 65536)):
+        ks = [rand((n, 128), torch.bfloat16, "cuda") for _ in range(layers)]
+        sms = [torch.randperm(blocks_per_layer * bs, device="cuda")[:n] for _ in range(layers)]
+
+        def write(i, backend=None, fmt="ue8m0"):
+            indexer_k_quant_and_cache(ks[i], caches[i], sms[i], block_size=bs, scale_fmt=fmt, backend=backend)
+
+        cases = [("torch reference", lambda i: reference.indexer_k_quant_and_cache(ks[i], caches[i], sms[i],
+                                                                                   block_size=bs, scale_fmt="ue8m0")),
+                 ("jitkv auto", write), ("triton", lambda i: write(i, "triton")),
+                 ("jitkv auto, fp32 scales", lambda i: write(i, fmt=None))]
+        rows += h.rows(WRITE_OP, "bf16, block_size 64, ue8m0", n, n * (2 * 128 + 132), cases,
+                       eager=("torch reference",))
+        del ks, sms
+    for reqs, length in h.sizes(((1, 2048), (1, 32768), (16, 4096))):
+        nblk, tokens = length // bs, reqs * length
+        tables = [torch.randperm(blocks_per_layer, device="cuda")[: reqs * nblk].view(reqs, nblk).int()
+                  for _ in range(layers)]
+        cu = (torch.arange(reqs + 1, device="cuda") * length).int()
+        dst_k = [torch.empty(tokens, 128, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(layers)]
+        dst_scale = [torch.empty(tokens, 4, dtype=torch.uint8, device="cuda") for _ in range(layers)]
+
+        def gather(i, backend=None):
+            gather_indexer_k_quant_cache(caches[i], dst_k[i], dst_scale[i], tables[i], cu, block_size=bs,
+                                         backend=backend)
+
+        cases = [("torch reference", lambda i: reference.gather_indexer_k_quant_cache(caches[i], dst_k[i], dst_scale[i],
+                                                                                      tables[i], cu, block_size=bs)),
+                 ("jitkv auto", gather), ("triton", lambda i: gather(i, "triton"))]
+        rows += h.rows(GATHER_OP, f"{reqs} req x {length}", tokens, tokens * 2 * 132 + reqs * nblk * 4, cases,
+                       eager=("torch reference",))
+        del tables, dst_k, dst_scale
+    return rows
 
 
-def jit_specs(target: str) -> list[JitSpec]:
-    return [cpu_spec()] if target == "cpu" else [cuda_spec(target)]
-
-
-def reset() -> None:
-    _WRITE.reset()
-    _GATHER.reset()
+INDEXER_K_QUANT_AND_CACHE = Op(
+    indexer_k_quant_and_cache,
+    schema="(Tensor k, Tensor(a!) kv_cache, Tensor slot_mapping, *, int block_size, str? scale_fmt=None)",
+    home="kv_cache", check=check_write, debug_check=debug_check_write, variant=_write_variant, variant_type=Variant,
+    specs=specs, reference=reference.indexer_k_quant_and_cache, triton="indexer_k_quant_and_cache_triton",
+    sample=sample_write, bench_cpu=_bench_cpu, bench_gpu=_bench_gpu)
+GATHER_INDEXER_K_QUANT_CACHE = Op(
+    gather_indexer_k_quant_cache, schema=("(Tensor kv_cache, Tensor(a!) dst_k, Tensor(b!) dst_scale, "
+                                          "Tensor block_table, Tensor cu_seq_lens, *, int block_size)"),
+    home="kv_cache", check=check_gather, variant=_gather_variant, variant_type=Variant, specs=specs,
+    reference=reference.gather_indexer_k_quant_cache, triton="gather_indexer_k_quant_cache_triton",
+    sample=sample_gather)
+OPS_OF = {op.name: op for op in (INDEXER_K_QUANT_AND_CACHE, GATHER_INDEXER_K_QUANT_CACHE)}
+for _op in OPS_OF.values():
+    _op.backend("jit")(_jit_factory(_op.name))

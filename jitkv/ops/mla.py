@@ -1,37 +1,23 @@
-"""set_mla_kv_buffer: the MLA ``[nope | rope]`` row scatter, copied or quantized to FP8 on write
-(docs/design.md §2-§4)."""
+"""set_mla_kv_buffer: MLA ``[nope | rope]`` row scatter, copied or quantized to FP8 (docs/design.md §2, §4)."""
 
 from __future__ import annotations
 
-import torch
-from torch.compiler import is_compiling
+from dataclasses import dataclass
 
-from .. import reference
-from ..jit import JitSpec
-from ..layouts import (
-    DS_MLA_CODE,
-    DS_MLA_NOPE,
-    DS_MLA_RECORD_BYTES,
-    DS_MLA_ROPE,
-    DS_MLA_ROPE_OFFSET,
-    DS_MLA_SCALE_OFFSET,
-    DS_MLA_TILE,
-    FP8_CODES,
-    FP8_DTYPES,
-)
-from . import _validate
-from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_error, require_triton
-from ._dispatch import Dispatcher
+import torch
+
+from .. import checks, reference
+from ..codes import FP8_DTYPES, KV_FORMATS, NO_SLOT, DsMla, KvFormat, MlaFp8Kernel, MlaKernel, SrcDtype
+from ..jit import JitSpec, cuda_arch
+from ._op import Op, jit_function, scale_args
+from ._samples import rand, slots
+
+__all__ = ["set_mla_kv_buffer"]
 
 OP = "set_mla_kv_buffer"
-FP8_ENTRY = "set_mla_kv_buffer_fp8"  # the bindings' quantizing entry point
-_DISPATCH = Dispatcher(OP)  # kv_cache_dtype "auto"
-_FP8 = Dispatcher(OP)  # the fp8 formats
-_MISSING_SCALE = -1.0  # tells the C++ binding "no scale given" (set_mla_kv_buffer.cuh parse_fp8_scale)
-
-# kv_cache_dtype -> the cache format code of the kernels' build arguments (jitkv/layouts.py).
-FORMATS = {**{name: FP8_CODES[dtype] for name, dtype in FP8_DTYPES.items()}, "fp8_ds_mla": DS_MLA_CODE}
-_SRC_CODES = {torch.bfloat16: 1, torch.float16: 2}  # fp8 sources (JITKV_SRC_DTYPE)
+FP8_ENTRY = "set_mla_kv_buffer_fp8"  # the fp8 modules' entry point (the CPU module exports both)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
+FP8_SRC_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, kv_cache_dtype="auto", scale=None,
@@ -56,8 +42,8 @@ def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, kv_cache_dt
               ``fp8(clamp(x / scale, ±max))`` (true fp32 division, round to nearest even), nope then
               rope, one byte each. Sources bf16 or fp16; kv_buffer uint8 or the format's float8 dtype,
               W >= nope + rope bytes.
-            - "fp8_ds_mla": vLLM's 656-byte DeepSeek record (jitkv/layouts.py ``DS_MLA_*``), nope 512
-              and rope 64 values, bf16 or fp16, kv_buffer uint8 with W >= 656::
+            - "fp8_ds_mla": vLLM's 656-byte DeepSeek record (``jitkv.codes.DsMla``), nope 512 and rope
+              64 values, bf16 or fp16, kv_buffer uint8 with W >= 656::
 
                   byte 0        512          528                 656
                        | e4m3 x 512 | fp32 x 4 | rope 16-bit x 64 |
@@ -74,15 +60,16 @@ def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, kv_cache_dt
         backend: "jit", "triton", "torch" or None (auto; also ``JITKV_BACKEND``).
 
     Raises:
-        TypeError: wrong dtype or a non-tensor argument. ValueError: shape, device or layout mismatch,
-        an unknown kv_cache_dtype, a buffer dtype the format does not write, a missing or invalid
-        scale (or one given to "fp8_ds_mla"). IndexError: an out-of-range slot (CPU, or CUDA under
-        JITKV_DEBUG=1); nothing is written then.
+        TypeError: wrong dtype, a non-tensor argument, a scale that is neither a number nor a tensor, a
+        skip_slot that is not an int. ValueError: shape, device or layout mismatch, an unknown
+        kv_cache_dtype, a buffer dtype the format does not write, a missing or invalid scale (or one
+        given to "fp8_ds_mla"). IndexError: an out-of-range slot (CPU, or CUDA under JITKV_DEBUG=1);
+        nothing is written then.
 
-    Algorithm: CPU — one pass over rows with AVX-512 copies or fp8 conversions, OpenMP above a
-    payload threshold, non-temporal stores when the buffer dwarfs the LLC. CUDA — for 16-byte
-    aligned rows a latency kernel: one warp per row (one per 16-byte register of the row up to 32
-    rows; fp8: the same up to 32 rows for e4m3 / e5m2, then two warps per row up to 8 rows per SM)
+    Algorithm: CPU — one pass over rows with vector copies or fp8 conversions (AVX-512 or AVX2),
+    OpenMP above a payload threshold, non-temporal stores when the buffer dwarfs the LLC. CUDA — for
+    16-byte aligned rows a latency kernel: one warp per row (one per 16-byte register of the row up to
+    32 rows; fp8: the same up to 32 rows for e4m3 / e5m2, then two warps per row up to 8 rows per SM)
     issues the slot load and the row's 16-byte loads together after the programmatic-dependent-launch
     wait (SM90+), lets the next kernel launch, then stores if the slot is kept (padding rows' sources
     are read, never written); fp8 divides with a branch-free exact reciprocal division and converts
@@ -91,256 +78,320 @@ def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, kv_cache_dt
     is built but only runs when forced: it measured no faster. Triton (one program per row) as the
     fallback.
     """
-    if is_compiling():
-        scale_t, scale_v = _scale_args(scale, kv_cache_dtype)
-        return torch.ops.jitkv.set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot, backend,
-                                                 kv_cache_dtype, scale_t, scale_v)
-    index = device_index(OP, "kv_buffer", kv_buffer)
-    if kv_cache_dtype == "auto":
-        if index < 0:
-            impl = _DISPATCH.get_cpu(backend)
-        else:
-            impl = _DISPATCH.get_cuda(index, backend, _cuda_variant(cache_k_nope, cache_k_rope))
-        impl(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot)
-        return
-    code = _format_code(kv_cache_dtype)
-    if index < 0:
-        impl = _FP8.get_cpu(backend)
+    SET_MLA_KV_BUFFER.run((kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scale, skip_slot), backend)
+
+
+# ---------------------------------------------------------------------------------------- checks
+
+
+def check(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scale, skip_slot):
+    """The arguments as the reference and Triton take them: 2-D [rows, width] views, the parsed scale
+    (None for "auto" and fp8_ds_mla)."""
+    for name, t in (("kv_buffer", kv_buffer), ("cache_k_nope", cache_k_nope), ("cache_k_rope", cache_k_rope)):
+        checks.tensor(OP, name, t)
+    checks.choice(OP, "kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+    checks.skip_slot(OP, skip_slot)
+    fmt = KV_FORMATS[kv_cache_dtype]
+    if fmt == KvFormat.COPY:
+        checks.dtype(OP, "kv_buffer", kv_buffer, checks.COPY_DTYPES)
+        checks.same_dtype(OP, "cache_k_nope", cache_k_nope, kv_buffer.dtype, "kv_buffer")
+        checks.same_dtype(OP, "cache_k_rope", cache_k_rope, kv_buffer.dtype, "kv_buffer")
     else:
-        impl = _FP8.get_cuda(index, backend, _fp8_variant(code, cache_k_nope, cache_k_rope))
-    impl(kv_buffer, loc, cache_k_nope, cache_k_rope, skip_slot, kv_cache_dtype, scale)
+        checks.dtype(OP, "cache_k_nope", cache_k_nope, FP8_SRC_DTYPES, " (fp8 quantize-on-write)")
+        checks.same_dtype(OP, "cache_k_rope", cache_k_rope, cache_k_nope.dtype, "cache_k_nope")
+        allowed = (torch.uint8,) if fmt == KvFormat.DS_MLA else (torch.uint8, FP8_DTYPES[fmt])
+        if kv_buffer.dtype not in allowed:
+            raise ValueError(f"{OP}: kv_buffer: kv_cache_dtype={kv_cache_dtype!r} writes a "
+                             f"{' or '.join(checks.dtype_name(d) for d in allowed)} buffer, got "
+                             f"{checks.dtype_name(kv_buffer.dtype)}")
+    buf, nope, rope = _rows(kv_buffer, loc, cache_k_nope, cache_k_rope)
+    if fmt == KvFormat.DS_MLA:
+        _check_ds_mla(buf, nope, rope, scale)
+        scale = None
+    else:
+        if buf.shape[1] < nope.shape[1] + rope.shape[1]:
+            raise ValueError(f"{OP}: kv_buffer: row width {buf.shape[1]} is smaller than nope + rope = "
+                             f"{nope.shape[1]} + {rope.shape[1]}")
+        if fmt != KvFormat.COPY:
+            scale = checks.scale(OP, "scale", scale, kv_buffer.device, "kv_buffer")
+    checks.written(OP, "kv_buffer", buf)
+    return buf, loc, nope, rope, kv_cache_dtype, scale, skip_slot
 
 
-def _format_code(kv_cache_dtype) -> int:
-    code = FORMATS.get(kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
-    if code is None:
-        raise ValueError(f"{OP}: kv_cache_dtype: expected one of auto, {', '.join(FORMATS)}, got {kv_cache_dtype!r}")
-    return code
-
-
-def _scale_args(scale, kv_cache_dtype):
-    """(tensor or None, float value) as the custom op takes a scale; -1.0 means "not given"."""
+def debug_check(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scale, skip_slot):
+    """JITKV_DEBUG=1 on CUDA: a device scale's value, then every slot's range, on the host."""
     if isinstance(scale, torch.Tensor):
-        return scale, _MISSING_SCALE
-    if scale is None or kv_cache_dtype == "auto":
-        return None, _MISSING_SCALE
-    return None, _validate.scale_value(OP, "scale", scale)
+        checks.scale_tensor_value(OP, "scale", scale)
+    reference.check_slots(loc, kv_buffer.shape[0], skip_slot=skip_slot, name="loc", op=OP)
 
 
-def _cuda_variant(k_nope, k_rope) -> tuple:
-    """CUDA kernels are templated on the nope and rope byte widths."""
+def _row_view(name, t, width_name):
+    """[S, W] or [S, 1, W] -> the 2-D [S, W] view."""
+    if t.dim() == 3 and t.shape[1] == 1:
+        t = t.select(1, 0)
+    elif t.dim() != 2:
+        raise ValueError(f"{OP}: {name}: expected shape [rows, {width_name}] or [rows, 1, {width_name}], got "
+                         f"{list(t.shape)}")
+    checks.last_dim_contiguous(OP, name, t)
+    return t
+
+
+def _rows(kv_buffer, loc, k_nope, k_rope):
+    """The checks every format shares, after the dtypes: loc, one device, 2-D row views, at least
+    loc.numel() source rows."""
+    dev = kv_buffer.device
+    checks.index(OP, "loc", loc, dev, "kv_buffer")
+    for name, t in (("cache_k_nope", k_nope), ("cache_k_rope", k_rope)):
+        checks.same_device(OP, name, t, dev, "kv_buffer")
+    buf = _row_view("kv_buffer", kv_buffer, "W")
+    nope = _row_view("cache_k_nope", k_nope, "nope")
+    rope = _row_view("cache_k_rope", k_rope, "rope")
+    for name, t in (("cache_k_nope", nope), ("cache_k_rope", rope)):
+        checks.rows_at_least(OP, name, t, loc.numel(), "loc")
+    return buf, nope, rope
+
+
+def _check_ds_mla(buf, nope, rope, scale):
+    for name, t, want in (("cache_k_nope", nope, DsMla.NOPE), ("cache_k_rope", rope, DsMla.ROPE)):
+        if t.shape[1] != want:
+            raise ValueError(f"{OP}: {name}: fp8_ds_mla takes rows of {want} values, got {t.shape[1]}")
+    if buf.shape[1] < DsMla.BYTES:
+        raise ValueError(f"{OP}: kv_buffer: row width {buf.shape[1]} is smaller than the {DsMla.BYTES}-byte "
+                         "fp8_ds_mla record")
+    if scale is not None:
+        raise ValueError(f"{OP}: scale: kv_cache_dtype=\"fp8_ds_mla\" computes one scale per {DsMla.TILE}-value "
+                         f"tile; expected None, got {type(scale).__name__}")
+
+
+# -------------------------------------------------------------------------------------- variants
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The CUDA module a call runs: the source bytes of a row's nope and rope parts, the format (COPY:
+    the copy module, else an fp8 writer), and the fp8 writer's source dtype (NONE for a copy)."""
+
+    nope_bytes: int
+    rope_bytes: int
+    kv_format: KvFormat
+    src_dtype: SrcDtype
+
+
+_FP8_SRC = {torch.bfloat16: SrcDtype.BF16, torch.float16: SrcDtype.F16}
+
+
+def variant(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scale, skip_slot) -> tuple:
+    """The fields of the CUDA Variant, read on every CUDA call (fp8_ds_mla: the record's widths; a
+    binding names any other width). Arguments the checks refuse raise here."""
     try:
-        return (k_nope.shape[-1] * k_nope.element_size(), k_rope.shape[-1] * k_rope.element_size())
-    except AttributeError:
-        name = "cache_k_nope" if not isinstance(k_nope, torch.Tensor) else "cache_k_rope"
-        raise TypeError(f"{OP}: {name}: expected a torch.Tensor") from None
+        if kv_cache_dtype == "auto":
+            return (cache_k_nope.shape[-1] * cache_k_nope.element_size(),
+                    cache_k_rope.shape[-1] * cache_k_rope.element_size(), KvFormat.COPY, SrcDtype.NONE)
+        fmt, src = KV_FORMATS[kv_cache_dtype], _FP8_SRC[cache_k_nope.dtype]
+    except (KeyError, TypeError):
+        check(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scale, skip_slot)
+        raise
+    if fmt == KvFormat.DS_MLA:
+        return (2 * DsMla.NOPE, 2 * DsMla.ROPE, fmt, src)
+    return (2 * cache_k_nope.shape[-1], 2 * cache_k_rope.shape[-1], fmt, src)
 
 
-def _fp8_variant(code, k_nope, k_rope) -> tuple:
-    """CUDA fp8 modules are templated on the row parts' source bytes (fp8_ds_mla: the record's; the
-    binding names any other width), the format and the source dtype."""
-    src = _SRC_CODES.get(_validate.tensor(OP, "k_nope", k_nope).dtype)
-    if src is None:
-        raise TypeError(f"{OP}: k_nope: fp8 quantize-on-write takes bfloat16 or float16 sources, got {k_nope.dtype}")
-    if code == DS_MLA_CODE:
-        return (2 * DS_MLA_NOPE, 2 * DS_MLA_ROPE, code, src)
-    return (2 * k_nope.shape[-1], 2 * _validate.tensor(OP, "k_rope", k_rope).shape[-1], code, src)
-
+# ------------------------------------------------------------------------------------------- jit
 
 # The fp8_ds_mla record's layout, build arguments of the modules with fp8 writers (and of the
 # benchmark's latency floors, which use their conversions).
-DS_MLA_ARGS = (("dsmla_nope", DS_MLA_NOPE), ("dsmla_rope", DS_MLA_ROPE), ("dsmla_tile", DS_MLA_TILE),
-                ("dsmla_scales", DS_MLA_SCALE_OFFSET), ("dsmla_rope_at", DS_MLA_ROPE_OFFSET),
-                ("dsmla_bytes", DS_MLA_RECORD_BYTES))
+DS_MLA_ARGS = (("dsmla_nope", DsMla.NOPE), ("dsmla_rope", DsMla.ROPE), ("dsmla_tile", DsMla.TILE),
+               ("dsmla_scales", DsMla.SCALE_OFFSET), ("dsmla_rope_at", DsMla.ROPE_OFFSET), ("dsmla_bytes", DsMla.BYTES))
 
 
 def cpu_spec() -> JitSpec:
     return JitSpec("mla_cpu", ("mla/set_mla_kv_buffer_cpu.cpp",), args=DS_MLA_ARGS, exports=(OP, FP8_ENTRY))
 
 
-# Kernels a module can be built to run (set_mla_kv_buffer_cuda.cu): "auto" is the measured choice the op
-# uses; the others exist for the tests and the benchmark's per-kernel rows.
-KERNELS = {"auto": 0, "tma": 1, "vector": 2, "latency": 3}
-# The same for the fp8 modules: two warps per row, one warp per row, the any-alignment kernel, one source
-# vector per lane (e4m3 / e5m2).
-FP8_KERNELS = {"auto": 0, "split": 1, "row": 2, "generic": 3, "lanes": 4}
-
-
 def cuda_spec(arch: str, nope_bytes: int, rope_bytes: int, *, kernel: str = "auto", pdl: bool = True,
-              kv_format: int = 0, src_dtype: int = 0) -> JitSpec:
-    """The CUDA module for rows of ``nope_bytes + rope_bytes`` source bytes: the copy (``kv_format`` 0,
-    exports set_mla_kv_buffer), or the writer of an fp8 format (a FORMATS code, with ``src_dtype`` 1
-    bf16 or 2 fp16; exports set_mla_kv_buffer_fp8). ``kernel`` in KERNELS (FP8_KERNELS) forces one
-    kernel (a call it cannot run raises ValueError), ``pdl=False`` launches without programmatic
+              kv_format: int = KvFormat.COPY, src_dtype: int = SrcDtype.NONE) -> JitSpec:
+    """The CUDA module for rows of ``nope_bytes + rope_bytes`` source bytes: the copy (``kv_format``
+    COPY, exports set_mla_kv_buffer), or the writer of an fp8 format (with ``src_dtype`` BF16 or F16;
+    exports set_mla_kv_buffer_fp8). ``kernel`` (an MlaKernel / MlaFp8Kernel name, lower case) forces
+    one kernel (a call it cannot run raises ValueError), ``pdl=False`` launches without programmatic
     dependent launch."""
-    kernels = FP8_KERNELS if kv_format else KERNELS
-    args = (("nope_bytes", nope_bytes), ("rope_bytes", rope_bytes), ("kernel", kernels[kernel]), ("pdl", int(pdl)),
-            ("kv_format", kv_format))
+    kernels = MlaFp8Kernel if kv_format else MlaKernel
+    args = (("nope_bytes", nope_bytes), ("rope_bytes", rope_bytes), ("kernel", int(kernels[kernel.upper()])),
+            ("pdl", int(pdl)), ("kv_format", int(kv_format)))
     if kv_format:
-        args += (("src_dtype", src_dtype), *DS_MLA_ARGS)
+        args += (("src_dtype", int(src_dtype)), *DS_MLA_ARGS)
     return JitSpec("mla_cuda", ("mla/set_mla_kv_buffer_cuda.cu",), args=args, target=arch,
                    exports=(FP8_ENTRY,) if kv_format else (OP,))
 
 
 # Byte layouts prebuilt for CUDA: DeepSeek/Kimi bf16 512+64, fp8 528+128 and 512+64; quantizing bf16
 # 512+64 to e4m3 and to the fp8_ds_mla record.
-CUDA_PREBUILD_VARIANTS = ((1024, 128), (656, 0), (528, 128), (512, 64))
-CUDA_PREBUILD_FP8 = ((1024, 128, FORMATS["fp8_e4m3"], 1), (1024, 128, DS_MLA_CODE, 1))
+CUDA_PREBUILD = ((1024, 128, KvFormat.COPY, SrcDtype.NONE), (656, 0, KvFormat.COPY, SrcDtype.NONE),
+                 (528, 128, KvFormat.COPY, SrcDtype.NONE), (512, 64, KvFormat.COPY, SrcDtype.NONE),
+                 (1024, 128, KvFormat.E4M3, SrcDtype.BF16), (1024, 128, KvFormat.DS_MLA, SrcDtype.BF16))
 
 
-_BINDING_ARGS = ("kv_buffer", "loc", "k_nope", "k_rope", "skip_slot")
-_FP8_BINDING_ARGS = (*_BINDING_ARGS, "kv_cache_dtype", "scale", "scale")
-
-
-def _skip(skip_slot) -> int:
-    return -1 if skip_slot is None else int(skip_slot)
-
-
-@_DISPATCH.register("jit")
-def _jit(device, variant):
-    if device.type == "cpu":
-        fn, info = jit_function(cpu_spec(), OP)
-
-        def run_cpu(buf, loc, nope, rope, skip):
-            args = (buf, loc, nope, rope, -1 if skip is None else skip)
-            try:
-                fn(*args)
-            except (TypeError, RuntimeError) as e:
-                raise name_ffi_error(OP, e, _BINDING_ARGS, args) from None
-
-        return run_cpu, info
-    fn, info = jit_function(cuda_spec(cuda_target(device), *variant), OP)
-    info["path"] = "latency kernel for 16-byte aligned rows, else the bulk vector kernel (set_mla_kv_buffer_cuda.cu)"
-    debug = debug_checks()
-
-    def run(buf, loc, nope, rope, skip):
-        if debug:
-            _host_range_check(buf, loc, skip)
-        args = (buf, loc, nope, rope, _skip(skip))
-        try:
-            fn(*args)
-        except (TypeError, RuntimeError) as e:
-            raise name_ffi_error(OP, e, _BINDING_ARGS, args) from None
-
-    return run, info
-
-
-def _host_range_check(buf, loc, skip):
-    reference.check_slots(loc, buf.shape[0], skip_slot=skip, name="loc", op=OP)
-
-
-@_DISPATCH.register("triton")
-def _triton(device, variant):
-    require_triton(device)
-    from ..triton.mla import set_mla_kv_buffer_triton  # noqa: PLC0415
-
-    debug = debug_checks()
-
-    def run(buf, loc, nope, rope, skip):
-        b, n, r = _validate.mla(buf, loc, nope, rope)
-        if debug:
-            _host_range_check(b, loc, skip)
-        if loc.numel():
-            with torch.cuda.device(device):
-                set_mla_kv_buffer_triton(b, loc, n, r, _skip(skip))
-
-    return run, {}
-
-
-@_DISPATCH.register("torch")
-def _torch(device, variant):
-    def run(buf, loc, nope, rope, skip):
-        b, n, r = _validate.mla(buf, loc, nope, rope)
-        reference.set_mla_kv_buffer(b, loc, n, r, skip_slot=skip)
-
-    return run, {}
-
-
-def _fp8_binding_args(kv_cache_dtype, scale):
-    """(format code, scale tensor or None, scale value) for a binding: the bindings check a scale
-    tensor's dtype, size and device and a missing scale; a float's and a CPU tensor's value are checked
-    here, and a scale given to fp8_ds_mla."""
-    code = FORMATS[kv_cache_dtype]
-    if code == DS_MLA_CODE:
-        _validate.no_ds_mla_scale(OP, scale)
-        return code, None, _MISSING_SCALE
-    if isinstance(scale, torch.Tensor):
-        if scale.is_cpu:
-            _validate.scale_tensor_value(OP, "scale", scale)
-        return code, scale, _MISSING_SCALE
-    if scale is None:
-        return code, None, _MISSING_SCALE
-    return code, None, _validate.scale(OP, "scale", scale, None, "kv_buffer")
-
-
-def _fp8_caller(fn, debug=False):
-    def run(buf, loc, nope, rope, skip, kv_cache_dtype, scale):
-        if debug:
-            _validate.mla_fp8(buf, loc, nope, rope, kv_cache_dtype, scale, debug)
-            _host_range_check(buf, loc, skip)
-        args = (buf, loc, nope, rope, _skip(skip), *_fp8_binding_args(kv_cache_dtype, scale))
-        try:
-            fn(*args)
-        except (TypeError, RuntimeError) as e:
-            raise name_ffi_error(OP, e, _FP8_BINDING_ARGS, args) from None
-
-    return run
-
-
-@_FP8.register("jit")
-def _jit_fp8(device, variant):
-    if device.type == "cpu":
-        fn, info = jit_function(cpu_spec(), FP8_ENTRY)
-        return _fp8_caller(fn), info
-    nope_bytes, rope_bytes, code, src = variant
-    fn, info = jit_function(cuda_spec(cuda_target(device), nope_bytes, rope_bytes, kv_format=code, src_dtype=src),
-                            FP8_ENTRY)
-    info["path"] = ("fp8 kernel for 16-byte aligned sources (e4m3 / e5m2: one vector per lane up to 32 rows; then "
-                    "two warps per row up to 8 rows per SM, else one), else the generic fp8 kernel "
-                    "(set_mla_kv_buffer_cuda.cu)")
-    return _fp8_caller(fn, debug_checks()), info
-
-
-@_FP8.register("triton")
-def _triton_fp8(device, variant):
-    require_triton(device)
-    from ..triton.mla import set_mla_kv_buffer_fp8_triton  # noqa: PLC0415
-
-    debug = debug_checks()
-
-    def run(buf, loc, nope, rope, skip, kv_cache_dtype, scale):
-        b, n, r, s = _validate.mla_fp8(buf, loc, nope, rope, kv_cache_dtype, scale, debug)
-        if debug:
-            _host_range_check(b, loc, skip)
-        if loc.numel():
-            if s is not None and not isinstance(s, torch.Tensor):
-                s = torch.full((1,), s, dtype=torch.float32, device=device)
-            with torch.cuda.device(device):
-                set_mla_kv_buffer_fp8_triton(b, loc, n, r, _skip(skip), kv_cache_dtype, s)
-
-    return run, {}
-
-
-@_FP8.register("torch")
-def _torch_fp8(device, variant):
-    debug = debug_checks()
-
-    def run(buf, loc, nope, rope, skip, kv_cache_dtype, scale):
-        b, n, r, s = _validate.mla_fp8(buf, loc, nope, rope, kv_cache_dtype, scale, debug)
-        reference.set_mla_kv_buffer_fp8(b, loc, n, r, kv_cache_dtype=kv_cache_dtype, scale=s, skip_slot=skip)
-
-    return run, {}
-
-
-def jit_specs(target: str) -> list[JitSpec]:
-    """Specs ``prebuild``/``warmup`` build for a target ("cpu" or a CUDA arch)."""
+def specs(target: str) -> list[JitSpec]:
     if target == "cpu":
         return [cpu_spec()]
-    return [cuda_spec(target, nope, rope) for nope, rope in CUDA_PREBUILD_VARIANTS] + [
-        cuda_spec(target, nope, rope, kv_format=code, src_dtype=src) for nope, rope, code, src in CUDA_PREBUILD_FP8
-    ]
+    return [cuda_spec(target, nope, rope, kv_format=fmt, src_dtype=src) for nope, rope, fmt, src in CUDA_PREBUILD]
 
 
-def reset() -> None:
-    _DISPATCH.reset()
-    _FP8.reset()
+def _jit(device, variant):
+    if device.type == "cpu":
+        spec = cpu_spec()
+    else:
+        spec = cuda_spec(cuda_arch(device), variant.nope_bytes, variant.rope_bytes, kv_format=variant.kv_format,
+                         src_dtype=variant.src_dtype)
+    copy = fp8 = None
+    if device.type == "cpu" or variant.kv_format == KvFormat.COPY:
+        copy, info = jit_function(spec, OP)
+    if device.type == "cpu" or variant.kv_format != KvFormat.COPY:
+        fp8, info = jit_function(spec, FP8_ENTRY)
+    if device.type == "cuda":
+        info["path"] = ("latency kernel for 16-byte aligned rows, else the bulk vector kernel" if copy else
+                        "fp8 kernel for 16-byte aligned sources (e4m3 / e5m2: one vector per lane up to 32 rows; "
+                        "then two warps per row up to 8 rows per SM, else one), else the generic fp8 kernel")
+
+    def run(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scale, skip_slot):
+        skip = NO_SLOT if skip_slot is None else skip_slot
+        if kv_cache_dtype == "auto":
+            copy(kv_buffer, loc, cache_k_nope, cache_k_rope, skip)
+            return
+        fmt = KV_FORMATS.get(kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
+        if fmt is None:
+            checks.choice(OP, "kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+        s, s_value = scale_args(OP, "scale", scale)  # the binding refuses one given to fp8_ds_mla
+        fp8(kv_buffer, loc, cache_k_nope, cache_k_rope, skip, int(fmt), s, s_value)
+
+    return SET_MLA_KV_BUFFER.with_debug_checks(device, run), info
+
+
+# ------------------------------------------------------------------------------ sample and bench
+
+
+def sample(device, gen=None) -> dict:
+    bf16 = torch.bfloat16
+    return dict(kv_buffer=rand((64, 576), bf16, device, gen), loc=slots(64, 8, torch.int64, device, gen),
+                cache_k_nope=rand((8, 512), bf16, device, gen), cache_k_rope=rand((8, 64), bf16, device, gen))
+
+
+def _bench_cpu(h) -> list:
+    """512+64 bf16 rows against torch indexing, and quantized to e4m3 / fp8_ds_mla against the torch
+    reference."""
+    rows = []
+    buf = rand((65536, 576), torch.bfloat16)
+    for n in h.sizes((1, 133, 4096)):
+        nope, rope, loc = rand((n, 512), torch.bfloat16), rand((n, 64), torch.bfloat16), slots(65536, n)
+
+        def torch_index():
+            buf[loc, :512] = nope
+            buf[loc, 512:] = rope
+
+        rows += h.rows(OP, "512+64 bf16", n, 2 * n * 1152, [
+            ("torch index", torch_index), ("jitkv jit", lambda: set_mla_kv_buffer(buf, loc, nope, rope))])
+    for fmt, width in (("fp8_e4m3", 576), ("fp8_ds_mla", 656)):
+        buf8 = torch.zeros(65536, width, dtype=torch.uint8)
+        kw = dict(kv_cache_dtype=fmt, scale=None if fmt == "fp8_ds_mla" else 0.37)
+        for n in h.sizes((1, 133, 4096)):
+            nope, rope, loc = rand((n, 512), torch.bfloat16), rand((n, 64), torch.bfloat16), slots(65536, n)
+            rows += h.rows(OP, f"512+64 bf16 -> {fmt}", n, n * (1152 + width), [
+                ("torch reference", lambda: reference.set_mla_kv_buffer(buf8, loc, nope, rope, **kw)),
+                ("jitkv jit", lambda: set_mla_kv_buffer(buf8, loc, nope, rope, **kw))])
+    return rows
+
+
+MLA_NS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 768, 2048, 4096, 16384, 65536, 262144)
+
+
+def _bench_gpu(h) -> list:
+    return _bench_gpu_copy(h) + _bench_gpu_fp8(h)
+
+
+def _bench_gpu_copy(h, ns=MLA_NS) -> list:
+    """512+64 bf16 rows into 8 layers of 2^19-row buffers (4.8 GB): the op, each forced kernel, Triton,
+    and an L2-warm source (as when the layer's previous kernel has just produced it)."""
+    rows_per_layer, layers = 1 << 19, h.layers
+    bufs = [torch.empty(rows_per_layer, 576, dtype=torch.bfloat16, device="cuda").normal_() for _ in range(layers)]
+    arch = cuda_arch(torch.device("cuda"))
+    kernel = {k: jit_function(cuda_spec(arch, 1024, 128, kernel=k), OP)[0] for k in ("latency", "vector", "tma")}
+    rows = []
+    for n in h.sizes(ns):
+        nope = [rand((n, 512), torch.bfloat16, "cuda") for _ in range(layers)]
+        rope = [rand((n, 64), torch.bfloat16, "cuda") for _ in range(layers)]
+        # The last slot is never written, so that passing it as skip_slot changes no byte: the kernel
+        # then takes its 64-bit parameter block (MlaArgs) instead of the compact one.
+        locs = [torch.randperm(rows_per_layer - 1, device="cuda")[:n] for _ in range(layers)]
+        skip = rows_per_layer - 1
+
+        def torch_index(i):
+            bufs[i][locs[i], :512] = nope[i]
+            bufs[i][locs[i], 512:] = rope[i]
+
+        cases = [
+            ("torch index", torch_index),
+            ("jitkv auto", lambda i: set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i])),
+            ("jit latency", lambda i: kernel["latency"](bufs[i], locs[i], nope[i], rope[i], -1)),
+            ("jit latency, 80-byte block", lambda i: kernel["latency"](bufs[i], locs[i], nope[i], rope[i], skip)),
+            ("jit vector (bulk)", lambda i: kernel["vector"](bufs[i], locs[i], nope[i], rope[i], -1)),
+            ("jit TMA", lambda i: kernel["tma"](bufs[i], locs[i], nope[i], rope[i], -1)),
+            ("triton", lambda i: set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i], backend="triton")),
+            ("jitkv auto, L2-warm source", lambda i: set_mla_kv_buffer(bufs[i], locs[i], nope[0], rope[0])),
+            ("triton, L2-warm source", lambda i: set_mla_kv_buffer(bufs[i], locs[i], nope[0], rope[0],
+                                                                     backend="triton")),
+        ]
+        rows += h.rows(OP, "512+64 bf16", n, 2 * n * 1152, cases)
+        del nope, rope, locs
+    return rows
+
+
+FP8_CEILING_N = 16384  # where the fp8 rows also get graph-timed contiguous copies
+
+
+def _bench_gpu_fp8(h, ns=MLA_NS) -> list:
+    """bf16 512+64 rows quantized to e4m3 (a device scale) and to the 656-byte fp8_ds_mla record. The
+    first row of each n is the bf16 copy at the same n, so "vs torch" reads bf16 µs / fp8 µs; at
+    FP8_CEILING_N also contiguous copies of the same bytes: uint8 (read = write = half the bytes) and,
+    for e4m3, the bf16 -> e4m3 conversion copy_ (read 1152 B, write 576 B per row), under graph replay
+    like the rows."""
+    rows_per_layer, layers = 1 << 19, h.layers
+    copy_bufs = [torch.empty(rows_per_layer, 576, dtype=torch.bfloat16, device="cuda").normal_() for _ in range(layers)]
+    arch = cuda_arch(torch.device("cuda"))
+    scale = torch.tensor([0.37], device="cuda")
+    rows = []
+    for fmt, width, buf_dtype in (("fp8_e4m3", 576, torch.float8_e4m3fn), ("fp8_ds_mla", 656, torch.uint8)):
+        bufs = [torch.empty(rows_per_layer, width, dtype=torch.uint8, device="cuda").random_(0, 256).view(buf_dtype)
+                for _ in range(layers)]
+        code, fmt_scale = int(KV_FORMATS[fmt]), None if fmt == "fp8_ds_mla" else scale
+        kinds = ("split", "row", "generic") if fmt == "fp8_ds_mla" else ("lanes", "split", "row", "generic")
+        kernel = {k: jit_function(cuda_spec(arch, 1024, 128, kernel=k, kv_format=code, src_dtype=SrcDtype.BF16),
+                                  FP8_ENTRY)[0] for k in kinds}
+        for n in h.sizes(ns):
+            nope = [rand((n, 512), torch.bfloat16, "cuda") for _ in range(layers)]
+            rope = [rand((n, 64), torch.bfloat16, "cuda") for _ in range(layers)]
+            locs = [torch.randperm(rows_per_layer, device="cuda")[:n] for _ in range(layers)]
+            moved = n * (1152 + width)
+            kw = dict(kv_cache_dtype=fmt, scale=fmt_scale)
+            cases = [
+                ("bf16 copy (jitkv auto)", lambda i: set_mla_kv_buffer(copy_bufs[i], locs[i], nope[i], rope[i]),
+                 n * 2 * 1152),
+                ("jitkv auto", lambda i: set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i], **kw)),
+            ] + [(f"jit {k}", lambda i, k=k: kernel[k](bufs[i], locs[i], nope[i], rope[i], -1, code, fmt_scale, -1.0))
+                 for k in kernel] + [
+                ("triton", lambda i: set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i], backend="triton", **kw)),
+            ]
+            if n == FP8_CEILING_N:
+                cases += h.contiguous_copies(moved, n if fmt == "fp8_e4m3" else 0)
+            rows += h.rows(OP, f"512+64 bf16 -> {fmt}", n, moved, cases)
+            del nope, rope, locs
+        del bufs
+    return rows
+
+
+SET_MLA_KV_BUFFER = Op(set_mla_kv_buffer, schema=(
+    "(Tensor(a!) kv_buffer, Tensor loc, Tensor cache_k_nope, Tensor cache_k_rope, *, str kv_cache_dtype=\"auto\", "
+    "Scale? scale=None, int? skip_slot=None)"),
+    home="kv_buffer", check=check, debug_check=debug_check, variant=variant, variant_type=Variant, specs=specs,
+    reference=reference.set_mla_kv_buffer, triton="set_mla_kv_buffer_triton", sample=sample, bench_cpu=_bench_cpu,
+    bench_gpu=_bench_gpu)
+SET_MLA_KV_BUFFER.backend("jit")(_jit)

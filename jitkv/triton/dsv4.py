@@ -133,12 +133,15 @@ def _gather_kernel(out_ptr, out_s0, out_s1, n_rows, offset, cache_u8, cache_i16,
 
 
 def _cache_views(k_cache):
-    assert k_cache.dtype == torch.uint8 and k_cache.dim() == 2, "k_cache: uint8 [num_blocks, block_stride]"
+    """uint8 and int16 views of the cache as [num_blocks, block_stride] (a 3-D view of one included)."""
+    if k_cache.dim() == 3:
+        stride = k_cache.stride(0)
+        k_cache = k_cache.as_strided((k_cache.shape[0], stride), (stride, 1))
     return k_cache, k_cache.view(torch.int16)
 
 
 def quantize_and_insert_k_cache_triton(k, k_cache, slot_mapping, block_size):
-    """k bf16 [n', 512]; k_cache uint8 [num_blocks, block_stride]; slot_mapping int32/int64 [n]."""
+    """k bf16 [n', 512]; k_cache uint8 of DSV4_K_CACHE layout; slot_mapping int32/int64 [n]."""
     n = slot_mapping.numel()
     if n == 0:
         return
@@ -146,7 +149,7 @@ def quantize_and_insert_k_cache_triton(k, k_cache, slot_mapping, block_size):
     grid = (triton.cdiv(n, _WRITE_BLOCK_T),)
     _quant_insert_kernel[grid](
         k.view(torch.int16), k.stride(0), cache_u8, cache_i16, slot_mapping.reshape(-1), n,
-        k_cache.shape[0] * block_size, block_size, k_cache.stride(0),
+        cache_u8.shape[0] * block_size, block_size, cache_u8.stride(0),
         BLOCK_T=_WRITE_BLOCK_T, num_warps=_WRITE_WARPS, **_RECORD)
 
 
@@ -161,6 +164,6 @@ def dequantize_and_gather_k_cache_triton(out, k_cache, seq_lens, gather_lens, bl
     has_gl = gather_lens is not None
     _gather_kernel[grid](
         out.view(torch.int16), out.stride(0), out.stride(1), n_rows, offset, cache_u8, cache_i16,
-        k_cache.stride(0), k_cache.shape[0], seq_lens, gather_lens if has_gl else seq_lens,
+        cache_u8.stride(0), cache_u8.shape[0], seq_lens, gather_lens if has_gl else seq_lens,
         block_table, block_table.stride(0), block_table.shape[1], block_size,
         HAS_GL=has_gl, BLOCK_T=_GATHER_BLOCK_T, num_warps=_GATHER_WARPS, **_RECORD)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..layouts import INDEXER_AMAX_MIN, INDEXER_FP8_MAX, INDEXER_HEAD_DIM, INDEXER_SCALE_BYTES, INDEXER_TOKEN_BYTES
+from ..reference import indexer_scale_bytes
 from .store_cache import _fp8_bits, _fp8_constants
 
 _WRITE_BLOCK_T, _GATHER_BLOCK_T = 4, 16
@@ -104,8 +105,10 @@ def _flat_bytes(kv_cache, block_size):
     return kv_cache.as_strided((span,), (1,))
 
 
-def indexer_k_quant_and_cache_triton(k, kv_cache, slot_mapping, block_size, ue8m0):
-    """k bf16/fp16 [n', 128]; kv_cache uint8, 2-D or 3-D, of INDEXER_K_CACHE layout; slot_mapping [n]."""
+def indexer_k_quant_and_cache_triton(k, kv_cache, slot_mapping, block_size, scale_fmt):
+    """k bf16/fp16 [n', 128]; kv_cache uint8, 2-D or 3-D, of INDEXER_K_CACHE layout; slot_mapping [n];
+    scale_fmt None or "ue8m0"."""
+    ue8m0 = scale_fmt == "ue8m0"
     n = slot_mapping.numel()
     if n == 0 or kv_cache.shape[0] == 0:
         return
@@ -117,8 +120,9 @@ def indexer_k_quant_and_cache_triton(k, kv_cache, slot_mapping, block_size, ue8m
         **_E4M3)
 
 
-def gather_indexer_k_quant_cache_triton(kv_cache, dst_k, dst_scale_bytes, block_table, cu_seq_lens, block_size):
-    """dst_k uint8 [T, 128]; dst_scale_bytes uint8 [T, 4] (see reference.indexer_scale_bytes)."""
+def gather_indexer_k_quant_cache_triton(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size):
+    """dst_k uint8 / e4m3 [T, 128]; dst_scale float32 [T] / [T, 1] or uint8 [T, 4]."""
+    dst_k, dst_scale_bytes = dst_k.view(torch.uint8), indexer_scale_bytes(dst_scale)
     num_tokens, batch = dst_k.shape[0], block_table.shape[0]
     if num_tokens == 0 or batch == 0:
         return

@@ -51,7 +51,20 @@ def _set_mla_kv_buffer_kernel(
     rope = tl.load(rope_ptr + row * rope_stride + (offs - NOPE), mask=(offs >= NOPE) & (offs < end))
     tl.store(kv_ptr + slot * kv_stride + offs, tl.where(in_nope, nope, rope), mask=offs < end)
 
-def set_mla_kv_buffer_triton(kv_buffer, loc, k_nope, k_rope, skip_slot=-1):
+def set_mla_kv_buffer_triton(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype="auto", scale=None,
+                             skip_slot=None):
+    """The checked arguments of set_mla_kv_buffer, in its order (ops/mla.py ``check``): the copy, or the
+    fp8 writer (a Python-float scale becomes a 1-element tensor on the buffer's device)."""
+    skip = -1 if skip_slot is None else skip_slot
+    if kv_cache_dtype == "auto":
+        _copy(kv_buffer, loc, cache_k_nope, cache_k_rope, skip)
+        return
+    if scale is not None and not isinstance(scale, torch.Tensor):
+        scale = torch.full((1,), scale, dtype=torch.float32, device=kv_buffer.device)
+    _fp8(kv_buffer, loc, cache_k_nope, cache_k_rope, skip, kv_cache_dtype, scale)
+
+
+def _copy(kv_buffer, loc, k_nope, k_rope, skip_slot):
     """Row scatter on already-validated views: kv_buffer [S, W], loc [n] int32/int64,
     k_nope [n', nope], k_rope [n', rope] (n' >= n, last dims contiguous, one dtype)."""
     n = loc.numel()
@@ -129,7 +142,7 @@ def _set_mla_kv_buffer_ds_mla_kernel(
     tl.store(dst + ROPE_AT + b, rope, mask=b < rope_end)
 
 
-def set_mla_kv_buffer_fp8_triton(kv_buffer, loc, k_nope, k_rope, skip_slot, kv_cache_dtype, scale):
+def _fp8(kv_buffer, loc, k_nope, k_rope, skip_slot, kv_cache_dtype, scale):
     """Quantizing row scatter on already-validated views: kv_buffer [S, W] 1-byte, loc [n] int32/int64,
     k_nope [n', nope] and k_rope [n', rope] bf16/fp16 (n' >= n, last dims contiguous); kv_cache_dtype
     "fp8"/"fp8_e4m3"/"fp8_e5m2" with ``scale`` a 1-element float32 tensor, or "fp8_ds_mla" (nope 512, rope

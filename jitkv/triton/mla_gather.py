@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..codes import KV_FORMATS
 from ..layouts import DS_MLA_CODE, DS_MLA_NOPE, DS_MLA_ROPE, DS_MLA_ROPE_OFFSET, DS_MLA_SCALE_OFFSET, DS_MLA_TILE, FP8_CODES
 from .dsv4 import _bf16_bits, _e4m3_decode
 
@@ -111,10 +112,12 @@ def _gather_kernel(out_ptr, cache_ptr, bt_ptr, cu_ptr, starts_ptr, scale_ptr, sc
         tl.store(dst + d, x, mask=write & (d < D))
 
 
-def gather_mla_cache_triton(out, kv_cache, block_table, cu_seq_lens, seq_starts, fmt, scale):
-    """On validated arguments: out [T, D], kv_cache [num_blocks, block_size, W], block_table [>= R, max_blocks],
-    cu_seq_lens [R + 1], seq_starts [>= R] or None; fmt the kv_cache_dtype's code (layouts.py); scale a
-    float or 1-element float32 tensor (per-tensor fp8 formats only)."""
+def gather_mla_cache_triton(out, kv_cache, block_table, cu_seq_lens, seq_starts, kv_cache_dtype, scale):
+    """The checked arguments of gather_mla_cache, in its order (ops/mla_gather.py ``check``): out [T, D],
+    kv_cache [num_blocks, block_size, W], block_table [>= R, max_blocks], cu_seq_lens [R + 1], seq_starts
+    [>= R] or None; kv_cache_dtype a name of codes.KV_FORMATS; scale a float or 1-element float32 tensor
+    (per-tensor fp8 formats only)."""
+    fmt = int(KV_FORMATS[kv_cache_dtype])
     rows, num_reqs = out.shape[0], cu_seq_lens.numel() - 1
     if rows == 0 or num_reqs <= 0:
         return

@@ -106,13 +106,20 @@ _COPY_CONSTANTS = dict(QUANT=False, PER_HEAD=False, MAX=0.0, MANT=3, BIAS=7, MIN
 
 
 def store_cache_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor, loc_map: torch.Tensor | None, skip_slot: int, kv_dtype: str,
-                       k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
-    """Validated inputs: k [n', H, DK], v [n', H, DV] (any token/head strides, last dim contiguous);
-    k_cache [nb, bs, H, DK], v_cache [nb, bs, H, DV] views with arbitrary strides; slot_mapping and
-    loc_map 1-D int32/int64; kv_dtype "auto", "fp8"/"fp8_e4m3" or "fp8_e5m2"; scales float32 tensors
-    of 1 or H elements for fp8 (ignored for "auto"). Writes K and V rows of the first slot_mapping.numel()
-    tokens."""
+                       slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale, v_scale,
+                       loc_map: torch.Tensor | None, skip_slot: int | None) -> None:
+    """The checked arguments of store_cache, in its order (ops/store_cache.py ``check``): k [n', H, DK],
+    v [n', H, DV] (any token/head strides, last dim contiguous); k_cache [nb, bs, H, DK], v_cache [nb,
+    bs, H, DV] views with arbitrary strides; slot_mapping and loc_map 1-D int32/int64; kv_cache_dtype
+    "auto", "fp8"/"fp8_e4m3" or "fp8_e5m2"; fp8 scales floats or float32 tensors of 1 or H elements.
+    Writes K and V rows of the first slot_mapping.numel() tokens."""
+    k_scale, v_scale = (s if isinstance(s, torch.Tensor) or s is None else
+                        torch.tensor([s], dtype=torch.float32, device=k.device) for s in (k_scale, v_scale))
+    _store_cache(k, v, k_cache, v_cache, slot_mapping, loc_map, -1 if skip_slot is None else skip_slot, kv_cache_dtype,
+                 k_scale, v_scale)
+
+
+def _store_cache(k, v, k_cache, v_cache, slot_mapping, loc_map, skip_slot: int, kv_dtype: str, k_scale, v_scale):
     n = slot_mapping.numel()
     if n == 0:
         return

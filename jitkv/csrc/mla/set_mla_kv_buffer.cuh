@@ -122,19 +122,19 @@ struct RowWidths {
 inline MlaParams parse_rows(const char* op, const TensorView& kv_buffer, const TensorView& loc,
                             const TensorView& k_nope, const TensorView& k_rope, int64_t skip_slot, RowWidths& w) {
   const DLDevice dev = kv_buffer.device();
-  check_device(op, "k_nope", k_nope, dev, "kv_buffer");
-  check_device(op, "k_rope", k_rope, dev, "kv_buffer");
+  check_device(op, "cache_k_nope", k_nope, dev, "kv_buffer");
+  check_device(op, "cache_k_rope", k_rope, dev, "kv_buffer");
   check_device(op, "loc", loc, dev, "kv_buffer");
   w.buffer = row_width(op, "kv_buffer", kv_buffer, "[num_slots, W] or [num_slots, 1, W]");
-  w.nope = row_width(op, "k_nope", k_nope, "[n, nope] or [n, 1, nope]");
-  w.rope = row_width(op, "k_rope", k_rope, "[n, rope] or [n, 1, rope]");
+  w.nope = row_width(op, "cache_k_nope", k_nope, "[n, nope] or [n, 1, nope]");
+  w.rope = row_width(op, "cache_k_rope", k_rope, "[n, rope] or [n, 1, rope]");
   check_last_dim_contiguous(op, "kv_buffer", kv_buffer);
-  check_last_dim_contiguous(op, "k_nope", k_nope);
-  check_last_dim_contiguous(op, "k_rope", k_rope);
+  check_last_dim_contiguous(op, "cache_k_nope", k_nope);
+  check_last_dim_contiguous(op, "cache_k_rope", k_rope);
   const bool loc_i64 = check_index(op, "loc", loc);
   const int64_t n = loc.numel();
-  check_rows_at_least(op, "k_nope", k_nope, n, "loc");
-  check_rows_at_least(op, "k_rope", k_rope, n, "loc");
+  check_rows_at_least(op, "cache_k_nope", k_nope, n, "loc");
+  check_rows_at_least(op, "cache_k_rope", k_rope, n, "loc");
 
   const int64_t es = elem_bytes(k_nope.dtype());
   MlaParams p;
@@ -166,8 +166,8 @@ inline MlaParams parse_params(const char* op, const TensorView& kv_buffer, const
     TVM_FFI_THROW(TypeError) << op << ": kv_buffer: expected dtype bfloat16, float16, float32, uint8, "
                              << "float8_e4m3fn or float8_e5m2, got " << dt;
   }
-  check_same_dtype(op, "k_nope", k_nope, dt, "kv_buffer");
-  check_same_dtype(op, "k_rope", k_rope, dt, "kv_buffer");
+  check_same_dtype(op, "cache_k_nope", k_nope, dt, "kv_buffer");
+  check_same_dtype(op, "cache_k_rope", k_rope, dt, "kv_buffer");
   RowWidths w;
   const MlaParams p = parse_rows(op, kv_buffer, loc, k_nope, k_rope, skip_slot, w);
   if (w.buffer < w.nope + w.rope) {
@@ -270,20 +270,20 @@ inline MlaParams parse_fp8_params(const char* op, const TensorView& kv_buffer, c
                                   int64_t kv_format, const Optional<TensorView>& scale, double scale_value) {
   const KvFormat f = parse_fp8_format(op, kv_format);
   if (!is_fp8_source(k_nope.dtype())) {
-    TVM_FFI_THROW(TypeError) << op << ": k_nope: fp8 quantize-on-write takes bfloat16 or float16 sources, got "
+    TVM_FFI_THROW(TypeError) << op << ": cache_k_nope: fp8 quantize-on-write takes bfloat16 or float16 sources, got "
                              << k_nope.dtype();
   }
-  check_same_dtype(op, "k_rope", k_rope, k_nope.dtype(), "k_nope");
+  check_same_dtype(op, "cache_k_rope", k_rope, k_nope.dtype(), "cache_k_nope");
   check_fp8_buffer(op, kv_buffer, f);
   RowWidths w;
   MlaParams p = parse_rows(op, kv_buffer, loc, k_nope, k_rope, skip_slot, w);
   if (f == KvFormat::kDsMla) {
     if (w.nope != DsMla::kNope) {
-      TVM_FFI_THROW(ValueError) << op << ": k_nope: fp8_ds_mla takes rows of " << DsMla::kNope << " values, got "
+      TVM_FFI_THROW(ValueError) << op << ": cache_k_nope: fp8_ds_mla takes rows of " << DsMla::kNope << " values, got "
                                 << w.nope;
     }
     if (w.rope != DsMla::kRope) {
-      TVM_FFI_THROW(ValueError) << op << ": k_rope: fp8_ds_mla takes rows of " << DsMla::kRope << " values, got "
+      TVM_FFI_THROW(ValueError) << op << ": cache_k_rope: fp8_ds_mla takes rows of " << DsMla::kRope << " values, got "
                                 << w.rope;
     }
     if (w.buffer < DsMla::kBytes) {

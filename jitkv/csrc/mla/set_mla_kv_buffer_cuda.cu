@@ -240,7 +240,7 @@ void check_module(const MlaParams& p) {
     TVM_FFI_THROW(ValueError) << kOp << ": kv_buffer: expected a CUDA tensor, got " << jitkv::device_str(p.device);
   }
   if (p.nope_bytes != kNope || p.rope_bytes != kRope) {
-    TVM_FFI_THROW(ValueError) << kOp << ": k_nope/k_rope: this module was compiled for " << kNope << " + " << kRope
+    TVM_FFI_THROW(ValueError) << kOp << ": cache_k_nope/cache_k_rope: this module was compiled for " << kNope << " + " << kRope
                               << " bytes per row, got " << p.nope_bytes << " + " << p.rope_bytes;
   }
 }
@@ -399,11 +399,11 @@ void check_module(const MlaParams& p) {
                               << ", got " << format_name(static_cast<KvFormat>(p.kv_format));
   }
   if ((p.dtype.code == kDLBfloat) != (kSrc == Src16::kBF16)) {
-    TVM_FFI_THROW(ValueError) << kOp << ": k_nope: this module was compiled for "
+    TVM_FFI_THROW(ValueError) << kOp << ": cache_k_nope: this module was compiled for "
                               << (kSrc == Src16::kBF16 ? "bfloat16" : "float16") << " sources, got " << p.dtype;
   }
   if (p.nope_bytes != kNope || p.rope_bytes != kRope) {
-    TVM_FFI_THROW(ValueError) << kOp << ": k_nope/k_rope: this module was compiled for " << kNope << " + " << kRope
+    TVM_FFI_THROW(ValueError) << kOp << ": cache_k_nope/cache_k_rope: this module was compiled for " << kNope << " + " << kRope
                               << " bytes per row, got " << p.nope_bytes << " + " << p.rope_bytes;
   }
 }

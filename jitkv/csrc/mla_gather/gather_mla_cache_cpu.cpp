@@ -109,7 +109,7 @@ void write_row(const GatherParams& p, char* dst, int64_t off, const float* table
   }
 }
 
-// cu_seq_lens must describe rows of out (the strict check of reference.check_gather_rows).
+// cu_seq_lens must describe rows of out (the strict check of reference.check_gather_rows): ValueError.
 void check_rows(const GatherParams& p) {
   int64_t prev = 0;
   for (int64_t r = 0; r <= p.num_reqs; ++r) {
@@ -122,11 +122,11 @@ void check_rows(const GatherParams& p) {
   }
   const int64_t first = load_index(p.cu_seq_lens, 0, p.cu_i64);
   if (first < 0) {
-    TVM_FFI_THROW(IndexError) << kOp << ": cu_seq_lens: request 0 starts at row " << first << ", below row 0 of out";
+    TVM_FFI_THROW(ValueError) << kOp << ": cu_seq_lens: request 0 starts at row " << first << ", below row 0 of out";
   }
   if (prev > p.rows) {
-    TVM_FFI_THROW(IndexError) << kOp << ": cu_seq_lens: the requests end at row " << prev << ", past out's " << p.rows
-                              << " rows";
+    TVM_FFI_THROW(ValueError) << kOp << ": out: has " << p.rows << " rows, but the requests end at row " << prev
+                              << " (cu_seq_lens[-1])";
   }
 }
 

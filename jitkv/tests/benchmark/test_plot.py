@@ -11,6 +11,7 @@ import pytest
 from jitkv.benchmark import __main__ as bench_main
 from jitkv.benchmark import cpu, plot
 from jitkv.benchmark.common import Row
+from jitkv.ops import OPS
 
 NS = (1, 4, 16, 64, 256, 2048, 16384, 262144)
 BW, FLOOR = 3000.0, 2.1
@@ -104,39 +105,37 @@ def test_report_without_op_rows_is_refused(tmp_path):
         plot.save({"rows": [], "build": {"cold build mla_cpu (s)": 2.0}}, str(tmp_path / "x.png"))
 
 
-def test_cpu_run_with_plot_and_json(tmp_path, monkeypatch):
-    """The CPU benchmark end to end through the CLI, its cases cut to seconds."""
+def test_cpu_run_with_plot_and_json(tmp_path):
+    """The CPU benchmark end to end through the CLI, cut to its smallest cases (--quick)."""
     pytest.importorskip("matplotlib")
-    monkeypatch.setattr(cpu, "mla_rows", lambda real=cpu.mla_rows: real(ns=(1, 64)))
-    monkeypatch.setattr(cpu, "mla_fp8_rows", lambda real=cpu.mla_fp8_rows: real(ns=(1, 64)))
-    monkeypatch.setattr(cpu, "copy_gbps", lambda real=cpu.copy_gbps: real(nbytes=8 << 20))
     png, js = tmp_path / "cpu.png", tmp_path / "cpu.json"
-    assert bench_main.main(["--device", "cpu", "--op", "set_mla_kv_buffer", "--plot", str(png), "--json", str(js)]) == 0
+    argv = ["--device", "cpu", "--quick", "--op", "set_mla_kv_buffer", "--plot", str(png), "--json", str(js)]
+    assert bench_main.main(argv) == 0
     _assert_png(png)
     report = json.loads(js.read_text())
     assert report["copy_gbps"] > 0
     copy = {(r["backend"], r["n"]) for r in report["rows"] if r["case"] == "512+64 bf16"}
-    assert copy == {(b, n) for b in ("torch index", "jitkv jit") for n in (1, 64)}
-    assert {r["n"] for r in report["rows"]} == {1, 64}
+    assert copy == {("torch index", 1), ("jitkv jit", 1)}
 
 
 def test_missing_matplotlib_fails_before_benchmarking(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
-    monkeypatch.setattr(cpu, "mla_rows", lambda: pytest.fail("benchmarked before checking for matplotlib"))
+    monkeypatch.setattr(cpu, "copy_gbps", lambda *a: pytest.fail("benchmarked before checking for matplotlib"))
     with pytest.raises(SystemExit) as e:
         bench_main.main(["--device", "cpu", "--op", "set_mla_kv_buffer", "--plot", "x.png"])
     assert e.value.code == 2
     assert "pip install 'jitkv[plot]'" in capsys.readouterr().err
 
 
-def test_every_cpu_section_returns_rows():
-    """Each CPU benchmark section, cut to its smallest case, returns the rows it printed."""
-    sections = {
-        "mla": lambda: cpu.mla_rows(ns=(1,)),
-        "mla fp8": lambda: cpu.mla_fp8_rows(ns=(1,)),
-        "indexer": lambda: cpu.indexer_rows(ns=(1,)),
-        "mla gather": lambda: cpu.mla_gather_rows(reqs=1, tokens=64, block_size=16),
-    }
-    for name, run in sections.items():
-        rows = run()
-        assert isinstance(rows, list) and rows and all(r.us > 0 for r in rows), name
+@pytest.mark.parametrize("op", [op for op in OPS.values() if op.bench_cpu], ids=lambda op: op.name)
+def test_every_cpu_section_returns_rows(op):
+    """Each op's CPU cases, cut to their smallest, return rows that timed something."""
+    rows = op.bench_cpu(cpu.Harness(None, quick=True))
+    assert isinstance(rows, list) and rows and all(r.us > 0 for r in rows)
+
+
+def test_op_choices_name_every_benchmarked_op_and_family():
+    choices = bench_main._choices()
+    for op in OPS.values():
+        if op.bench_cpu or op.bench_gpu:
+            assert choices[op.name] == {op.family} and op.family in choices[op.family]

@@ -238,7 +238,7 @@ def test_set_mla_kv_buffer_bad_input(device):
     buf, k_nope, k_rope = _mla_case(torch.bfloat16, 512, 64, 9, 64, device, False)
     loc = _rows_with_zero(64, 9, torch.int64, device)
     before = buf.clone()
-    with pytest.raises(TypeError, match=r"set_mla_kv_buffer: k_rope\b"):
+    with pytest.raises(TypeError, match=r"set_mla_kv_buffer: cache_k_rope\b"):
         sglang.set_mla_kv_buffer(buf, loc, k_nope, k_rope.half())
     with pytest.raises(ValueError, match=r"set_mla_kv_buffer: kv_buffer: row width 560 is smaller"):
         sglang.set_mla_kv_buffer(buf[:, :560], loc, k_nope, k_rope)

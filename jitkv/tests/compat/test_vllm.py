@@ -315,7 +315,7 @@ MLA_BAD = [
      r"concat_and_cache_mla: kv_cache: blocks must be packed"),
     ("flat cache", lambda a, d: a.__setitem__(2, rand((64, 576), torch.bfloat16, d)), ValueError,
      r"concat_and_cache_mla: kv_cache: expected shape"),
-    ("kv_c dtype", lambda a, d: a.__setitem__(0, a[0].half()), TypeError, r"set_mla_kv_buffer: k_nope\b"),
+    ("kv_c dtype", lambda a, d: a.__setitem__(0, a[0].half()), TypeError, r"set_mla_kv_buffer: cache_k_nope\b"),
     ("slot_mapping 2-D", lambda a, d: a.__setitem__(3, a[3].view(2, 4)), ValueError, r"set_mla_kv_buffer: loc\b"),
 ]
 

@@ -213,7 +213,7 @@ def test_op_falls_back_to_torch_with_one_warning(tmp_path, monkeypatch):
     broken = _tree(tmp_path / "broken", body="#error deliberately broken for this test\n")
     monkeypatch.setenv("JITKV_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(mla, "cpu_spec", lambda: JitSpec("mla_cpu_broken", ("tiny/add.cpp",), root=broken))
-    mla.reset()
+    jitkv.ops.reset()
     try:
         buf, k_nope, k_rope = rand((64, 576), torch.bfloat16), rand((8, 512), torch.bfloat16), rand((8, 64), torch.bfloat16)
         loc = slots(64, 8)
@@ -227,11 +227,11 @@ def test_op_falls_back_to_torch_with_one_warning(tmp_path, monkeypatch):
         info = jitkv.backend_info("set_mla_kv_buffer")["cpu"]
         assert info["backend"] == "torch" and "deliberately broken" in info["reason"]
         with pytest.raises(jitkv.BackendUnavailable, match="deliberately broken"):
-            mla.reset()
+            jitkv.ops.reset()
             jitkv.set_mla_kv_buffer(buf, loc, k_nope, k_rope, backend="jit")
     finally:
         monkeypatch.undo()
-        mla.reset()
+        jitkv.ops.reset()
 
 
 def test_import_builds_nothing(tmp_path):

@@ -286,7 +286,7 @@ WARM = textwrap.dedent(
     correct = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for op in op_calls.OPS:
+        for op in op_calls.OP_NAMES:
             args = op_calls.make_args(op, "cpu")
             want = op_calls.expected(op, args)
             op_calls.run(op, args)
@@ -348,12 +348,14 @@ def test_library_rewritten_in_place_is_never_loaded(published, tmp_path):
 
 
 def test_benchmark_warm_start_probe_runs_every_op(published, tmp_path):
-    from jitkv.benchmark.warm_start import probe  # noqa: PLC0415
+    from jitkv.benchmark.warm_start import _samples, probe  # noqa: PLC0415
     from jitkv.tests.op_calls import BACKENDS  # noqa: PLC0415
     from jitkv.tests.jit.conftest import child_env  # noqa: PLC0415
 
-    out = probe("cpu", env=child_env(_copy(published, tmp_path / "cache"), **NO_COMPILER))
+    _samples(str(tmp_path / "samples.pt"))
+    out = probe("cpu", str(tmp_path / "samples.pt"), env=child_env(_copy(published, tmp_path / "cache"), **NO_COMPILER))
     assert out["backends"] == {op: kinds[0] for op, kinds in BACKENDS["cpu"].items()} and out["ms"] > 0
+    assert set(out["first_call_ms"]) == set(BACKENDS["cpu"]) and 0 < out["import_ms"] < out["ms"]
 
 
 # ------------------------------------------------------------------------------------- log level

@@ -10,6 +10,7 @@ import torch
 import jitkv
 from jitkv import DSV4_K_CACHE as L
 from jitkv import reference
+from jitkv.tests.triton.interpreter import run_under_interpreter
 from jitkv.tests.conftest import DEVICES, assert_bitwise, gpu, rand, slots
 
 BACKENDS = {"cpu": ["torch"], "cuda": ["jit", "triton", "torch"]}
@@ -234,7 +235,7 @@ def test_round_trip_error_bound(device, backend, block_size, mag):
 def test_unaligned_views(device, backend, monkeypatch):
     """k and out not 16-byte aligned: Triton and torch take them; on CUDA auto falls back from the jit
     backend to Triton, recorded in backend_info and warned about."""
-    monkeypatch.setattr(jitkv.ops._dispatch, "_WARNED", set())
+    monkeypatch.setattr(jitkv.ops._op, "_WARNED", set())
     with pytest.warns(jitkv.JitkvFallbackWarning, match="16-byte aligned") if backend is None else _no_warning():
         c = _write(_k(50, device, col=1), _cache(64, "2d", device), slots(512, 50, torch.int32, device), 64, "2d", backend)
         seq, gl, bt = _requests(64, 2, 100, "short", False, device)
@@ -438,10 +439,9 @@ def test_out_of_range_slots_skipped_gpu(backend, monkeypatch):
 @gpu
 @pytest.mark.parametrize("backend", ["jit", "triton"])
 def test_out_of_range_debug_raises_gpu(backend, monkeypatch):
-    from jitkv.ops import dsv4  # noqa: PLC0415
 
     monkeypatch.setenv("JITKV_DEBUG", "1")
-    dsv4.reset()  # JITKV_DEBUG is read when a backend is resolved
+    jitkv.ops.reset()  # JITKV_DEBUG is read when a backend is resolved
     c, k = _cache(64, "2d", "cuda"), _k(40, "cuda")
     sm = slots(512, 40, torch.int64, "cuda")
     sm[7] = 512
@@ -451,7 +451,7 @@ def test_out_of_range_debug_raises_gpu(backend, monkeypatch):
             WRITE(k, c, sm, block_size=64, backend=backend)
     finally:
         monkeypatch.undo()
-        dsv4.reset()
+        jitkv.ops.reset()
     assert_bitwise(c, before)
 
 
@@ -537,3 +537,32 @@ def test_side_stream(backend):
     torch.cuda.synchronize()
     assert_bitwise(c, ref_c)
     assert_bitwise(out, ref_out)
+
+
+def test_triton_kernel_under_interpreter():
+    """The Triton kernels under TRITON_INTERPRET=1 against the reference (CI has no GPU)."""
+    run_under_interpreter(f"{__name__}:triton_interpreter_cases")
+
+
+def triton_interpreter_cases():
+    """Run by test_triton_kernel_under_interpreter in a process with TRITON_INTERPRET=1."""
+    from jitkv.triton.dsv4 import dequantize_and_gather_k_cache_triton, quantize_and_insert_k_cache_triton  # noqa: PLC0415  (imports triton)
+
+    for bs, stride in ((64, None), (2, None), (64, 64 * 584)):  # padded, and vLLM's unpadded blocks
+        cache = L.allocate(24, bs, "cpu", block_stride=stride).random_(0, 256)
+        k = (torch.randn(50, 512) * torch.logspace(-3, 2, 50)[:, None]).bfloat16()
+        sm = slots(24 * bs, 45)
+        sm[::6] = -1
+        got, ref = cache.clone(), cache.clone()
+        quantize_and_insert_k_cache_triton(k, got, sm, bs)
+        reference.quantize_and_insert_k_cache(k, ref, sm, block_size=bs)
+        assert_bitwise(got, ref)
+        seq = torch.tensor([5 * bs - 3, 2 * bs], dtype=torch.int32)
+        gl = torch.tensor([3 * bs, 2 * bs + 9], dtype=torch.int32)
+        table = torch.randperm(24)[:10].view(2, 5).int()
+        table[1, 0] = -1
+        out = rand((2, 4 * bs, 512), torch.bfloat16)
+        expect = out.clone()
+        dequantize_and_gather_k_cache_triton(out, got, seq, gl, table, bs, 5)
+        reference.dequantize_and_gather_k_cache(expect, ref, seq, gl, table, bs, 5)
+        assert_bitwise(out, expect)

@@ -10,7 +10,6 @@ import torch
 
 import jitkv
 from jitkv import DSV4_K_CACHE, INDEXER_K_CACHE
-from jitkv.ops import dsv4, mla, store_cache
 from jitkv.tests.conftest import assert_bitwise, gpu, rand, slots
 
 pytestmark = gpu
@@ -162,8 +161,7 @@ def test_torch_backend_replays_like_eager(case, monkeypatch):
 
 
 def _reset():
-    for family in (mla, store_cache, dsv4):
-        family.reset()  # JITKV_DEBUG is read when a backend is resolved
+    jitkv.ops.reset()  # JITKV_DEBUG is read when a backend is resolved
 
 
 @pytest.mark.parametrize("backend", ["jit", "triton", "torch"])

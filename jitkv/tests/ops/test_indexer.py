@@ -11,6 +11,7 @@ import torch
 import jitkv
 from jitkv import INDEXER_K_CACHE as L
 from jitkv import reference
+from jitkv.tests.triton.interpreter import run_under_interpreter
 from jitkv.tests.conftest import BACKENDS, DEV_BACKENDS, assert_bitwise, gpu, rand, slots
 
 WRITE_OP, GATHER_OP = "indexer_k_quant_and_cache", "gather_indexer_k_quant_cache"
@@ -498,10 +499,9 @@ def test_out_of_range_slots_skipped_gpu(backend, monkeypatch):
 @gpu
 @pytest.mark.parametrize("backend", ["jit", "triton"])
 def test_out_of_range_debug_raises_gpu(backend, monkeypatch):
-    from jitkv.ops import indexer  # noqa: PLC0415
 
     monkeypatch.setenv("JITKV_DEBUG", "1")
-    indexer.reset()  # JITKV_DEBUG is read when a backend is resolved
+    jitkv.ops.reset()  # JITKV_DEBUG is read when a backend is resolved
     c, k = _cache(64, "2d", "cuda"), _k(40, "cuda", torch.bfloat16)
     sm = slots(512, 40, torch.int64, "cuda")
     sm[7] = 512
@@ -511,7 +511,7 @@ def test_out_of_range_debug_raises_gpu(backend, monkeypatch):
             WRITE(k, c, sm, block_size=64, backend=backend)
     finally:
         monkeypatch.undo()
-        indexer.reset()
+        jitkv.ops.reset()
     assert_bitwise(c, before)
 
 
@@ -646,10 +646,9 @@ def _unaligned_call(op, arg, backend):
 def test_unaligned_views_fall_back(op, arg, why, monkeypatch):
     """Views the vector CUDA kernels refuse: auto runs Triton (recorded in backend_info, warned about
     once); forcing jit raises BackendUnavailable naming the argument; forcing Triton runs them."""
-    from jitkv.ops import indexer  # noqa: PLC0415
 
-    indexer.reset()
-    monkeypatch.setattr(jitkv.ops._dispatch, "_WARNED", set())
+    jitkv.ops.reset()
+    monkeypatch.setattr(jitkv.ops._op, "_WARNED", set())
     with pytest.warns(jitkv.JitkvFallbackWarning, match=rf"{arg}: the CUDA kernels need"):
         _unaligned_call(op, arg, None)
     info = jitkv.backend_info(op)["cuda:0"]
@@ -657,3 +656,34 @@ def test_unaligned_views_fall_back(op, arg, why, monkeypatch):
     with pytest.raises(jitkv.BackendUnavailable, match=rf"{arg}: the CUDA kernels need a (16|4)-byte aligned"):
         _unaligned_call(op, arg, "jit")
     _unaligned_call(op, arg, "triton")
+
+
+def test_triton_kernel_under_interpreter():
+    """The Triton kernels under TRITON_INTERPRET=1 against the reference (CI has no GPU)."""
+    run_under_interpreter(f"{__name__}:triton_interpreter_cases")
+
+
+def triton_interpreter_cases():
+    """Run by test_triton_kernel_under_interpreter in a process with TRITON_INTERPRET=1."""
+    from jitkv.triton.indexer import gather_indexer_k_quant_cache_triton, indexer_k_quant_and_cache_triton  # noqa: PLC0415  (imports triton)
+
+    for bs, stride in ((64, None), (3, 3 * 132)):  # jitkv's blocks, and vLLM's 396-byte ones
+        for dtype, ue8m0 in ((torch.bfloat16, True), (torch.float16, False)):
+            cache = L.allocate(10, bs, "cpu", block_stride=stride).random_(0, 256)
+            k = (torch.randn(30, 128) * torch.logspace(-3, 2, 30)[:, None]).to(dtype)
+            k[0, 3], k[1], k[2, 5], k[3] = float("nan"), float("nan"), float("inf"), 0.0
+            sm = slots(10 * bs, 27)
+            sm[::6] = -1
+            got, ref = cache.clone(), cache.clone()
+            indexer_k_quant_and_cache_triton(k, got, sm, bs, "ue8m0" if ue8m0 else None)
+            reference.indexer_k_quant_and_cache(k, ref, sm, block_size=bs, scale_fmt="ue8m0" if ue8m0 else None)
+            assert_bitwise(got, ref)
+        cu = torch.tensor([2, 9, 9, 3 * bs + 4], dtype=torch.int32)
+        table = torch.randperm(10)[:9].view(3, 3).int()
+        table[0, 0], table[2, 1] = -1, 10
+        dst_k, dst_scale = rand((3 * bs + 9, 128), torch.uint8), rand((3 * bs + 9, 4), torch.uint8)
+        want_k, want_scale = dst_k.clone(), dst_scale.clone()
+        gather_indexer_k_quant_cache_triton(got, dst_k, dst_scale, table, cu, bs)
+        reference.gather_indexer_k_quant_cache(got, want_k, want_scale, table, cu, block_size=bs)
+        assert_bitwise(dst_k, want_k)
+        assert_bitwise(dst_scale, want_scale)

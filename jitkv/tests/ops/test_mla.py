@@ -7,6 +7,7 @@ import torch
 
 import jitkv
 from jitkv import reference
+from jitkv.tests.triton.interpreter import run_under_interpreter
 from jitkv.tests.conftest import BACKENDS, DEV_BACKENDS, HAS_CUDA, assert_bitwise, gpu, rand, slots
 
 SHAPES = [(torch.bfloat16, 512, 64), (torch.float16, 512, 64), (torch.bfloat16, 512, 32), (torch.float16, 256, 64),
@@ -85,12 +86,12 @@ def test_out_of_range_raises_before_writing_cpu(backend):
 BAD = [
     ("loc float", lambda a: a.update(loc=a["loc"].float()), TypeError, "loc"),
     ("loc 2-D", lambda a: a.update(loc=a["loc"].view(2, 4)), ValueError, "loc"),
-    ("nope dtype", lambda a: a.update(k_nope=a["k_nope"].half()), TypeError, "k_nope"),
+    ("nope dtype", lambda a: a.update(cache_k_nope=a["cache_k_nope"].half()), TypeError, "cache_k_nope"),
     ("buffer dtype int32", lambda a: a.update(kv_buffer=torch.zeros(64, 576, dtype=torch.int32, device=a["loc"].device)), TypeError, "kv_buffer"),
     ("buffer too narrow", lambda a: a.update(kv_buffer=a["kv_buffer"][:, :500]), ValueError, "kv_buffer"),
     ("buffer rank", lambda a: a.update(kv_buffer=a["kv_buffer"].view(64, 2, 288)), ValueError, "kv_buffer"),
-    ("rope too few rows", lambda a: a.update(k_rope=a["k_rope"][:4]), ValueError, "k_rope"),
-    ("nope noncontiguous", lambda a: a.update(k_nope=rand((512, 8), torch.bfloat16, a["loc"].device).t()), ValueError, "k_nope"),
+    ("rope too few rows", lambda a: a.update(cache_k_rope=a["cache_k_rope"][:4]), ValueError, "cache_k_rope"),
+    ("nope noncontiguous", lambda a: a.update(cache_k_nope=rand((512, 8), torch.bfloat16, a["loc"].device).t()), ValueError, "cache_k_nope"),
     ("kv_buffer not tensor", lambda a: a.update(kv_buffer=3), TypeError, "kv_buffer"),
 ]
 
@@ -102,8 +103,8 @@ def test_bad_input(device, backend, case):
     args = dict(
         kv_buffer=rand((64, 576), torch.bfloat16, device),
         loc=slots(64, 8, torch.int64, device),
-        k_nope=rand((8, 512), torch.bfloat16, device),
-        k_rope=rand((8, 64), torch.bfloat16, device),
+        cache_k_nope=rand((8, 512), torch.bfloat16, device),
+        cache_k_rope=rand((8, 64), torch.bfloat16, device),
     )
     mutate(args)
     with pytest.raises(exc, match=rf"set_mla_kv_buffer: {name}\b"):
@@ -133,7 +134,7 @@ def test_out_of_range_never_written_gpu(backend, monkeypatch):
 @gpu
 def test_out_of_range_debug_raises(monkeypatch):
     monkeypatch.setenv("JITKV_DEBUG", "1")
-    jitkv.ops.mla.reset()  # JITKV_DEBUG is read when a backend is resolved
+    jitkv.ops.reset()  # JITKV_DEBUG is read when a backend is resolved
     buf, k_nope, k_rope = _case(torch.bfloat16, 512, 64, 8, "cuda", num_slots=16)
     loc = slots(16, 8, torch.int64, "cuda")
     loc[3] = 16
@@ -143,7 +144,7 @@ def test_out_of_range_debug_raises(monkeypatch):
             jitkv.set_mla_kv_buffer(buf, loc, k_nope, k_rope, backend="jit")
     finally:
         monkeypatch.undo()
-        jitkv.ops.mla.reset()
+        jitkv.ops.reset()
     assert_bitwise(buf, before)
 
 
@@ -291,3 +292,26 @@ def test_forced_kernel_that_cannot_run_raises():
         with pytest.raises(ValueError, match=why):
             fn(buf, loc, k_nope, k_rope, -1)
     assert_bitwise(buf, before)
+
+
+def test_triton_kernel_under_interpreter():
+    """The Triton kernels under TRITON_INTERPRET=1 against the reference (CI has no GPU)."""
+    run_under_interpreter(f"{__name__}:triton_interpreter_cases")
+
+
+def triton_interpreter_cases():
+    """Run by test_triton_kernel_under_interpreter in a process with TRITON_INTERPRET=1."""
+    from jitkv.triton.mla import set_mla_kv_buffer_triton  # noqa: PLC0415  (imports triton)
+
+    for dtype, nope, rope, width in ((torch.bfloat16, 512, 64, 600), (torch.uint8, 528, 128, 656), (torch.float8_e4m3fn, 512, 64, 576)):
+        buf = rand((300, width), dtype)
+        k_nope, k_rope = rand((40, nope), dtype), rand((40, rope), dtype)
+        loc = slots(300, 37, torch.int32)
+        loc[::5] = -1
+        loc[3] = 7
+        loc[4] = 300  # out of range: never written
+        got, ref = buf.clone(), buf.clone()
+        set_mla_kv_buffer_triton(got, loc, k_nope, k_rope, "auto", None, 7)
+        keep = torch.ones(37, dtype=torch.bool); keep[4] = False
+        reference.set_mla_kv_buffer(ref, loc[keep], k_nope[:37][keep], k_rope[:37][keep], skip_slot=7)
+        assert_bitwise(got, ref)

@@ -12,6 +12,7 @@ import torch
 import jitkv
 from jitkv import reference
 from jitkv.layouts import DS_MLA_RECORD_BYTES
+from jitkv.tests.triton.interpreter import run_under_interpreter
 from jitkv.tests.conftest import (
     BACKENDS,
     DEV_BACKENDS,
@@ -221,8 +222,8 @@ def _bad_args(device, fmt="fp8_e4m3"):
     return dict(
         kv_buffer=rand((64, width), torch.uint8, device),
         loc=slots(64, 8, torch.int64, device),
-        k_nope=values((8, 512), torch.bfloat16).to(device),
-        k_rope=values((8, 64), torch.bfloat16).to(device),
+        cache_k_nope=values((8, 512), torch.bfloat16).to(device),
+        cache_k_rope=values((8, 64), torch.bfloat16).to(device),
         kv_cache_dtype=fmt,
         scale=None if fmt == "fp8_ds_mla" else 0.5,
     )
@@ -249,11 +250,11 @@ BAD = [  # (id, format, mutation, exception, argument named)
     ("scale for ds_mla", "fp8_ds_mla", lambda a: _set(a, scale=0.5), ValueError, "scale"),
     ("scale tensor for ds_mla", "fp8_ds_mla", lambda a: _set(a, scale=torch.ones(1, device=a["loc"].device)),
      ValueError, "scale"),
-    ("fp32 sources", "fp8_e4m3", lambda a: _set(a, k_nope=a["k_nope"].float(), k_rope=a["k_rope"].float()), TypeError,
-     "k_nope"),
-    ("fp32 sources ds_mla", "fp8_ds_mla", lambda a: _set(a, k_nope=a["k_nope"].float(), k_rope=a["k_rope"].float()),
-     TypeError, "k_nope"),
-    ("rope dtype differs", "fp8_e4m3", lambda a: _set(a, k_rope=a["k_rope"].half()), TypeError, "k_rope"),
+    ("fp32 sources", "fp8_e4m3", lambda a: _set(a, cache_k_nope=a["cache_k_nope"].float(), cache_k_rope=a["cache_k_rope"].float()), TypeError,
+     "cache_k_nope"),
+    ("fp32 sources ds_mla", "fp8_ds_mla", lambda a: _set(a, cache_k_nope=a["cache_k_nope"].float(), cache_k_rope=a["cache_k_rope"].float()),
+     TypeError, "cache_k_nope"),
+    ("rope dtype differs", "fp8_e4m3", lambda a: _set(a, cache_k_rope=a["cache_k_rope"].half()), TypeError, "cache_k_rope"),
     ("buffer bf16", "fp8_e4m3", lambda a: _set(a, kv_buffer=rand((64, 576), torch.bfloat16, a["loc"].device)),
      ValueError, "kv_buffer"),
     ("buffer e5m2 for e4m3", "fp8_e4m3", lambda a: _set(a, kv_buffer=a["kv_buffer"].view(torch.float8_e5m2)),
@@ -263,11 +264,11 @@ BAD = [  # (id, format, mutation, exception, argument named)
     ("buffer too narrow", "fp8_e4m3", lambda a: _set(a, kv_buffer=a["kv_buffer"][:, :575]), ValueError, "kv_buffer"),
     ("buffer too narrow ds_mla", "fp8_ds_mla", lambda a: _set(a, kv_buffer=a["kv_buffer"][:, :655]), ValueError,
      "kv_buffer"),
-    ("ds_mla nope 256", "fp8_ds_mla", lambda a: _set(a, k_nope=a["k_nope"][:, :256]), ValueError, "k_nope"),
-    ("ds_mla rope 32", "fp8_ds_mla", lambda a: _set(a, k_rope=a["k_rope"][:, :32]), ValueError, "k_rope"),
-    ("rope too few rows", "fp8_e4m3", lambda a: _set(a, k_rope=a["k_rope"][:4]), ValueError, "k_rope"),
+    ("ds_mla nope 256", "fp8_ds_mla", lambda a: _set(a, cache_k_nope=a["cache_k_nope"][:, :256]), ValueError, "cache_k_nope"),
+    ("ds_mla rope 32", "fp8_ds_mla", lambda a: _set(a, cache_k_rope=a["cache_k_rope"][:, :32]), ValueError, "cache_k_rope"),
+    ("rope too few rows", "fp8_e4m3", lambda a: _set(a, cache_k_rope=a["cache_k_rope"][:4]), ValueError, "cache_k_rope"),
     ("loc float", "fp8_ds_mla", lambda a: _set(a, loc=a["loc"].float()), TypeError, "loc"),
-    ("nope not a tensor", "fp8_e4m3", lambda a: _set(a, k_nope=3), TypeError, "k_nope"),
+    ("nope not a tensor", "fp8_e4m3", lambda a: _set(a, cache_k_nope=3), TypeError, "cache_k_nope"),
 ]
 
 
@@ -285,7 +286,7 @@ def test_bad_input(device, backend, case):
 
 
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
-@pytest.mark.parametrize("name", ["kv_buffer", "loc", "k_nope", "k_rope", "scale"])
+@pytest.mark.parametrize("name", ["kv_buffer", "loc", "cache_k_nope", "cache_k_rope", "scale"])
 def test_meta_tensor_named(device, backend, name):
     args = _bad_args(device)
     args["scale"] = torch.tensor([0.5], device=device)
@@ -342,7 +343,7 @@ def test_debug_checks_cuda_scale_and_slots(backend, monkeypatch):
     """JITKV_DEBUG=1 reads a CUDA scale tensor and the slots on the host: a zero scale and an
     out-of-range slot raise before anything is written."""
     monkeypatch.setenv("JITKV_DEBUG", "1")
-    jitkv.ops.mla.reset()  # JITKV_DEBUG is read when a backend is resolved
+    jitkv.ops.reset()  # JITKV_DEBUG is read when a backend is resolved
     try:
         buf, k_nope, k_rope = _case("fp8_e4m3", torch.uint8, torch.bfloat16, 8, "cuda", num_slots=16)
         loc = slots(16, 8, torch.int64, "cuda")
@@ -356,7 +357,7 @@ def test_debug_checks_cuda_scale_and_slots(backend, monkeypatch):
         assert_bitwise(buf, before)
     finally:
         monkeypatch.undo()
-        jitkv.ops.mla.reset()
+        jitkv.ops.reset()
 
 
 @gpu
@@ -405,10 +406,10 @@ def test_every_backend_same_bytes(fmt, buf_dtype, src):
 
 def _fp8_module(fmt, src, kernel, pdl=True):
     from jitkv.jit import cuda_arch, get_function  # noqa: PLC0415
-    from jitkv.ops.mla import FORMATS as CODES  # noqa: PLC0415
+    from jitkv.codes import KV_FORMATS as CODES  # noqa: PLC0415
     from jitkv.ops.mla import FP8_ENTRY, cuda_spec  # noqa: PLC0415
 
-    spec = cuda_spec(cuda_arch(torch.device("cuda")), 1024, 128, kernel=kernel, pdl=pdl, kv_format=CODES[fmt],
+    spec = cuda_spec(cuda_arch(torch.device("cuda")), 1024, 128, kernel=kernel, pdl=pdl, kv_format=int(CODES[fmt]),
                      src_dtype=1 if src == torch.bfloat16 else 2)
     return get_function(spec, FP8_ENTRY)
 
@@ -432,7 +433,7 @@ def test_every_cuda_kernel_keeps_the_contract(kernel, pdl, fmt, src, n, idx_dtyp
     padding (-1), skip_slot and out-of-range slots are never written, extra source rows never read
     into the buffer, strided sources, special values; PDL on and off. skip_slot 17 (a slot of the
     buffer) runs the fast kernel with its 64-bit parameter block, -1 with the compact one."""
-    from jitkv.ops.mla import FORMATS as CODES  # noqa: PLC0415
+    from jitkv.codes import KV_FORMATS as CODES  # noqa: PLC0415
 
     fn = _fp8_module(fmt, src, kernel, pdl)
     num_slots = 4096
@@ -450,7 +451,7 @@ def test_every_cuda_kernel_keeps_the_contract(kernel, pdl, fmt, src, n, idx_dtyp
     ref, got = buf.clone(), buf.clone()
     reference.set_mla_kv_buffer_fp8(ref, loc[keep], k_nope[:n][keep], k_rope[:n][keep], kv_cache_dtype=fmt, scale=scale)
     tensor_scale, value = (scale, -1.0) if isinstance(scale, torch.Tensor) else (None, -1.0 if scale is None else scale)
-    fn(got, loc, k_nope, k_rope, skip, CODES[fmt], tensor_scale, value)
+    fn(got, loc, k_nope, k_rope, skip, int(CODES[fmt]), tensor_scale, value)
     assert_bitwise(got, ref)
 
 
@@ -462,7 +463,7 @@ def test_every_16_bit_value_around_the_quick_division_window(kernel, fmt, src):
     """The fast kernels divide without a branch, a scale outside the quick window first brought into it
     (jitkv/cuda/fp8.cuh Divider): torch's bytes for every bf16/fp16 value
     at scales outside, on the edges of and inside that window, as a float and as a device tensor."""
-    from jitkv.ops.mla import FORMATS as CODES  # noqa: PLC0415
+    from jitkv.codes import KV_FORMATS as CODES  # noqa: PLC0415
 
     fn = _fp8_module(fmt, src, kernel)
     x = every_16_bit_value(src, 576).cuda()
@@ -473,7 +474,7 @@ def test_every_16_bit_value_around_the_quick_division_window(kernel, fmt, src):
         ref, got = buf.clone(), buf.clone()
         reference.set_mla_kv_buffer_fp8(ref, loc, x[:, :512], x[:, 512:], kv_cache_dtype=fmt, scale=scale)
         tensor_scale = torch.tensor([scale], device="cuda") if i % 2 else None
-        fn(got, loc, x[:, :512], x[:, 512:], -1, CODES[fmt], tensor_scale, -1.0 if i % 2 else scale)
+        fn(got, loc, x[:, :512], x[:, 512:], -1, int(CODES[fmt]), tensor_scale, -1.0 if i % 2 else scale)
         assert_bitwise(got, ref)
 
 
@@ -507,3 +508,30 @@ def test_forced_lanes_kernel_refuses_what_it_cannot_write():
     with pytest.raises(ValueError, match="16-byte aligned"):  # rows start 8 bytes into 16-byte lines
         _fp8_module("fp8_e4m3", torch.bfloat16, "lanes")(buf, loc, x[:4, 4:516], x[:4, 516:580], -1, 1, None, 0.5)
     assert_bitwise(buf, before)
+
+
+def test_triton_kernel_under_interpreter():
+    """The Triton kernels under TRITON_INTERPRET=1 against the reference (CI has no GPU)."""
+    run_under_interpreter(f"{__name__}:triton_interpreter_cases")
+
+
+def triton_interpreter_cases():
+    """Run by test_triton_kernel_under_interpreter in a process with TRITON_INTERPRET=1."""
+    from jitkv.triton.mla import set_mla_kv_buffer_triton  # noqa: PLC0415  (imports triton)
+
+    for fmt, src, cdt, width in (("fp8_e4m3", torch.bfloat16, torch.float8_e4m3fn, 600), ("fp8_e5m2", torch.float16, torch.uint8, 576),
+                                 ("fp8_ds_mla", torch.bfloat16, torch.uint8, 660), ("fp8_ds_mla", torch.float16, torch.uint8, 656)):
+        buf = rand((300, width), cdt)
+        x = with_specials(values((40, 700), src))
+        k_nope, k_rope = x[:, 16:528], x[:, 600:664]  # strided views, extra rows
+        loc = slots(300, 37, torch.int64)
+        loc[::5] = -1
+        loc[3] = 7
+        loc[4] = 300  # out of range: never written
+        scale = None if fmt == "fp8_ds_mla" else torch.tensor([0.37])
+        got, ref = buf.clone(), buf.clone()
+        set_mla_kv_buffer_triton(got, loc, k_nope, k_rope, fmt, scale, 7)
+        keep = torch.ones(37, dtype=torch.bool); keep[4] = False
+        reference.set_mla_kv_buffer_fp8(ref, loc[keep], k_nope[:37][keep], k_rope[:37][keep], kv_cache_dtype=fmt,
+                                        scale=scale, skip_slot=7)
+        assert_bitwise(got, ref)

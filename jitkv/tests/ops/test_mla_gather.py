@@ -11,6 +11,7 @@ import torch
 import jitkv
 from jitkv import reference
 from jitkv.layouts import DS_MLA_NOPE, DS_MLA_RECORD_BYTES, DS_MLA_ROPE, DS_MLA_ROPE_OFFSET, DS_MLA_SCALE_OFFSET, DS_MLA_TILE
+from jitkv.tests.triton.interpreter import run_under_interpreter
 from jitkv.tests.conftest import BACKENDS, DEV_BACKENDS, HAS_CUDA, assert_bitwise, gpu, rand
 
 OP = "gather_mla_cache"
@@ -214,8 +215,8 @@ def test_scale_as_float_or_tensor_same_bytes():
 @pytest.mark.parametrize("backend", BACKENDS["cpu"])
 @pytest.mark.parametrize("cu,exc,message", [
     ([0, 10, 8], ValueError, r"cu_seq_lens: expected non-decreasing values, got 10 then 8 at positions 1, 2"),
-    ([0, 10, 21], IndexError, r"cu_seq_lens: the requests end at row 21, past out's 20 rows"),
-    ([-1, 10, 20], IndexError, r"cu_seq_lens: request 0 starts at row -1, below row 0 of out"),
+    ([0, 10, 21], ValueError, r"out: has 20 rows, but the requests end at row 21 \(cu_seq_lens\[-1\]\)"),
+    ([-1, 10, 20], ValueError, r"cu_seq_lens: request 0 starts at row -1, below row 0 of out"),
 ])
 def test_rows_outside_out_raise_before_writing_cpu(backend, cu, exc, message):
     table, _, _ = _requests([10, 10], 8, 8, "cpu")
@@ -295,7 +296,7 @@ def test_bad_input(device, backend, case):
 def test_cuda_compile_only_every_module(tmp_path, monkeypatch):
     """Every prebuilt CUDA module of the family builds for sm_90a with no GPU present."""
     from jitkv.jit import ensure_built  # noqa: PLC0415
-    from jitkv.ops.mla_gather import jit_specs  # noqa: PLC0415
+    from jitkv.ops.mla_gather import specs as jit_specs  # noqa: PLC0415
     from jitkv.tests.jit.test_build import _need_nvcc  # noqa: PLC0415
 
     _need_nvcc()
@@ -346,7 +347,7 @@ def test_requests_past_out_clipped_gpu(backend, monkeypatch):
 @pytest.mark.parametrize("backend", BACKENDS["cuda"])
 def test_rows_outside_out_debug_raises_gpu(backend, monkeypatch):
     monkeypatch.setenv("JITKV_DEBUG", "1")
-    jitkv.ops.mla_gather.reset()  # JITKV_DEBUG is read when a backend is resolved
+    jitkv.ops.reset()  # JITKV_DEBUG is read when a backend is resolved
     table, _, _ = _requests([10, 10], 8, 8, "cuda")
     cache = _cache("auto", torch.bfloat16, 576, 8, 8, "cuda")
     out = rand((20, 576), torch.bfloat16, "cuda")
@@ -360,7 +361,7 @@ def test_rows_outside_out_debug_raises_gpu(backend, monkeypatch):
                                    scale=torch.tensor([0.0], device="cuda"), backend=backend)
     finally:
         monkeypatch.undo()
-        jitkv.ops.mla_gather.reset()
+        jitkv.ops.reset()
     torch.cuda.synchronize()
     assert_bitwise(out, before)
 
@@ -449,8 +450,8 @@ def test_side_stream(backend):
 def test_unaligned_views_fall_back_from_jit(monkeypatch):
     """Views the CUDA kernel's vectors cannot take (an out row stride of 577 elements, a cache entry
     at an odd byte) run on Triton, recorded in backend_info and warned about; forcing jit raises."""
-    monkeypatch.setattr(jitkv.ops._dispatch, "_WARNED", set())
-    jitkv.ops.mla_gather.reset()
+    monkeypatch.setattr(jitkv.ops._op, "_WARNED", set())
+    jitkv.ops.reset()
     table, cu, _ = _requests([30, 30], 8, 16, "cuda")
     cache = _cache("auto", torch.bfloat16, 576, 16, 8, "cuda")
     out = rand((60, 577), torch.bfloat16, "cuda")[:, :576]
@@ -471,16 +472,42 @@ def test_module_for_another_format_refuses(fmt):
     """A module's binding refuses arguments of another kv_cache_dtype or row width (ValueError), before
     anything runs."""
     from jitkv.jit import cuda_arch, get_function  # noqa: PLC0415
-    from jitkv.ops.mla_gather import FORMATS as CODES  # noqa: PLC0415
+    from jitkv.codes import KV_FORMATS as CODES  # noqa: PLC0415
     from jitkv.ops.mla_gather import cuda_spec  # noqa: PLC0415
 
     other = "fp8_e4m3" if fmt == "auto" else "auto"
-    fn = get_function(cuda_spec(cuda_arch(torch.device("cuda")), CODES[other], 1152), OP)
+    fn = get_function(cuda_spec(cuda_arch(torch.device("cuda")), int(CODES[other]), 1152), OP)
     table, cu, _ = _requests([5], 8, 4, "cuda")
     cache = _cache(fmt, FP8.get(fmt, torch.uint8 if fmt == "fp8_ds_mla" else torch.bfloat16),
                    DS_MLA_RECORD_BYTES if fmt == "fp8_ds_mla" else 576, 4, 8, "cuda")
     out = rand((5, 576), torch.bfloat16, "cuda")
     before = out.clone()
     with pytest.raises(ValueError, match=r"gather_mla_cache: out: this module was compiled for"):
-        fn(out, cache, table, cu, None, CODES[fmt], None, 0.5 if fmt in FP8 else -1.0)
+        fn(out, cache, table, cu, None, int(CODES[fmt]), None, 0.5 if fmt in FP8 else -1.0)
     assert_bitwise(out, before)
+
+
+def test_triton_kernel_under_interpreter():
+    """The Triton kernels under TRITON_INTERPRET=1 against the reference (CI has no GPU)."""
+    run_under_interpreter(f"{__name__}:triton_interpreter_cases")
+
+
+def triton_interpreter_cases():
+    """Run by test_triton_kernel_under_interpreter in a process with TRITON_INTERPRET=1."""
+    from jitkv.triton.mla_gather import gather_mla_cache_triton  # noqa: PLC0415  (imports triton)
+
+    for fmt, dtype, width in (("auto", torch.bfloat16, 576), ("auto", torch.uint8, 100), ("fp8_e4m3", torch.float8_e4m3fn, 576),
+                              ("fp8_e5m2", torch.uint8, 576), ("fp8_ds_mla", torch.uint8, 656)):
+        bs, nb = 8, 24
+        table, cu, starts = _requests([21, 0, 30, 9], bs, nb, "cpu", max_blocks=4, starts=[3, 0, -2, 1])
+        table[0, 1] = -1
+        table[3, 0] = nb
+        cache = _cache(fmt, dtype, width, nb, bs, "cpu", pad=16)
+        d = 576 if fmt != "auto" else width
+        out = rand((64, d), dtype if fmt == "auto" else torch.bfloat16)[:55]
+        cu += 3  # rows 0..2 are no request's, rows past 55 are clipped: neither is written
+        for scale in ((0.37, torch.tensor([2.5])) if fmt.startswith("fp8_e") else (None,)):
+            got, want = out.clone(), out.clone()
+            gather_mla_cache_triton(got, cache, table, cu, starts, fmt, scale)
+            reference.gather_mla_cache(want, cache, table, cu, seq_starts=starts, kv_cache_dtype=fmt, scale=scale, strict=False)
+            assert_bitwise(got, want)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from jitkv.tests.conftest import assert_bitwise
-from jitkv.tests.op_calls import BACKENDS, DESTINATIONS, HOME, OPS, expected, make_args, message_name, run, tensor_names
+from jitkv.tests.op_calls import BACKENDS, DESTINATIONS, HOME, OP_NAMES, expected, make_args, run, tensor_names
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-CASES = [(op, b) for op in OPS for b in BACKENDS["cuda"][op]]
+CASES = [(op, b) for op in OP_NAMES for b in BACKENDS["cuda"][op]]
 
 
 @pytest.mark.parametrize("op,backend", CASES)
@@ -42,7 +42,7 @@ def test_tensors_on_two_gpus_named(op, backend):
         if name == home:  # then the first argument checked against it is named
             pattern = rf"{op}: \w+: expected a tensor on cuda:1 like {home}, got one on cuda:0$"
         else:
-            pattern = rf"{op}: {message_name(name)}: expected a tensor on cuda:0 like {home}, got one on cuda:1$"
+            pattern = rf"{op}: {name}: expected a tensor on cuda:0 like {home}, got one on cuda:1$"
         with pytest.raises(ValueError, match=pattern):
             run(op, args, backend)
         torch.cuda.synchronize()
@@ -61,7 +61,7 @@ def _rank(rank, out_dir, barrier):
     torch.cuda.set_device(rank)
     errors = []
     barrier.wait()  # both ranks reach the cold cache together
-    for op in OPS:
+    for op in OP_NAMES:
         args = make_args(op, f"cuda:{rank}")
         want = expected(op, args)
         run(op, args, "jit")

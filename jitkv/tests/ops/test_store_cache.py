@@ -12,6 +12,7 @@ import torch
 import jitkv
 from jitkv import reference
 from jitkv.layouts import FP8_MAX
+from jitkv.tests.triton.interpreter import run_under_interpreter
 from jitkv.tests.conftest import (
     BACKENDS,
     DEVICES,
@@ -118,7 +119,7 @@ def test_k_and_v_block_sizes_differ(device, backend, kv_dtype):
 @pytest.mark.parametrize("src_2d", [False, True])
 def test_cuda_variant_short_path_matches_any_layout(layout, cache_dtype, src_2d):
     """The per-call head-bytes shortcut picks the same CUDA build as the general rule."""
-    from jitkv.ops.store_cache import _cuda_variant, _head_bytes_any_layout
+    from jitkv.ops.store_cache import _head_bytes_any_layout, variant
 
     h, dk, dv, n = 8, 128, 64, 3
     k, v = torch.empty(n, h, dk), torch.empty(n, h, dv)
@@ -126,7 +127,7 @@ def test_cuda_variant_short_path_matches_any_layout(layout, cache_dtype, src_2d)
         k, v = k.view(n, h * dk), v.view(n, h * dv)
     kc = _cache(layout, 4, 16, h, dk, torch.bfloat16, "cpu").to(cache_dtype)
     vc = _cache(layout, 4, 16, h, dv, torch.bfloat16, "cpu").to(cache_dtype)
-    got = _cuda_variant(k, v, kc, vc, "auto")[:2]
+    got = variant(k, v, kc, vc, None, "auto", None, None, None, None)[:2]
     assert got == _head_bytes_any_layout(k, kc, v, vc)
     assert got == (dk * kc.element_size(), dv * vc.element_size())
 
@@ -199,12 +200,15 @@ def test_16_byte_build_takes_exactly_the_aligned_views(case, n):
 
 
 def test_cuda_variant_of_heads_not_16_byte_multiples():
-    from jitkv.ops.store_cache import ANY_ALIGNMENT, GENERIC, _cuda_variant
+    from jitkv.codes import KvFormat, SrcDtype
+    from jitkv.ops.store_cache import Variant, variant
 
     k, kc = rand((4, 2, 36), torch.bfloat16), rand((64, 2, 36), torch.bfloat16)
-    assert _cuda_variant(k, k, kc, kc, "auto") == (*GENERIC, 0, 0, ANY_ALIGNMENT)
+    assert Variant(*variant(k, k, kc, kc, None, "auto", None, None, None, None)) == Variant(
+        0, 0, SrcDtype.NONE, KvFormat.COPY, False)
     kc8 = rand((64, 2, 36), torch.float8_e5m2)
-    assert _cuda_variant(k, k, kc8, kc8, "fp8_e5m2") == (*GENERIC, 1, 2, ANY_ALIGNMENT)
+    assert Variant(*variant(k, k, kc8, kc8, None, "fp8_e5m2", None, None, None, None)) == Variant(
+        0, 0, SrcDtype.BF16, KvFormat.E5M2, False)
 
 
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
@@ -221,10 +225,11 @@ def test_sources_are_views_of_fused_qkv(device, backend):
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
 def test_empty_index(device, backend):
     k = rand((3, 2, 64), torch.float16, device)
-    kc = rand((16, 2, 64), torch.float16, device)
-    before = kc.clone()
-    jitkv.store_cache(k, k, kc, kc, torch.empty(0, dtype=torch.int64, device=device), backend=backend)
-    assert_bitwise(kc, before)
+    kc, vc = rand((16, 2, 64), torch.float16, device), rand((16, 2, 64), torch.float16, device)
+    before_k, before_v = kc.clone(), vc.clone()
+    jitkv.store_cache(k, k, kc, vc, torch.empty(0, dtype=torch.int64, device=device), backend=backend)
+    assert_bitwise(kc, before_k)
+    assert_bitwise(vc, before_v)
 
 
 @pytest.mark.parametrize("backend", BACKENDS["cpu"])
@@ -458,10 +463,9 @@ def test_bad_scale_tensor_value_cpu(backend, name, value):
 @pytest.mark.parametrize("name,value", BAD_SCALE_TENSORS[:2])
 def test_bad_scale_tensor_value_gpu_under_debug(backend, name, value, monkeypatch):
     """A CUDA scale tensor is read on the host only under JITKV_DEBUG=1 (it syncs)."""
-    from jitkv.ops import store_cache as op  # noqa: PLC0415
 
     monkeypatch.setenv("JITKV_DEBUG", "1")
-    op.reset()  # JITKV_DEBUG is read when a backend is resolved
+    jitkv.ops.reset()  # JITKV_DEBUG is read when a backend is resolved
     try:
         args, kw = _bad_scale_tensor("cuda", name, value)
         before = args["k_cache"].clone()
@@ -470,13 +474,12 @@ def test_bad_scale_tensor_value_gpu_under_debug(backend, name, value, monkeypatc
         assert_bitwise(args["k_cache"], before)
     finally:
         monkeypatch.undo()
-        op.reset()
+        jitkv.ops.reset()
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")
 @pytest.mark.parametrize("backend", BACKENDS["cuda"])
 def test_out_of_range_gpu_skipped_or_raises_under_debug(backend, monkeypatch):
-    from jitkv.ops import store_cache as op  # noqa: PLC0415
 
     k = rand((16, 2, 64), torch.bfloat16, "cuda")
     kc, vc = rand((32, 2, 64), torch.bfloat16, "cuda"), rand((32, 2, 64), torch.bfloat16, "cuda")
@@ -490,13 +493,13 @@ def test_out_of_range_gpu_skipped_or_raises_under_debug(backend, monkeypatch):
     reference.store_cache(k[keep], k[keep], ref_k, ref_v, sm[keep])
     assert_bitwise(got_k, ref_k)
     monkeypatch.setenv("JITKV_DEBUG", "1")
-    op.reset()  # JITKV_DEBUG is read when a backend is resolved
+    jitkv.ops.reset()  # JITKV_DEBUG is read when a backend is resolved
     try:
         with pytest.raises(IndexError, match=r"slot_mapping: position 5 has slot 32"):
             jitkv.store_cache(k, k, kc, vc, sm, backend=backend)
     finally:
         monkeypatch.undo()
-        op.reset()
+        jitkv.ops.reset()
 
 
 # ------------------------------------------------------------------------------- GPU-only cases
@@ -681,7 +684,6 @@ def test_misaligned_view_takes_the_generic_variant(kv_dtype):
     """Rows of 16-byte multiples but a source only 2-byte aligned: the 16-byte build answers
     NEEDS_ANY_ALIGNMENT and the op dispatches the any-alignment variant; an aligned call takes the
     16-byte build (backend_info records a variant when it is resolved, so each call starts from none)."""
-    from jitkv.ops import store_cache as op  # noqa: PLC0415
 
     n, h, d = 37, 8, 128
     k, v, kc, vc, kw = _kv_case(n, h, d, d, 512, "cuda", kv_dtype)
@@ -690,12 +692,12 @@ def test_misaligned_view_takes_the_generic_variant(kv_dtype):
     sm = slots(512, n, torch.int64, "cuda")
     sm[::5] = -1
     for backend in (None, "jit"):
-        op.reset()
+        jitkv.ops.reset()
         _run(k_odd, v, kc, vc, sm, backend, **kw)
         info = jitkv.backend_info("store_cache")["cuda:0"]
         assert info["backend"] == "jit" and info["alignment"].startswith("any"), info
         assert "k_head_bytes0_v_head_bytes0" in info["key"], info
-        op.reset()
+        jitkv.ops.reset()
         _run(k, v, kc, vc, sm, backend, **kw)
         info = jitkv.backend_info("store_cache")["cuda:0"]
         assert info["alignment"] == "16 bytes" and f"k_head_bytes{head_bytes}_v_head_bytes{head_bytes}" in info["key"], info
@@ -703,20 +705,21 @@ def test_misaligned_view_takes_the_generic_variant(kv_dtype):
 
 def _binding_args(k, v, kc, vc, sm, kw):
     """The positional arguments of the module's full entry point for a _kv_case call."""
-    from jitkv.ops.store_cache import _KV_CODE  # noqa: PLC0415
+    from jitkv.codes import KV_FORMATS  # noqa: PLC0415
 
     if not kw:
-        return (k, v, kc, vc, sm, None, -1, _KV_CODE["auto"], None, None, -1.0, -1.0)
-    return (k, v, kc, vc, sm, None, -1, _KV_CODE[kw["kv_cache_dtype"]], kw["k_scale"], kw["v_scale"], -1.0, -1.0)
+        return (k, v, kc, vc, sm, None, -1, int(KV_FORMATS["auto"]), None, None, -1.0, -1.0)
+    return (k, v, kc, vc, sm, None, -1, int(KV_FORMATS[kw["kv_cache_dtype"]]), kw["k_scale"], kw["v_scale"], -1.0, -1.0)
 
 
 def _module(kv_dtype, head_bytes, **spec_kw):
     from jitkv.jit import cuda_arch, get_function  # noqa: PLC0415
-    from jitkv.ops.store_cache import _KV_CODE, _SRC_CODE, cuda_spec  # noqa: PLC0415
+    from jitkv.codes import KV_FORMATS, SrcDtype  # noqa: PLC0415
+    from jitkv.ops.store_cache import cuda_spec  # noqa: PLC0415
 
     kv_dtype = kv_dtype.split()[0]  # a KV_KINDS entry: one module for both kinds of scales
-    src = 0 if kv_dtype == "auto" else _SRC_CODE[torch.bfloat16]
-    spec = cuda_spec(cuda_arch(torch.device("cuda")), head_bytes, head_bytes, src, _KV_CODE[kv_dtype], **spec_kw)
+    src = SrcDtype.NONE if kv_dtype == "auto" else SrcDtype.BF16
+    spec = cuda_spec(cuda_arch(torch.device("cuda")), head_bytes, head_bytes, src, KV_FORMATS[kv_dtype], **spec_kw)
     return get_function(spec, "store_cache")
 
 
@@ -726,7 +729,8 @@ def test_16_byte_build_answers_a_misaligned_call(kv_dtype):
     """Called directly with a view it cannot address, the 16-byte build returns NEEDS_ANY_ALIGNMENT
     from both entry points and writes nothing (an fp8 build counts source bytes per cache byte)."""
     from jitkv.jit import cuda_arch, get_function  # noqa: PLC0415
-    from jitkv.ops.store_cache import COPY_ENTRY, NEEDS_ANY_ALIGNMENT  # noqa: PLC0415
+    from jitkv.codes import Status  # noqa: PLC0415
+    from jitkv.ops.store_cache import COPY_ENTRY  # noqa: PLC0415
 
     n, h, d = 5, 8, 128
     k, v, kc, vc, kw = _kv_case(n, h, d, d, 64, "cuda", kv_dtype)
@@ -734,12 +738,12 @@ def test_16_byte_build_answers_a_misaligned_call(kv_dtype):
     fn = _module(kv_dtype, d * kc.element_size())
     before_k, before_v = kc.clone(), vc.clone()
     sm = slots(64, n, torch.int64, "cuda")
-    assert fn(*_binding_args(k, v, kc, vc, sm, kw)) == NEEDS_ANY_ALIGNMENT
+    assert fn(*_binding_args(k, v, kc, vc, sm, kw)) == Status.NEEDS_ANY_ALIGNMENT
     if kv_dtype == "auto":
         from jitkv.ops.store_cache import cuda_spec  # noqa: PLC0415
 
         copy = get_function(cuda_spec(cuda_arch(torch.device("cuda")), 2 * d, 2 * d, 0, 0), COPY_ENTRY)
-        assert copy(k, v, kc, vc, sm, None, -1) == NEEDS_ANY_ALIGNMENT
+        assert copy(k, v, kc, vc, sm, None, -1) == Status.NEEDS_ANY_ALIGNMENT
     torch.cuda.synchronize()
     assert_bitwise(kc, before_k)
     assert_bitwise(vc, before_v)
@@ -792,3 +796,32 @@ def test_every_value_around_the_quick_division_window(device, kv_dtype, src):
     for i, scale in enumerate(scales):
         per_head = torch.tensor([scales[(i + j) % len(scales)] for j in range(h)], device=device)
         _run(x, x.flip(0), kc, vc, sm, "jit", kv_cache_dtype=kv_dtype, k_scale=scale, v_scale=per_head)
+
+
+def test_triton_kernel_under_interpreter():
+    """The Triton kernels under TRITON_INTERPRET=1 against the reference (CI has no GPU)."""
+    run_under_interpreter(f"{__name__}:triton_interpreter_cases")
+
+
+def triton_interpreter_cases():
+    """Run by test_triton_kernel_under_interpreter in a process with TRITON_INTERPRET=1."""
+    from jitkv.triton.store_cache import store_cache_triton  # noqa: PLC0415  (imports triton)
+
+    n, h, d = 21, 4, 64
+    for kv_dtype, cdt in (("auto", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.uint8)):
+        k, v = rand((n + 3, h, d), torch.bfloat16) * 300, rand((n + 3, h, d), torch.bfloat16)
+        kc = rand((6, h, 8, d), cdt).permute(0, 2, 1, 3)  # paged HND
+        vc = rand((6, 8, h, d), cdt)  # paged NHD
+        sm = slots(48, n)
+        sm[::4] = -1
+        loc_map = torch.randperm(48)
+        loc_map[sm[1]] = -1
+        # one scale per side; then per-head scales, V's a strided view
+        per_head = (torch.rand(h) * 3 + 0.05, (torch.rand(2 * h) * 3 + 0.05)[::2])
+        for k_scale, v_scale in ((torch.tensor([0.37]),) * 2, per_head)[: 1 if kv_dtype == "auto" else 2]:
+            got_k, got_v, ref_k, ref_v = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+            store_cache_triton(k, v, got_k, got_v, sm, kv_dtype, k_scale, v_scale, loc_map, 5)
+            kw = {} if kv_dtype == "auto" else dict(k_scale=k_scale, v_scale=v_scale)
+            reference.store_cache(k, v, ref_k, ref_v, sm, kv_cache_dtype=kv_dtype, loc_map=loc_map, skip_slot=5, **kw)
+            assert_bitwise(got_k, ref_k)
+            assert_bitwise(got_v, ref_v)
