@@ -1,28 +1,11 @@
-"""Record layouts and fp8 codes: the one place they are defined (docs/design.md §4, §5).
-
-Python backends (the torch reference, Triton) import them; the C++/CUDA kernels receive them as build
-arguments (``JitSpec`` args, ``-DJITKV_<NAME>``), so a layout change reaches every backend and every
-cache key at once.
-"""
+"""Paged caches of fixed-size token records (docs/design.md §5): the descriptor the DeepSeek-V4 and
+indexer K cache layouts share (allocation, validation). The records' constants are jitkv/codes.py's."""
 
 from __future__ import annotations
 
 import torch
 
 from . import checks
-from .codes import FP8_MAX, DsMla, Dsv4, Indexer, KvFormat  # noqa: F401
-
-# Transitional names of jitkv/codes.py's constants (the family modules are moving to codes.py).
-FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-FP8_CODES = {None: int(KvFormat.COPY), torch.float8_e4m3fn: int(KvFormat.E4M3), torch.float8_e5m2: int(KvFormat.E5M2)}
-DS_MLA_CODE = int(KvFormat.DS_MLA)
-DSV4_HEAD_DIM, DSV4_NOPE, DSV4_ROPE, DSV4_GROUP = Dsv4.HEAD_DIM, Dsv4.NOPE, Dsv4.ROPE, Dsv4.GROUP
-DSV4_DATA_BYTES, DSV4_SCALE_BYTES, DSV4_TOKEN_BYTES = Dsv4.DATA_BYTES, Dsv4.SCALE_BYTES, Dsv4.TOKEN_BYTES
-DS_MLA_NOPE, DS_MLA_ROPE, DS_MLA_TILE, DS_MLA_TILES = DsMla.NOPE, DsMla.ROPE, DsMla.TILE, DsMla.TILES
-DS_MLA_SCALE_OFFSET, DS_MLA_ROPE_OFFSET, DS_MLA_RECORD_BYTES = DsMla.SCALE_OFFSET, DsMla.ROPE_OFFSET, DsMla.BYTES
-INDEXER_HEAD_DIM, INDEXER_QUANT_BLOCK, INDEXER_SCALE_BYTES = Indexer.HEAD_DIM, Indexer.QUANT_BLOCK, Indexer.SCALE_BYTES
-INDEXER_TOKEN_BYTES, INDEXER_FP8_MAX, INDEXER_AMAX_MIN = Indexer.TOKEN_BYTES, Indexer.FP8_MAX, Indexer.AMAX_MIN
-
 
 class PagedRecordLayout:
     """A paged cache of fixed-size token records: uint8 ``[num_blocks, block_stride]``, a block holding

@@ -16,29 +16,7 @@ import os
 
 import torch
 
-from .layouts import (  # noqa: F401  (re-exported: the tests and the Python backends read them here)
-    DS_MLA_NOPE,
-    DS_MLA_RECORD_BYTES,
-    DS_MLA_ROPE,
-    DS_MLA_ROPE_OFFSET,
-    DS_MLA_SCALE_OFFSET,
-    DS_MLA_TILE,
-    DS_MLA_TILES,
-    DSV4_DATA_BYTES,
-    DSV4_GROUP,
-    DSV4_HEAD_DIM,
-    DSV4_NOPE,
-    DSV4_ROPE,
-    DSV4_SCALE_BYTES,
-    DSV4_TOKEN_BYTES,
-    FP8_DTYPES,
-    FP8_MAX,
-    INDEXER_AMAX_MIN,
-    INDEXER_FP8_MAX,
-    INDEXER_HEAD_DIM,
-    INDEXER_SCALE_BYTES,
-    INDEXER_TOKEN_BYTES,
-)
+from .codes import FP8_DTYPES, FP8_MAX, KV_FORMATS, DsMla, Dsv4, Indexer
 
 
 def default_strict(index) -> bool:
@@ -177,7 +155,7 @@ def set_mla_kv_buffer_fp8(kv_buffer, loc, cache_k_nope, cache_k_rope, *, kv_cach
     if kv_cache_dtype == "fp8_ds_mla":
         new = ds_mla_records(nope, rope)
     else:
-        fp8 = FP8_DTYPES[kv_cache_dtype]
+        fp8 = FP8_DTYPES[KV_FORMATS[kv_cache_dtype]]
         new = torch.cat([quantize_fp8(nope, fp8, scale), quantize_fp8(rope, fp8, scale)], dim=1).view(torch.uint8)
     buf = buf[:, : new.shape[1]]
     buf.index_put_((dest,), torch.where(any_kept, new, buf[0]))
@@ -191,11 +169,11 @@ def ds_mla_records(nope, rope):
     stored as e4m3(clamp(x / scale, ±448)) rounded to nearest even; then the 4 scales as fp32, then
     the rope values' 16-bit patterns unchanged (fp16 sources keep fp16 rope)."""
     m = nope.shape[0]
-    x = nope.float().view(m, DS_MLA_TILES, DS_MLA_TILE)
+    x = nope.float().view(m, DsMla.TILES, DsMla.TILE)
     amax = torch.where(torch.isnan(x), 0.0, x.abs()).amax(-1)
     # A tensor divisor: torch turns division by a Python scalar on CUDA into a multiply by its reciprocal.
     scale = (amax / torch.full_like(amax, 448.0)).clamp(min=torch.finfo(torch.float32).tiny)
-    q = (x / scale.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).view(m, DS_MLA_NOPE)
+    q = (x / scale.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).view(m, DsMla.NOPE)
     return torch.cat([q, scale.view(torch.uint8), rope.contiguous().view(torch.uint8)], dim=1)
 
 
@@ -225,7 +203,7 @@ def store_cache(
         if kv_cache_dtype != "auto":
             if isinstance(scale, torch.Tensor) and scale.numel() > 1:  # per head: [n, H, D] rows
                 vals = vals.reshape(vals.shape[0], scale.numel(), -1)
-            vals = quantize_fp8(vals, FP8_DTYPES[kv_cache_dtype], scale)
+            vals = quantize_fp8(vals, FP8_DTYPES[KV_FORMATS[kv_cache_dtype]], scale)
         _write_rows(_bits(cache), dest, _bits(vals), any_kept)
 
 
@@ -253,23 +231,23 @@ def _write_rows(cache, dest, vals, any_kept):
 
 def _dsv4_rows(k_cache, block_size):
     """[num_blocks, block_size * 584] uint8 view of the bytes each block uses (2-D or 3-D cache)."""
-    return k_cache.as_strided((k_cache.shape[0], block_size * DSV4_TOKEN_BYTES), (k_cache.stride(0), 1))
+    return k_cache.as_strided((k_cache.shape[0], block_size * Dsv4.TOKEN_BYTES), (k_cache.stride(0), 1))
 
 
 def _dsv4_columns(pos, block_size):
     """Byte columns, within a block row of ``_dsv4_rows``, of the data [m, 576] and the scales [m, 8]
     of tokens at positions ``pos`` [m, 1] of their blocks."""
     dev = pos.device
-    data = pos * DSV4_DATA_BYTES + torch.arange(DSV4_DATA_BYTES, device=dev)
-    scales = block_size * DSV4_DATA_BYTES + pos * DSV4_SCALE_BYTES + torch.arange(DSV4_SCALE_BYTES, device=dev)
+    data = pos * Dsv4.DATA_BYTES + torch.arange(Dsv4.DATA_BYTES, device=dev)
+    scales = block_size * Dsv4.DATA_BYTES + pos * Dsv4.SCALE_BYTES + torch.arange(Dsv4.SCALE_BYTES, device=dev)
     return data, scales
 
 
 def dsv4_quantize_tokens(x):
     """x bf16 [m, 512] -> (data uint8 [m, 576], scales uint8 [m, 8])."""
     m = x.shape[0]
-    groups = DSV4_NOPE // DSV4_GROUP
-    nope = x[:, :DSV4_NOPE].reshape(m, groups, DSV4_GROUP)
+    groups = Dsv4.NOPE // Dsv4.GROUP
+    nope = x[:, :Dsv4.NOPE].reshape(m, groups, Dsv4.GROUP)
     bits = nope.contiguous().view(torch.int16).to(torch.int32)
     amax = ((bits & 0x7FFF).amax(-1) << 16).view(torch.float32)  # bf16 magnitude, NaN propagates
     mant, exp = torch.frexp(torch.clamp(amax, min=1e-4))
@@ -279,8 +257,8 @@ def dsv4_quantize_tokens(x):
     inv = torch.pow(2.0, -e.to(torch.float64)).unsqueeze(-1)  # 2^-128 is a float32 denormal: exact
     q = (nope.to(torch.float64) * inv).to(torch.float32).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
     nan_byte = (0x7F | ((bits >> 8) & 0x80)).to(torch.uint8)
-    q = torch.where(torch.isnan(nope), nan_byte, q).reshape(m, DSV4_NOPE)
-    data = torch.cat([q, x[:, DSV4_NOPE:].contiguous().view(torch.uint8)], dim=1)
+    q = torch.where(torch.isnan(nope), nan_byte, q).reshape(m, Dsv4.NOPE)
+    data = torch.cat([q, x[:, Dsv4.NOPE:].contiguous().view(torch.uint8)], dim=1)
     scales = torch.cat([scale_bytes, torch.zeros(m, 1, dtype=torch.uint8, device=x.device)], dim=1)
     return data, scales
 
@@ -288,14 +266,14 @@ def dsv4_quantize_tokens(x):
 def dsv4_dequantize_tokens(data, scales):
     """(data uint8 [m, 576], scales uint8 [m, 8]) -> bf16 [m, 512]."""
     m = data.shape[0]
-    groups = DSV4_NOPE // DSV4_GROUP
-    fp8 = data[:, :DSV4_NOPE].contiguous().view(torch.float8_e4m3fn).to(torch.float32).reshape(m, groups, DSV4_GROUP)
+    groups = Dsv4.NOPE // Dsv4.GROUP
+    fp8 = data[:, :Dsv4.NOPE].contiguous().view(torch.float8_e4m3fn).to(torch.float32).reshape(m, groups, Dsv4.GROUP)
     b = scales[:, :groups].to(torch.int32)
     scale = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23).view(torch.float32)  # 2^(b - 127)
-    val = (fp8 * scale.unsqueeze(-1)).to(torch.bfloat16).reshape(m, DSV4_NOPE)
+    val = (fp8 * scale.unsqueeze(-1)).to(torch.bfloat16).reshape(m, Dsv4.NOPE)
     nan = torch.full((), 0x7FFF, dtype=torch.int16, device=data.device).view(torch.bfloat16)  # a fill, not a host copy
     val = torch.where(torch.isnan(val), nan, val)
-    return torch.cat([val, data[:, DSV4_NOPE:].contiguous().view(torch.bfloat16)], dim=1)
+    return torch.cat([val, data[:, Dsv4.NOPE:].contiguous().view(torch.bfloat16)], dim=1)
 
 
 def quantize_and_insert_k_cache(k, k_cache, slot_mapping, *, block_size=64, strict=None):
@@ -358,15 +336,15 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
 
 def _indexer_rows(kv_cache, block_size):
     """[num_blocks, block_size * 132] uint8 view of the bytes each block uses (2-D or 3-D cache)."""
-    return kv_cache.as_strided((kv_cache.shape[0], block_size * INDEXER_TOKEN_BYTES), (kv_cache.stride(0), 1))
+    return kv_cache.as_strided((kv_cache.shape[0], block_size * Indexer.TOKEN_BYTES), (kv_cache.stride(0), 1))
 
 
 def _indexer_columns(pos, block_size):
     """Byte columns, within a block row of ``_indexer_rows``, of the values [m, 128] and the scale
     [m, 4] of tokens at positions ``pos`` [m, 1] of their blocks."""
     dev = pos.device
-    data = pos * INDEXER_HEAD_DIM + torch.arange(INDEXER_HEAD_DIM, device=dev)
-    scale = block_size * INDEXER_HEAD_DIM + pos * INDEXER_SCALE_BYTES + torch.arange(INDEXER_SCALE_BYTES, device=dev)
+    data = pos * Indexer.HEAD_DIM + torch.arange(Indexer.HEAD_DIM, device=dev)
+    scale = block_size * Indexer.HEAD_DIM + pos * Indexer.SCALE_BYTES + torch.arange(Indexer.SCALE_BYTES, device=dev)
     return data, scale
 
 
@@ -376,11 +354,11 @@ def indexer_quantize_tokens(x, ue8m0=False):
     mag = xf.abs()
     amax = torch.where(torch.isnan(mag), torch.zeros_like(mag), mag).amax(-1)
     # A 0-dim device tensor, not a Python float: CUDA divides by a CPU scalar as a * (1 / b).
-    scale = amax.clamp(min=INDEXER_AMAX_MIN) / torch.full((), INDEXER_FP8_MAX, device=x.device)
+    scale = amax.clamp(min=Indexer.AMAX_MIN) / torch.full((), Indexer.FP8_MAX, device=x.device)
     if ue8m0:  # scale > 0, at most inf: no carry into the sign bit
         scale = ((scale.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
-    q = (xf / scale.unsqueeze(1)).clamp(-INDEXER_FP8_MAX, INDEXER_FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(torch.uint8), scale.view(torch.uint8).view(-1, INDEXER_SCALE_BYTES)
+    q = (xf / scale.unsqueeze(1)).clamp(-Indexer.FP8_MAX, Indexer.FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8), scale.view(torch.uint8).view(-1, Indexer.SCALE_BYTES)
 
 
 def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, *, block_size, scale_fmt=None, strict=None):
@@ -428,8 +406,8 @@ def gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq
         phys = torch.full_like(j, -1)
     valid &= (phys >= 0) & (phys < rows.shape[0])
     if rows.shape[0] == 0:  # an empty cache: every token reads as zero bytes
-        data = torch.zeros(num_tokens, INDEXER_HEAD_DIM, dtype=torch.uint8, device=dev)
-        scale = torch.zeros(num_tokens, INDEXER_SCALE_BYTES, dtype=torch.uint8, device=dev)
+        data = torch.zeros(num_tokens, Indexer.HEAD_DIM, dtype=torch.uint8, device=dev)
+        scale = torch.zeros(num_tokens, Indexer.SCALE_BYTES, dtype=torch.uint8, device=dev)
     else:
         phys = torch.where(valid, phys, torch.zeros_like(phys)).unsqueeze(1)
         pos = torch.where(valid, i % block_size, torch.zeros_like(i)).unsqueeze(1)
@@ -518,11 +496,11 @@ def dequantize_mla_rows(rows, kv_cache_dtype, scale=None):
     u8 = rows.contiguous().view(torch.uint8)
     if kv_cache_dtype == "fp8_ds_mla":
         m = u8.shape[0]
-        nope = u8[:, :DS_MLA_NOPE].contiguous().view(torch.float8_e4m3fn).float().view(m, -1, DS_MLA_TILE)
-        scales = u8[:, DS_MLA_SCALE_OFFSET:DS_MLA_ROPE_OFFSET].contiguous().view(torch.float32)
-        nope = _bf16_nan_canonical(nope * scales.unsqueeze(-1)).view(m, DS_MLA_NOPE)
-        return torch.cat([nope, u8[:, DS_MLA_ROPE_OFFSET:DS_MLA_RECORD_BYTES].contiguous().view(torch.bfloat16)], dim=1)
-    x = u8.view(FP8_DTYPES[kv_cache_dtype]).float()
+        nope = u8[:, :DsMla.NOPE].contiguous().view(torch.float8_e4m3fn).float().view(m, -1, DsMla.TILE)
+        scales = u8[:, DsMla.SCALE_OFFSET:DsMla.ROPE_OFFSET].contiguous().view(torch.float32)
+        nope = _bf16_nan_canonical(nope * scales.unsqueeze(-1)).view(m, DsMla.NOPE)
+        return torch.cat([nope, u8[:, DsMla.ROPE_OFFSET:DsMla.BYTES].contiguous().view(torch.bfloat16)], dim=1)
+    x = u8.view(FP8_DTYPES[KV_FORMATS[kv_cache_dtype]]).float()
     return _bf16_nan_canonical(x * _scale_tensor(scale, rows.device))
 
 

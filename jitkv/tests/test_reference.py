@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from jitkv import DSV4_K_CACHE, reference
+from jitkv.codes import FP8_DTYPES, KV_FORMATS
 from jitkv.tests.conftest import assert_bitwise, slots
 
 
@@ -87,7 +88,7 @@ def _store_loop(k, v, kc, vc, sm, loc_map, skip_slot, kw):
         for src, dst, scale in ((k, out_k, kw.get("k_scale")), (v, out_v, kw.get("v_scale"))):
             row = src[i : i + 1]
             if "kv_cache_dtype" in kw:
-                row = reference.quantize_fp8(row, reference.FP8_DTYPES[kw["kv_cache_dtype"]], scale)
+                row = reference.quantize_fp8(row, FP8_DTYPES[KV_FORMATS[kw["kv_cache_dtype"]]], scale)
             dst_row = _slot_view(dst, t)
             _raw(dst_row).copy_(_raw(row.reshape(dst_row.shape)))  # a bitwise copy, float8 into uint8 too
     return out_k, out_v

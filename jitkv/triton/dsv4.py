@@ -9,17 +9,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import layouts
+from ..codes import Dsv4
 
-# The record (jitkv/layouts.py) as the kernels' constexpr arguments: e4m3 dims, bf16 dims, scale
+# The record (jitkv/codes.py) as the kernels' constexpr arguments: e4m3 dims, bf16 dims, scale
 # groups, bytes of data and of scales per token.
 _RECORD = {
-    "NOPE": layouts.DSV4_NOPE,
-    "ROPE": layouts.DSV4_ROPE,
-    "GROUP": layouts.DSV4_GROUP,
-    "GROUPS": layouts.DSV4_NOPE // layouts.DSV4_GROUP,
-    "DATA_BYTES": layouts.DSV4_DATA_BYTES,
-    "SCALE_BYTES": layouts.DSV4_SCALE_BYTES,
+    "NOPE": Dsv4.NOPE,
+    "ROPE": Dsv4.ROPE,
+    "GROUP": Dsv4.GROUP,
+    "GROUPS": Dsv4.NOPE // Dsv4.GROUP,
+    "DATA_BYTES": Dsv4.DATA_BYTES,
+    "SCALE_BYTES": Dsv4.SCALE_BYTES,
 }
 _WRITE_BLOCK_T, _WRITE_WARPS = 8, 4
 _GATHER_BLOCK_T, _GATHER_WARPS = 16, 4

@@ -11,13 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layouts import INDEXER_AMAX_MIN, INDEXER_FP8_MAX, INDEXER_HEAD_DIM, INDEXER_SCALE_BYTES, INDEXER_TOKEN_BYTES
+from ..codes import Indexer
 from ..reference import indexer_scale_bytes
 from .store_cache import _fp8_bits, _fp8_constants
 
 _WRITE_BLOCK_T, _GATHER_BLOCK_T = 4, 16
 _E4M3 = {name: v for name, v in _fp8_constants("fp8_e4m3").items() if name != "QUANT"}
-_AMAX_MIN_BITS = int(torch.tensor(INDEXER_AMAX_MIN, dtype=torch.float32).view(torch.int32))
+_AMAX_MIN_BITS = int(torch.tensor(Indexer.AMAX_MIN, dtype=torch.float32).view(torch.int32))
 
 
 @triton.jit
@@ -101,7 +101,7 @@ def _gather_kernel(cache, dst_k, dst_k_stride, dst_scale, dst_scale_stride, bloc
 
 def _flat_bytes(kv_cache, block_size):
     """The uint8 view from the cache's first byte to the end of the last block's used bytes."""
-    span = (kv_cache.shape[0] - 1) * kv_cache.stride(0) + block_size * INDEXER_TOKEN_BYTES
+    span = (kv_cache.shape[0] - 1) * kv_cache.stride(0) + block_size * Indexer.TOKEN_BYTES
     return kv_cache.as_strided((span,), (1,))
 
 
@@ -115,8 +115,8 @@ def indexer_k_quant_and_cache_triton(k, kv_cache, slot_mapping, block_size, scal
     _write_kernel[(triton.cdiv(n, _WRITE_BLOCK_T),)](
         k.view(torch.int16), k.stride(0), _flat_bytes(kv_cache, block_size), slot_mapping, n,
         kv_cache.shape[0] * block_size, block_size, kv_cache.stride(0),
-        F16=k.dtype == torch.float16, UE8M0=ue8m0, HEAD=INDEXER_HEAD_DIM, SCALE_BYTES=INDEXER_SCALE_BYTES,
-        FP8_MAX=INDEXER_FP8_MAX, AMAX_MIN_BITS=_AMAX_MIN_BITS, BLOCK_T=_WRITE_BLOCK_T, num_warps=4,
+        F16=k.dtype == torch.float16, UE8M0=ue8m0, HEAD=Indexer.HEAD_DIM, SCALE_BYTES=Indexer.SCALE_BYTES,
+        FP8_MAX=Indexer.FP8_MAX, AMAX_MIN_BITS=_AMAX_MIN_BITS, BLOCK_T=_WRITE_BLOCK_T, num_warps=4,
         **_E4M3)
 
 
@@ -133,5 +133,5 @@ def gather_indexer_k_quant_cache_triton(kv_cache, dst_k, dst_scale, block_table,
     _gather_kernel[(triton.cdiv(num_tokens, _GATHER_BLOCK_T),)](
         cache, dst_k, dst_k.stride(0), dst_scale_bytes, dst_scale_bytes.stride(0), block_table, block_table.stride(0),
         cu_seq_lens, batch, block_table.shape[1], num_tokens, kv_cache.shape[0], block_size,
-        kv_cache.stride(0), HEAD=INDEXER_HEAD_DIM, SCALE_BYTES=INDEXER_SCALE_BYTES, BLOCK_T=_GATHER_BLOCK_T,
+        kv_cache.stride(0), HEAD=Indexer.HEAD_DIM, SCALE_BYTES=Indexer.SCALE_BYTES, BLOCK_T=_GATHER_BLOCK_T,
         SEARCH_STEPS=(batch + 1).bit_length(), num_warps=4)

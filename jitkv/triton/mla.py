@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layouts import DS_MLA_RECORD_BYTES, DS_MLA_ROPE_OFFSET, DS_MLA_SCALE_OFFSET, DS_MLA_TILE, DS_MLA_TILES
+from ..codes import DsMla
 from .store_cache import _fp8_bits, _fp8_constants
 
 # Same-width integer views: a bitwise copy, and Triton never sees float8 pointers.
@@ -155,8 +155,8 @@ def _fp8(kv_buffer, loc, k_nope, k_rope, skip_slot, kv_cache_dtype, scale):
         rope_bytes = k_rope.view(torch.uint8)  # the rope values' 16-bit patterns, copied
         _set_mla_kv_buffer_ds_mla_kernel[(n,)](
             kv, loc, k_nope, rope_bytes, kv.stride(0), k_nope.stride(0), rope_bytes.stride(0), kv.shape[0], skip_slot,
-            TILES=DS_MLA_TILES, TILE=DS_MLA_TILE, SCALES=DS_MLA_SCALE_OFFSET, ROPE_AT=DS_MLA_ROPE_OFFSET,
-            ROPE_BYTES=DS_MLA_RECORD_BYTES - DS_MLA_ROPE_OFFSET, num_warps=4, **_fp8_constants("fp8_e4m3"),
+            TILES=DsMla.TILES, TILE=DsMla.TILE, SCALES=DsMla.SCALE_OFFSET, ROPE_AT=DsMla.ROPE_OFFSET,
+            ROPE_BYTES=DsMla.BYTES - DsMla.ROPE_OFFSET, num_warps=4, **_fp8_constants("fp8_e4m3"),
         )
         return
     nope, rope = k_nope.shape[-1], k_rope.shape[-1]

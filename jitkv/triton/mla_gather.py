@@ -14,14 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codes import KV_FORMATS
-from ..layouts import DS_MLA_CODE, DS_MLA_NOPE, DS_MLA_ROPE, DS_MLA_ROPE_OFFSET, DS_MLA_SCALE_OFFSET, DS_MLA_TILE, FP8_CODES
+from ..codes import KV_FORMATS, DsMla, KvFormat
 from .dsv4 import _bf16_bits, _e4m3_decode
 
 _BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_COPY = tl.constexpr(FP8_CODES[None])
-_E5M2 = tl.constexpr(FP8_CODES[torch.float8_e5m2])
-_DS_MLA = tl.constexpr(DS_MLA_CODE)
+_COPY = tl.constexpr(int(KvFormat.COPY))
+_E5M2 = tl.constexpr(int(KvFormat.E5M2))
+_DS_MLA = tl.constexpr(int(KvFormat.DS_MLA))
 _BLOCK_T, _WARPS = 16, 4
 
 
@@ -132,5 +131,5 @@ def gather_mla_cache_triton(out, kv_cache, block_table, cu_seq_lens, seq_starts,
         rows, num_reqs, out.stride(0), cache.shape[0], cache.shape[1], cache.stride(0), cache.stride(1),
         block_table.stride(0), block_table.shape[1],
         HAS_STARTS=seq_starts is not None, HAS_SCALE_PTR=has_ptr, FORMAT=fmt, D=d, BLOCK_D=triton.next_power_of_2(d),
-        SEARCH_STEPS=(num_reqs - 1).bit_length(), BLOCK_T=_BLOCK_T, DS_NOPE=DS_MLA_NOPE, DS_TILE=DS_MLA_TILE,
-        DS_SCALE_AT=DS_MLA_SCALE_OFFSET, DS_ROPE_AT=DS_MLA_ROPE_OFFSET, DS_ROPE=DS_MLA_ROPE, num_warps=_WARPS)
+        SEARCH_STEPS=(num_reqs - 1).bit_length(), BLOCK_T=_BLOCK_T, DS_NOPE=DsMla.NOPE, DS_TILE=DsMla.TILE,
+        DS_SCALE_AT=DsMla.SCALE_OFFSET, DS_ROPE_AT=DsMla.ROPE_OFFSET, DS_ROPE=DsMla.ROPE, num_warps=_WARPS)

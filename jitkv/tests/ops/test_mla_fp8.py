@@ -11,7 +11,7 @@ import torch
 
 import jitkv
 from jitkv import reference
-from jitkv.layouts import DS_MLA_RECORD_BYTES
+from jitkv.codes import DsMla
 from jitkv.tests.triton.interpreter import run_under_interpreter
 from jitkv.tests.conftest import (
     BACKENDS,
@@ -59,7 +59,7 @@ def with_specials(x):
 
 def _case(fmt, buf_dtype, src, n, device, *, nope=512, rope=64, num_slots=4096, extra=0, three_d=False, width=None,
           specials=False):
-    width = width or (DS_MLA_RECORD_BYTES if fmt == "fp8_ds_mla" else nope + rope)
+    width = width or (DsMla.BYTES if fmt == "fp8_ds_mla" else nope + rope)
     buf = rand((num_slots, 1, width) if three_d else (num_slots, width), buf_dtype, device)
     x = values((n + extra, nope + rope), src)
     if specials:
@@ -122,7 +122,7 @@ def test_ds_mla_every_tile_amax(device, backend, src):
     x = x.view(-1, 512)
     rope = values((x.shape[0], 64), src)
     n = x.shape[0]
-    buf = rand((n + 5, DS_MLA_RECORD_BYTES), torch.uint8, device)
+    buf = rand((n + 5, DsMla.BYTES), torch.uint8, device)
     loc = torch.randperm(n + 5)[:n].to(device)
     got = _check(buf, loc, x.to(device), rope.to(device), backend, kv_cache_dtype="fp8_ds_mla")
     scales = got[loc.long()].cpu()[:, 512:528].contiguous().view(torch.float32).reshape(-1)
@@ -156,7 +156,7 @@ def test_reference_matches_torch_float8_cast():
             expect = (x.float() / torch.tensor(0.37)).clamp(-m, m).to(FP8[fmt])
             assert_bitwise(buf[loc], expect)
         x = values((n, 576), src)
-        buf = rand((64, DS_MLA_RECORD_BYTES), torch.uint8)
+        buf = rand((64, DsMla.BYTES), torch.uint8)
         jitkv.set_mla_kv_buffer(buf, loc, x[:, :512], x[:, 512:], kv_cache_dtype="fp8_ds_mla", backend="jit")
         rec = buf[loc]
         tiles = x[:, :512].float().view(n, 4, 128)
@@ -171,7 +171,7 @@ def test_reference_matches_torch_float8_cast():
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
 @pytest.mark.parametrize("fmt,buf_dtype", [("fp8_e4m3", torch.uint8), ("fp8_ds_mla", torch.uint8)])
 def test_padding_skip_extra_rows_wider_rows(device, backend, fmt, buf_dtype):
-    width = (DS_MLA_RECORD_BYTES if fmt == "fp8_ds_mla" else 576) + 40
+    width = (DsMla.BYTES if fmt == "fp8_ds_mla" else 576) + 40
     buf, k_nope, k_rope = _case(fmt, buf_dtype, torch.bfloat16, 300, device, extra=17, width=width)
     loc = slots(buf.shape[0], 300, torch.int64, device)
     loc[::7] = -1
@@ -190,7 +190,7 @@ def test_strided_and_unaligned_views(device, backend, fmt, offset):
     n = 129
     fused = values((n, 2 * 576 + 16), torch.float16).to(device)
     k_nope, k_rope = fused[:, 8 + offset : 520 + offset], fused[:, 600 + offset : 664 + offset]
-    width = DS_MLA_RECORD_BYTES if fmt == "fp8_ds_mla" else 576
+    width = DsMla.BYTES if fmt == "fp8_ds_mla" else 576
     buf = rand((2048, 3 * width), torch.uint8, device)[:, offset : offset + width]
     _check(buf, slots(2048, n, torch.int32, device), k_nope, k_rope, backend, kv_cache_dtype=fmt,
            scale=_scale(fmt, device, False))
@@ -218,7 +218,7 @@ def test_out_of_range_raises_before_writing_cpu(backend, fmt):
 
 
 def _bad_args(device, fmt="fp8_e4m3"):
-    width = DS_MLA_RECORD_BYTES if fmt == "fp8_ds_mla" else 576
+    width = DsMla.BYTES if fmt == "fp8_ds_mla" else 576
     return dict(
         kv_buffer=rand((64, width), torch.uint8, device),
         loc=slots(64, 8, torch.int64, device),
@@ -437,7 +437,7 @@ def test_every_cuda_kernel_keeps_the_contract(kernel, pdl, fmt, src, n, idx_dtyp
 
     fn = _fp8_module(fmt, src, kernel, pdl)
     num_slots = 4096
-    width = DS_MLA_RECORD_BYTES if fmt == "fp8_ds_mla" else 576
+    width = DsMla.BYTES if fmt == "fp8_ds_mla" else 576
     buf = rand((num_slots, width + 16), torch.uint8, "cuda")
     src_rows = with_specials(values((n + 3, 1200), src)).cuda()  # strided views, extra rows
     k_nope, k_rope = src_rows[:, 8:520], src_rows[:, 600:664]

@@ -10,7 +10,7 @@ import torch
 
 import jitkv
 from jitkv import reference
-from jitkv.layouts import DS_MLA_NOPE, DS_MLA_RECORD_BYTES, DS_MLA_ROPE, DS_MLA_ROPE_OFFSET, DS_MLA_SCALE_OFFSET, DS_MLA_TILE
+from jitkv.codes import DsMla
 from jitkv.tests.triton.interpreter import run_under_interpreter
 from jitkv.tests.conftest import BACKENDS, DEV_BACKENDS, HAS_CUDA, assert_bitwise, gpu, rand
 
@@ -21,19 +21,19 @@ FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn, "fp8_e5m2": 
 FORMATS = [("auto", torch.bfloat16, 576), ("auto", torch.float16, 576), ("auto", torch.float32, 96),
            ("auto", torch.uint8, 656), ("auto", torch.float8_e4m3fn, 576), ("fp8_e4m3", torch.float8_e4m3fn, 576),
            ("fp8", torch.uint8, 576), ("fp8_e5m2", torch.float8_e5m2, 576), ("fp8_e5m2", torch.uint8, 576),
-           ("fp8_ds_mla", torch.uint8, DS_MLA_RECORD_BYTES)]
+           ("fp8_ds_mla", torch.uint8, DsMla.BYTES)]
 FORMAT_IDS = [f"{f}-{str(d).split('.')[1]}-{w}" for f, d, w in FORMATS]
 
 
-def _ds_records(num_blocks, block_size, device, *, width=DS_MLA_RECORD_BYTES):
+def _ds_records(num_blocks, block_size, device, *, width=DsMla.BYTES):
     """Random fp8_ds_mla records: random e4m3 bytes (NaN codes included), positive finite tile scales
     over several binades, random bf16 rope."""
     c = rand((num_blocks, block_size, width), torch.uint8)
-    tiles = DS_MLA_NOPE // DS_MLA_TILE
+    tiles = DsMla.NOPE // DsMla.TILE
     scales = torch.rand(num_blocks, block_size, tiles) * torch.exp2(torch.randint(-12, 4, (num_blocks, block_size, tiles)).float())
-    c[..., DS_MLA_SCALE_OFFSET:DS_MLA_ROPE_OFFSET] = (scales + 1e-6).view(torch.uint8).reshape(num_blocks, block_size, -1)
-    rope = torch.randn(num_blocks, block_size, DS_MLA_ROPE).bfloat16()
-    c[..., DS_MLA_ROPE_OFFSET:DS_MLA_RECORD_BYTES] = rope.view(torch.uint8)
+    c[..., DsMla.SCALE_OFFSET:DsMla.ROPE_OFFSET] = (scales + 1e-6).view(torch.uint8).reshape(num_blocks, block_size, -1)
+    rope = torch.randn(num_blocks, block_size, DsMla.ROPE).bfloat16()
+    c[..., DsMla.ROPE_OFFSET:DsMla.BYTES] = rope.view(torch.uint8)
     return c.to(device)
 
 
@@ -47,7 +47,7 @@ def _cache(fmt, dtype, width, num_blocks, block_size, device, *, pad=0):
 
 
 def _out_shape(fmt, width, rows):
-    return (rows, DS_MLA_NOPE + DS_MLA_ROPE) if fmt == "fp8_ds_mla" else (rows, width)
+    return (rows, DsMla.NOPE + DsMla.ROPE) if fmt == "fp8_ds_mla" else (rows, width)
 
 
 def _out_dtype(fmt, dtype):
@@ -171,19 +171,19 @@ def test_ds_mla_round_trip(device, backend):
     """Records quantized here (tile scale amax / 448, e4m3 round to nearest) dequantize to within the
     e4m3 step of the bf16 source; the rope dims come back exactly."""
     bs, n = 16, 48
-    x = (torch.randn(n, DS_MLA_NOPE + DS_MLA_ROPE) * torch.logspace(-2, 2, n)[:, None]).bfloat16()
-    nope = x[:, :DS_MLA_NOPE].float().view(n, -1, DS_MLA_TILE)
+    x = (torch.randn(n, DsMla.NOPE + DsMla.ROPE) * torch.logspace(-2, 2, n)[:, None]).bfloat16()
+    nope = x[:, :DsMla.NOPE].float().view(n, -1, DsMla.TILE)
     scale = nope.abs().amax(-1, keepdim=True) / 448
-    q = (nope / scale).to(torch.float8_e4m3fn).view(torch.uint8).view(n, DS_MLA_NOPE)
-    rec = torch.cat([q, scale.view(n, -1).view(torch.uint8), x[:, DS_MLA_NOPE:].contiguous().view(torch.uint8)], dim=1)
-    cache = rec.view(n // bs, bs, DS_MLA_RECORD_BYTES).to(device)
+    q = (nope / scale).to(torch.float8_e4m3fn).view(torch.uint8).view(n, DsMla.NOPE)
+    rec = torch.cat([q, scale.view(n, -1).view(torch.uint8), x[:, DsMla.NOPE:].contiguous().view(torch.uint8)], dim=1)
+    cache = rec.view(n // bs, bs, DsMla.BYTES).to(device)
     table = torch.arange(n // bs, dtype=torch.int32, device=device).view(1, -1)
     cu = torch.tensor([0, n], dtype=torch.int32, device=device)
     out = rand((n, 576), torch.bfloat16, device)
     jitkv.gather_mla_cache(out, cache, table, cu, kv_cache_dtype="fp8_ds_mla", backend=backend)
     out = out.cpu()
-    assert_bitwise(out[:, DS_MLA_NOPE:], x[:, DS_MLA_NOPE:])
-    err = (out[:, :DS_MLA_NOPE].float() - x[:, :DS_MLA_NOPE].float()).abs().view(n, -1, DS_MLA_TILE)
+    assert_bitwise(out[:, DsMla.NOPE:], x[:, DsMla.NOPE:])
+    err = (out[:, :DsMla.NOPE].float() - x[:, :DsMla.NOPE].float()).abs().view(n, -1, DsMla.TILE)
     # e4m3 rounding: half a step of 3 mantissa bits (subnormals: of 2^-9 x scale); then bf16 rounding
     assert (err <= nope.abs() * (2**-4 + 2**-7) + scale * 2**-9).all()
 
@@ -434,7 +434,7 @@ def test_cuda_graph_replay_with_new_inputs(backend, fmt, dtype, width, monkeypat
 @pytest.mark.parametrize("backend", BACKENDS["cuda"])
 def test_side_stream(backend):
     table, cu, seq_starts = _requests([300, 500], 16, 64, "cuda", starts=[4, 0])
-    cache = _cache("fp8_ds_mla", torch.uint8, DS_MLA_RECORD_BYTES, 64, 16, "cuda")
+    cache = _cache("fp8_ds_mla", torch.uint8, DsMla.BYTES, 64, 16, "cuda")
     out = rand((800, 576), torch.bfloat16, "cuda")
     want = out.clone()
     reference.gather_mla_cache(want, cache, table, cu, seq_starts=seq_starts, kv_cache_dtype="fp8_ds_mla")
@@ -479,7 +479,7 @@ def test_module_for_another_format_refuses(fmt):
     fn = get_function(cuda_spec(cuda_arch(torch.device("cuda")), int(CODES[other]), 1152), OP)
     table, cu, _ = _requests([5], 8, 4, "cuda")
     cache = _cache(fmt, FP8.get(fmt, torch.uint8 if fmt == "fp8_ds_mla" else torch.bfloat16),
-                   DS_MLA_RECORD_BYTES if fmt == "fp8_ds_mla" else 576, 4, 8, "cuda")
+                   DsMla.BYTES if fmt == "fp8_ds_mla" else 576, 4, 8, "cuda")
     out = rand((5, 576), torch.bfloat16, "cuda")
     before = out.clone()
     with pytest.raises(ValueError, match=r"gather_mla_cache: out: this module was compiled for"):

@@ -11,7 +11,7 @@ import torch
 
 import jitkv
 from jitkv import reference
-from jitkv.layouts import FP8_MAX
+from jitkv.codes import FP8_MAX
 from jitkv.tests.triton.interpreter import run_under_interpreter
 from jitkv.tests.conftest import (
     BACKENDS,
