@@ -132,3 +132,16 @@ def test_import_time_warning_names_the_import_line(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.stderr.startswith(f"{app}:2: RuntimeWarning: jitkv: JITKV_LOG_LEVEL='bogus' is not a logging level; "
                                  "using INFO\n"), res.stderr
+
+
+def test_importing_the_test_helpers_creates_nothing(tmp_path):
+    """Child processes import jitkv.tests.conftest for its helpers: only pytest's hooks make the session's
+    scratch dir."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {k: v for k, v in child_env(tmp_path, TMPDIR=str(scratch)).items()
+           if k not in ("JITKV_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    code = "import os, jitkv.tests.conftest; print(os.environ.get('JITKV_CACHE_DIR'))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "None\n" and list(scratch.iterdir()) == []
