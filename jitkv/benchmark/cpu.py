@@ -14,7 +14,7 @@ import torch
 import jitkv
 from jitkv import reference
 
-from .common import Row, median_us
+from .common import Row, time_us
 from .warm_start import warm_start
 
 
@@ -50,9 +50,9 @@ def store_cache_rows(ns=(1, 7, 133, 4096)) -> list[Row]:
             kc[idx] = k
             vc[idx] = v
 
-        base = median_us(torch_index)
+        base = time_us(torch_index)
         rows.append(Row("store_cache", "[4096,8,128] bf16", n, "torch index", base, moved, base))
-        us = median_us(lambda: jitkv.store_cache(k, v, kc, vc, idx))
+        us = time_us(lambda: jitkv.store_cache(k, v, kc, vc, idx))
         rows.append(Row("store_cache", "[4096,8,128] bf16", n, "jitkv jit", us, moved, base))
     return rows
 
@@ -67,9 +67,9 @@ def store_cache_fp8_rows(ns=(133, 4096)) -> list[Row]:
         per_head = dict(k_scale=torch.linspace(0.5, 1.5, 8), v_scale=torch.linspace(0.25, 2.0, 8))
         for case, scales in (("bf16->e4m3", dict(k_scale=0.5, v_scale=0.25)), ("bf16->e4m3 per-head", per_head)):
             kw = dict(kv_cache_dtype="fp8_e4m3", **scales)
-            base = median_us(lambda: reference.store_cache(k, v, kc, vc, idx, **kw))
+            base = time_us(lambda: reference.store_cache(k, v, kc, vc, idx, **kw))
             rows.append(Row("store_cache fp8", f"[4096,8,128] {case}", n, "torch reference", base, moved, base))
-            us = median_us(lambda: jitkv.store_cache(k, v, kc, vc, idx, **kw))
+            us = time_us(lambda: jitkv.store_cache(k, v, kc, vc, idx, **kw))
             rows.append(Row("store_cache fp8", f"[4096,8,128] {case}", n, "jitkv jit", us, moved, base))
     return rows
 
@@ -82,17 +82,17 @@ def large_cache_rows(num_rows=1 << 20, n=65536) -> list[Row]:
     idx = torch.randperm(half)[:n]
     payload = 2 * k.numel() * 2
     src, dst = torch.cat([k, v]), torch.empty(2 * n, 576, dtype=torch.bfloat16)
-    copy_us = median_us(lambda: dst.copy_(src), min_time=1.0)
-    copy_gbps = 2 * payload / copy_us / 1e3
+    copy_us = time_us(lambda: dst.copy_(src), min_time=1.0)
+    copy_gbps = 2 * payload / copy_us.median_us / 1e3
     rows = [Row("copy_", "same payload bytes", n, "torch copy_", copy_us, 2 * payload, None, copy_gbps)]
 
     def torch_index():
         kc[idx] = k
         vc[idx] = v
 
-    base = median_us(torch_index, min_time=1.0)
+    base = time_us(torch_index, min_time=1.0)
     rows.append(Row("store_cache", "1.2 GB cache, 1152 B rows", n, "torch index", base, 2 * payload, base, copy_gbps))
-    us = median_us(lambda: jitkv.store_cache(k, v, kc, vc, idx), min_time=1.0)
+    us = time_us(lambda: jitkv.store_cache(k, v, kc, vc, idx), min_time=1.0)
     rows.append(Row("store_cache", "1.2 GB cache, 1152 B rows", n, "jitkv jit", us, 2 * payload, base, copy_gbps))
     return rows
 
@@ -109,9 +109,9 @@ def mla_rows(ns=(1, 133, 4096)) -> list[Row]:
             buf[loc, :512] = nope
             buf[loc, 512:] = rope
 
-        base = median_us(torch_index)
+        base = time_us(torch_index)
         rows.append(Row("set_mla_kv_buffer", "512+64 bf16", n, "torch index", base, moved, base))
-        us = median_us(lambda: jitkv.set_mla_kv_buffer(buf, loc, nope, rope))
+        us = time_us(lambda: jitkv.set_mla_kv_buffer(buf, loc, nope, rope))
         rows.append(Row("set_mla_kv_buffer", "512+64 bf16", n, "jitkv jit", us, moved, base))
     return rows
 
@@ -125,9 +125,9 @@ def indexer_rows(ns=(1, 133, 4096)) -> list[Row]:
         k, sm = _rand((n, 128), torch.bfloat16), torch.randperm(nb * bs)[:n]
         kw = dict(block_size=bs, scale_fmt="ue8m0")
         moved = n * (2 * 128 + 132)
-        base = median_us(lambda: reference.indexer_k_quant_and_cache(k, cache, sm, **kw))
+        base = time_us(lambda: reference.indexer_k_quant_and_cache(k, cache, sm, **kw))
         rows.append(Row("indexer_k_quant_and_cache", "bf16, block_size 64, ue8m0", n, "torch reference", base, moved, base))
-        us = median_us(lambda: jitkv.indexer_k_quant_and_cache(k, cache, sm, **kw))
+        us = time_us(lambda: jitkv.indexer_k_quant_and_cache(k, cache, sm, **kw))
         rows.append(Row("indexer_k_quant_and_cache", "bf16, block_size 64, ue8m0", n, "jitkv jit", us, moved, base))
     for n in (2048, 16384):
         table = torch.randperm(nb)[: n // bs].int()[None]
@@ -135,9 +135,9 @@ def indexer_rows(ns=(1, 133, 4096)) -> list[Row]:
         dst_k, dst_scale = torch.empty(n, 128, dtype=torch.uint8), torch.empty(n, dtype=torch.float32)
         moved = n * 2 * 132
         args = (cache, dst_k, dst_scale, table, cu)
-        base = median_us(lambda: reference.gather_indexer_k_quant_cache(*args, block_size=bs))
+        base = time_us(lambda: reference.gather_indexer_k_quant_cache(*args, block_size=bs))
         rows.append(Row("gather_indexer_k_quant_cache", "1 request", n, "torch reference", base, moved, base))
-        us = median_us(lambda: jitkv.gather_indexer_k_quant_cache(*args, block_size=bs))
+        us = time_us(lambda: jitkv.gather_indexer_k_quant_cache(*args, block_size=bs))
         rows.append(Row("gather_indexer_k_quant_cache", "1 request", n, "jitkv jit", us, moved, base))
     return rows
 
@@ -154,9 +154,9 @@ def mla_gather_rows(reqs=4, tokens=1024, block_size=64) -> list[Row]:
         kw = dict(kv_cache_dtype=fmt, scale=0.5 if fmt != "auto" else None)
         moved = reqs * tokens * 576 * (cache.element_size() + 2)
         case = f"{reqs} req x {tokens}, {fmt}"
-        base = median_us(lambda: reference.gather_mla_cache(out, cache, table, cu, **kw))
+        base = time_us(lambda: reference.gather_mla_cache(out, cache, table, cu, **kw))
         rows.append(Row("gather_mla_cache", case, reqs * tokens, "torch reference", base, moved, base))
-        us = median_us(lambda: jitkv.gather_mla_cache(out, cache, table, cu, **kw))
+        us = time_us(lambda: jitkv.gather_mla_cache(out, cache, table, cu, **kw))
         rows.append(Row("gather_mla_cache", case, reqs * tokens, "jitkv jit", us, moved, base))
     return rows
 
@@ -170,9 +170,9 @@ def mla_fp8_rows(ns=(1, 133, 4096)) -> list[Row]:
             nope, rope = _rand((n, 512), torch.bfloat16), _rand((n, 64), torch.bfloat16)
             loc = torch.randperm(65536)[:n]
             moved = n * (1152 + width)
-            base = median_us(lambda: reference.set_mla_kv_buffer_fp8(buf, loc, nope, rope, **kw))
+            base = time_us(lambda: reference.set_mla_kv_buffer_fp8(buf, loc, nope, rope, **kw))
             rows.append(Row("set_mla_kv_buffer", f"512+64 bf16 -> {fmt}", n, "torch reference", base, moved, base))
-            us = median_us(lambda: jitkv.set_mla_kv_buffer(buf, loc, nope, rope, **kw))
+            us = time_us(lambda: jitkv.set_mla_kv_buffer(buf, loc, nope, rope, **kw))
             rows.append(Row("set_mla_kv_buffer", f"512+64 bf16 -> {fmt}", n, "jitkv jit", us, moved, base))
     return rows
 
