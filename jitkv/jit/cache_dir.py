@@ -69,7 +69,7 @@ def lookup_layers() -> Iterator[Path]:
         if verdict == "":
             yield Path(layer)
         elif verdict:
-            _write_choice(configured)
+            _write_choice(configured)  # its warning names this layer, why, and where builds go
     choice = _write_choice(configured)
     if choice.fallback and choice.path is not None:
         yield choice.path
@@ -156,7 +156,7 @@ def _unusable(layer: str) -> str | None:
         return f"is ignored: {verdict}"
     try:
         return _not_writable(layer, os.stat(layer).st_mode)
-    except OSError as e:  # removed since
+    except OSError as e:  # gone since makedirs
         return _not_created(layer, e)
 
 
