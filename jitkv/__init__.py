@@ -5,8 +5,8 @@ call (or by ``prebuild``/``warmup``) and cached under ``JITKV_CACHE_DIR``."""
 
 import logging as _logging
 import os as _os
-import warnings as _warnings
 
+from . import _warn
 from . import ops as _ops
 from ._version import __version__
 from .ops import *  # noqa: F403  (every family's public names: the ops and their record layouts)
@@ -23,7 +23,7 @@ def _log_level(text: str) -> int:
     level = _logging.getLevelName(text.upper())
     if isinstance(level, int):
         return level
-    _warnings.warn(f"jitkv: JITKV_LOG_LEVEL={text!r} is not a logging level; using INFO", RuntimeWarning, stacklevel=3)
+    _warn.warn(f"jitkv: JITKV_LOG_LEVEL={text!r} is not a logging level; using INFO")
     return _logging.INFO
 
 

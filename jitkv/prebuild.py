@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -35,22 +38,59 @@ def prebuild(targets=("cpu",), *, jobs: int | None = None, progress: bool = Fals
         except JitUnavailable as e:
             return spec.describe(), f"failed: {e}"
 
-    bar = _progress(len(specs)) if progress else None
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
+    with _progress(len(specs)) if progress else contextlib.nullcontext() as bar, ThreadPoolExecutor(jobs) as pool:
         for desc, status in pool.map(one, specs):
             results[desc] = status
             if bar is not None:
                 bar.set_postfix_str(desc[:40])
                 bar.update()
-    if bar is not None:
-        bar.close()
     return results
 
 
+@contextlib.contextmanager
 def _progress(total: int):
+    """A tqdm bar on stderr; while it is shown, jitkv's log lines to the terminal go through tqdm.write,
+    which prints them above the bar instead of into it."""
     from tqdm import tqdm  # noqa: PLC0415
 
-    return tqdm(total=total, desc="jitkv prebuild", unit="module")
+    logger = logging.getLogger("jitkv")
+    swaps = {h: _AboveBars(h.stream, h.formatter, h.level) for h in logger.handlers if _on_terminal(h)}
+    with tqdm(total=total, desc="jitkv prebuild", unit="module") as bar:
+        _replace(logger, swaps)
+        try:
+            yield bar
+        finally:
+            _replace(logger, {new: old for old, new in swaps.items()})
+
+
+def _on_terminal(handler: logging.Handler) -> bool:
+    """A handler writing where the bar is drawn (a file handler or an app's own handler is left alone)."""
+    return isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, sys.stdout)
+
+
+def _replace(logger: logging.Logger, swaps: dict[logging.Handler, logging.Handler]) -> None:
+    """Each handler of ``logger`` that is a key of ``swaps`` replaced by its value, in the same place."""
+    logger.handlers = [swaps.get(h, h) for h in logger.handlers]
+
+
+class _AboveBars(logging.Handler):
+    """Writes each record with tqdm.write: the bars on the stream are cleared, the line written, the bars
+    redrawn below it."""
+
+    def __init__(self, stream, formatter: logging.Formatter | None, level: int):
+        super().__init__(level)
+        self.stream = stream
+        self.setFormatter(formatter)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm  # noqa: PLC0415
+
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except RecursionError:
+            raise
+        except Exception:  # noqa: BLE001  (as logging.StreamHandler: a handler reports its errors, never raises)
+            self.handleError(record)
 
 
 def warmup(device=None) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Result rows and the printed table shared by the CPU and GPU benchmarks."""
+"""Result rows and the printed table shared by the CPU and GPU benchmarks; the CPU cases' timing."""
 
 from __future__ import annotations
 
@@ -6,18 +6,48 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+# A CPU row whose slowest batch took more than WIDE x its fastest was disturbed (another process on
+# its cores, a page fault, a clock change): it is timed again, up to RETIMES more times, and keeps
+# the narrowest timing; one still wide is marked. Re-measure a marked row alone on an idle machine:
+# python -m jitkv.benchmark --device cpu --op OP.
+WIDE = 1.5
+RETIMES = 3
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-call µs of the batches of one timing: their median, fastest and slowest."""
+
+    median_us: float
+    min_us: float
+    max_us: float
+
+    @property
+    def wide(self) -> bool:
+        return self.max_us > WIDE * self.min_us
+
 
 @dataclass
 class Row:
+    """One result. ``us`` and ``baseline_us`` may be given as Timings: each becomes its median, and the
+    spread of ``us`` goes to ``extra`` (min_us, max_us, wide)."""
+
     op: str
     case: str
     n: int
     backend: str
-    us: float
+    us: float | Timing
     bytes_moved: int  # read + written
-    baseline_us: float | None = None  # torch on the same case, same run
+    baseline_us: float | Timing | None = None  # torch on the same case, same run
     copy_gbps: float | None = None  # device copy bandwidth (read + write), same run
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.us, Timing):
+            self.extra.update(min_us=self.us.min_us, max_us=self.us.max_us, wide=self.us.wide)
+            self.us = self.us.median_us
+        if isinstance(self.baseline_us, Timing):
+            self.baseline_us = self.baseline_us.median_us
 
     @property
     def gbps(self) -> float:
@@ -31,29 +61,58 @@ class Row:
         return d
 
 
-def median_us(fn, *, min_time=0.2, repeats=7) -> float:
-    """Median per-call µs of fn() over `repeats` batches, each batch sized to take ~min_time/repeats."""
-    fn()
+def time_us(fn, *, min_time=0.2, repeats=7) -> Timing:
+    """The per-call µs of fn() over `repeats` batches of back-to-back calls, each batch sized to take
+    about min_time / repeats; a wide timing is repeated (see WIDE) and the narrowest returned."""
+    calls = _calls_per_batch(fn, min_time / repeats)
+    best = _timing(fn, calls, repeats)
+    for _ in range(RETIMES):
+        if not best.wide:
+            break
+        best = min(best, _timing(fn, calls, repeats), key=lambda t: t.max_us / t.min_us)
+    return best
+
+
+def _calls_per_batch(fn, batch_s: float) -> int:
+    """Calls of fn() that take about batch_s, from loops of doubling length until one takes a tenth of
+    it; each loop length is timed twice and the faster kept, so that one stall does not size the
+    batches."""
+    fn()  # the first call may load a kernel or fault pages in
+    calls = 1
+    while (took := min(_loop_s(fn, calls), _loop_s(fn, calls))) < batch_s / 10:
+        calls *= 2
+    return max(1, round(calls * batch_s / took))
+
+
+def _timing(fn, calls: int, repeats: int) -> Timing:
+    samples = [_loop_s(fn, calls) / calls * 1e6 for _ in range(repeats)]
+    return Timing(statistics.median(samples), min(samples), max(samples))
+
+
+def _loop_s(fn, calls: int) -> float:
     t0 = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - t0, 1e-7)
-    per_batch = max(1, int(min_time / repeats / once))
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(per_batch):
-            fn()
-        samples.append((time.perf_counter() - t0) / per_batch)
-    return statistics.median(samples) * 1e6
+    for _ in range(calls):
+        fn()
+    return time.perf_counter() - t0
 
 
 def print_table(title: str, rows: list[Row]) -> None:
     print(f"\n## {title}")
-    print("| op | case | n | backend | µs | GB/s | vs torch | of copy bw | × floor |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| op | case | n | backend | µs | spread | GB/s | vs torch | of copy bw | × floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         d = r.as_dict()
         sp = f"{d['speedup_vs_torch']:.2f}x" if d["speedup_vs_torch"] else "—"
         fr = f"{100 * d['frac_of_copy']:.1f} %" if d["frac_of_copy"] else "—"
         xe = f"{r.extra['x_floor']:.2f}" if "x_floor" in r.extra else "—"
-        print(f"| {r.op} | {r.case} | {r.n} | {r.backend} | {r.us:.2f} | {r.gbps:.1f} | {sp} | {fr} | {xe} |")
+        cells = [r.op, r.case, r.n, r.backend, f"{r.us:.2f}", _spread(r), f"{r.gbps:.1f}", sp, fr, xe]
+        print("| " + " | ".join(map(str, cells)) + " |")
+    if any(r.extra.get("wide") for r in rows):
+        print(f"\n(wide): the slowest batch took more than {WIDE}x the fastest in each of {1 + RETIMES} timings")
+
+
+def _spread(row: Row) -> str:
+    """min-max µs of a row's batches, marked when wide; "—" for a row timed otherwise (GPU)."""
+    if "min_us" not in row.extra:
+        return "—"
+    return f"{row.extra['min_us']:.2f}-{row.extra['max_us']:.2f}" + (" (wide)" if row.extra["wide"] else "")

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from .common import Row, median_us
+from .common import Row, time_us
 from .warm_start import warm_start
 
 
@@ -46,7 +46,7 @@ class Harness:
         """One row per (name, fn[, bytes]) of ``cases``."""
         rows, base = [], None
         for name, fn, *case_moved in cases:
-            us = median_us(fn, min_time=0.002 if self.quick else min_time)
+            us = time_us(fn, min_time=0.002 if self.quick else min_time)
             base = us if base is None else base
             rows.append(Row(op, case, n, name, us, case_moved[0] if case_moved else moved, base, self.copy_gbps))
         return rows

@@ -21,14 +21,13 @@ import logging
 import os
 import re
 import threading
-import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch.compiler import is_compiling
 
-from .. import checks, codes
+from .. import _warn, checks, codes
 from ..jit import JitSpec, JitUnavailable, artifact_dir, env_flag, get_function
 
 logger = logging.getLogger("jitkv")
@@ -254,7 +253,7 @@ class Op:
         _WARNED.add((self.name, reason))
         msg = f"jitkv: {self.name} falls back to the {name} backend: {reason}"
         logger.warning(msg)
-        warnings.warn(msg, JitkvFallbackWarning, stacklevel=_caller_stacklevel())
+        _warn.warn(msg, JitkvFallbackWarning)
 
     # ------------------------------------------------------------- the Python backends
 
@@ -403,19 +402,3 @@ def backend_info(op: str | None = None) -> dict:
         snapshot = {k: {d: dict(v) for d, v in devs.items()} for k, devs in _INFO.items()}
     return snapshot.get(op, {}) if op is not None else snapshot
 
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TESTS = os.path.join(_PACKAGE, "tests")
-
-
-def _caller_stacklevel() -> int:
-    """The stacklevel of the first frame outside jitkv (its tests count as callers)."""
-    import sys  # noqa: PLC0415
-
-    frame, level = sys._getframe(1), 1
-    while frame is not None:
-        path = frame.f_code.co_filename
-        if not path.startswith(_PACKAGE) or path.startswith(_TESTS):
-            return level
-        frame, level = frame.f_back, level + 1
-    return level

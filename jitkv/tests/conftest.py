@@ -3,13 +3,31 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
 import torch
 
-# Every test session builds into its own cache unless the caller chose one (CI sets it).
-os.environ.setdefault("JITKV_CACHE_DIR", tempfile.mkdtemp(prefix="jitkv-test-cache-"))
+# What a test session builds and compiles goes to one scratch dir, removed when the session ends; the
+# hooks below run in pytest only, so a child process importing this module creates nothing.
+_SESSION_CACHES = {"JITKV_CACHE_DIR": "jitkv", "TORCHINDUCTOR_CACHE_DIR": "torchinductor"}  # variable: subdir
+_SCRATCH = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    """Point each cache of _SESSION_CACHES the caller did not choose (CI sets JITKV_CACHE_DIR) into the
+    session's scratch dir; the test processes started inherit them."""
+    unset = [var for var in _SESSION_CACHES if var not in os.environ]
+    if unset:
+        scratch = config.stash[_SCRATCH] = tempfile.mkdtemp(prefix="jitkv-test-session-")
+        os.environ.update({var: os.path.join(scratch, _SESSION_CACHES[var]) for var in unset})
+
+
+def pytest_unconfigure(config):
+    if _SCRATCH in config.stash:
+        shutil.rmtree(config.stash[_SCRATCH], ignore_errors=True)
+
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
