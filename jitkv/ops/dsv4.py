@@ -185,10 +185,8 @@ def _flat(k_cache):
 
 
 def cuda_spec(arch: str) -> JitSpec:
-    """The CUDA module of both ops, built for the record of jitkv/layouts.py."""
-    record = (("dsv4_head_dim", layouts.DSV4_HEAD_DIM), ("dsv4_nope", layouts.DSV4_NOPE),
-              ("dsv4_group", layouts.DSV4_GROUP), ("dsv4_scale_bytes", layouts.DSV4_SCALE_BYTES))
-    return JitSpec("dsv4_cuda", ("dsv4/dsv4_cuda.cu",), args=record, target=arch, exports=(WRITE_OP, GATHER_OP))
+    """The CUDA module of both ops, built for the record of jitkv/codes.py (codes.Dsv4)."""
+    return JitSpec("dsv4_cuda", ("dsv4/dsv4_cuda.cu",), target=arch, exports=(WRITE_OP, GATHER_OP))
 
 
 _WRITE_ARGS = ("k", "k_cache", "slot_mapping", "block_size")

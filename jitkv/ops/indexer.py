@@ -8,8 +8,6 @@ import torch
 from .. import layouts, reference
 from ..jit import JitSpec
 from ..layouts import (
-    INDEXER_AMAX_MIN,
-    INDEXER_FP8_MAX,
     INDEXER_HEAD_DIM,
     INDEXER_QUANT_BLOCK,
     INDEXER_SCALE_BYTES,
@@ -249,17 +247,12 @@ def _host_range_check(k, kv_cache, slot_mapping, block_size, scale_fmt):
 
 # -------------------------------------------------------------------------------------- backends
 
-_LAYOUT_ARGS = (("head_dim", INDEXER_HEAD_DIM), ("scale_bytes", INDEXER_SCALE_BYTES), ("fp8_max", INDEXER_FP8_MAX),
-                ("amax_min", INDEXER_AMAX_MIN))
-
-
 def cpu_spec() -> JitSpec:
-    return JitSpec("indexer_cpu", ("indexer/indexer_k_cache_cpu.cpp",), args=_LAYOUT_ARGS, exports=(WRITE_OP, GATHER_OP))
+    return JitSpec("indexer_cpu", ("indexer/indexer_k_cache_cpu.cpp",), exports=(WRITE_OP, GATHER_OP))
 
 
 def cuda_spec(arch: str) -> JitSpec:
-    return JitSpec("indexer_cuda", ("indexer/indexer_k_cache_cuda.cu",), args=_LAYOUT_ARGS, target=arch,
-                   exports=(WRITE_OP, GATHER_OP))
+    return JitSpec("indexer_cuda", ("indexer/indexer_k_cache_cuda.cu",), target=arch, exports=(WRITE_OP, GATHER_OP))
 
 
 _WRITE_ARGS = ("k", "kv_cache", "slot_mapping", "block_size", "scale_fmt")

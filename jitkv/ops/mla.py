@@ -11,11 +11,7 @@ from ..jit import JitSpec
 from ..layouts import (
     DS_MLA_CODE,
     DS_MLA_NOPE,
-    DS_MLA_RECORD_BYTES,
     DS_MLA_ROPE,
-    DS_MLA_ROPE_OFFSET,
-    DS_MLA_SCALE_OFFSET,
-    DS_MLA_TILE,
     FP8_CODES,
     FP8_DTYPES,
 )
@@ -147,15 +143,8 @@ def _fp8_variant(code, k_nope, k_rope) -> tuple:
     return (2 * k_nope.shape[-1], 2 * _validate.tensor(OP, "k_rope", k_rope).shape[-1], code, src)
 
 
-# The fp8_ds_mla record's layout, build arguments of the modules with fp8 writers (and of the
-# benchmark's latency floors, which use their conversions).
-DS_MLA_ARGS = (("dsmla_nope", DS_MLA_NOPE), ("dsmla_rope", DS_MLA_ROPE), ("dsmla_tile", DS_MLA_TILE),
-                ("dsmla_scales", DS_MLA_SCALE_OFFSET), ("dsmla_rope_at", DS_MLA_ROPE_OFFSET),
-                ("dsmla_bytes", DS_MLA_RECORD_BYTES))
-
-
 def cpu_spec() -> JitSpec:
-    return JitSpec("mla_cpu", ("mla/set_mla_kv_buffer_cpu.cpp",), args=DS_MLA_ARGS, exports=(OP, FP8_ENTRY))
+    return JitSpec("mla_cpu", ("mla/set_mla_kv_buffer_cpu.cpp",), exports=(OP, FP8_ENTRY))
 
 
 # Kernels a module can be built to run (set_mla_kv_buffer_cuda.cu): "auto" is the measured choice the op
@@ -174,12 +163,11 @@ def cuda_spec(arch: str, nope_bytes: int, rope_bytes: int, *, kernel: str = "aut
     kernel (a call it cannot run raises ValueError), ``pdl=False`` launches without programmatic
     dependent launch."""
     kernels = FP8_KERNELS if kv_format else KERNELS
-    args = (("nope_bytes", nope_bytes), ("rope_bytes", rope_bytes), ("kernel", kernels[kernel]), ("pdl", int(pdl)),
-            ("kv_format", kv_format))
+    args = (("nope_bytes", nope_bytes), ("rope_bytes", rope_bytes), ("kernel", kernels[kernel]), ("pdl", int(pdl)))
     if kv_format:
-        args += (("src_dtype", src_dtype), *DS_MLA_ARGS)
-    return JitSpec("mla_cuda", ("mla/set_mla_kv_buffer_cuda.cu",), args=args, target=arch,
-                   exports=(FP8_ENTRY,) if kv_format else (OP,))
+        args += (("kv_format", kv_format), ("src_dtype", src_dtype))
+        return JitSpec("mla_cuda", ("mla/set_mla_kv_buffer_fp8_cuda.cu",), args=args, target=arch, exports=(FP8_ENTRY,))
+    return JitSpec("mla_cuda", ("mla/set_mla_kv_buffer_cuda.cu",), args=args, target=arch, exports=(OP,))
 
 
 # Byte layouts prebuilt for CUDA: DeepSeek/Kimi bf16 512+64, fp8 528+128 and 512+64; quantizing bf16

@@ -8,8 +8,7 @@ from torch.compiler import is_compiling
 
 from .. import reference
 from ..jit import JitSpec
-from ..layouts import (DS_MLA_CODE, DS_MLA_NOPE, DS_MLA_RECORD_BYTES, DS_MLA_ROPE, DS_MLA_ROPE_OFFSET,
-                       DS_MLA_SCALE_OFFSET, DS_MLA_TILE, FP8_CODES, FP8_DTYPES)
+from ..layouts import DS_MLA_CODE, DS_MLA_NOPE, DS_MLA_ROPE, FP8_CODES, FP8_DTYPES
 from . import _validate
 from ._common import cuda_target, debug_checks, device_index, jit_function, name_ffi_error, require_triton
 from ._dispatch import BackendUnavailable, Dispatcher
@@ -145,14 +144,8 @@ def _cuda_variant(out, kv_cache, kv_cache_dtype) -> tuple:
     return (code, row, True) if aligned else (code, _ANY_ROW_BYTES, False)
 
 
-def _layout_args() -> tuple:
-    """The fp8_ds_mla record layout as build arguments (every module parses it)."""
-    return (("ds_nope", DS_MLA_NOPE), ("ds_rope", DS_MLA_ROPE), ("ds_tile", DS_MLA_TILE),
-            ("ds_scale_at", DS_MLA_SCALE_OFFSET), ("ds_rope_at", DS_MLA_ROPE_OFFSET), ("ds_record", DS_MLA_RECORD_BYTES))
-
-
 def cpu_spec() -> JitSpec:
-    return JitSpec("mla_gather_cpu", ("mla_gather/gather_mla_cache_cpu.cpp",), args=_layout_args(), exports=(OP,))
+    return JitSpec("mla_gather_cpu", ("mla_gather/gather_mla_cache_cpu.cpp",), exports=(OP,))
 
 
 def cuda_spec(arch: str, format_code: int, out_row_bytes: int) -> JitSpec:
@@ -160,7 +153,7 @@ def cuda_spec(arch: str, format_code: int, out_row_bytes: int) -> JitSpec:
     return JitSpec(
         "mla_gather_cuda",
         ("mla_gather/gather_mla_cache_cuda.cu",),
-        args=(("format", format_code), ("out_bytes", out_row_bytes), *_layout_args()),
+        args=(("format", format_code), ("out_bytes", out_row_bytes)),
         target=arch,
         exports=(OP,),
     )

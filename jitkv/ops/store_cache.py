@@ -107,9 +107,6 @@ def _scale_args(scale, name, kv_cache_dtype):
 COPY = FP8_CODES[None]
 # kv_cache_dtype -> the cache format's code (the binding's kv_cache_dtype argument, JITKV_KV_DTYPE).
 _KV_CODE = {"auto": COPY, **{name: FP8_CODES[dtype] for name, dtype in FP8_DTYPES.items()}}
-# The codes themselves, build arguments of every store_cache module (store_cache.cuh).
-_FP8_CODE_ARGS = (("copy_code", COPY), ("e4m3_code", FP8_CODES[torch.float8_e4m3fn]),
-                  ("e5m2_code", FP8_CODES[torch.float8_e5m2]))
 _SRC_CODE = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}  # JITKV_SRC_DTYPE of fp8 builds; 0: a copy
 GENERIC = (0, 0)  # head bytes of the any-alignment build: vector width picked per call
 ALIGNED, ANY_ALIGNMENT = 16, 1  # the variant's last field: the bytes every address is a multiple of
@@ -168,8 +165,7 @@ COPY_ENTRY = "store_cache_copy"  # the binding's kv_cache_dtype "auto" entry poi
 
 
 def cpu_spec() -> JitSpec:
-    return JitSpec("store_cache_cpu", ("store_cache/store_cache_cpu.cpp",), args=_FP8_CODE_ARGS,
-                   exports=(OP, COPY_ENTRY))
+    return JitSpec("store_cache_cpu", ("store_cache/store_cache_cpu.cpp",), exports=(OP, COPY_ENTRY))
 
 
 def cuda_spec(arch: str, k_head_bytes: int, v_head_bytes: int, src_dtype: int, kv_dtype: int, *,
@@ -181,7 +177,7 @@ def cuda_spec(arch: str, k_head_bytes: int, v_head_bytes: int, src_dtype: int, k
         "store_cache_cuda",
         ("store_cache/store_cache_cuda.cu",),
         args=(("k_head_bytes", k_head_bytes), ("v_head_bytes", v_head_bytes), ("src_dtype", src_dtype),
-              ("kv_dtype", kv_dtype), *_FP8_CODE_ARGS, ("pdl", int(pdl))),
+              ("kv_dtype", kv_dtype), ("pdl", int(pdl))),
         target=arch,
         exports=(OP, COPY_ENTRY),
     )

@@ -323,6 +323,7 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
     cuobjdump = _cuobjdump()
     if cuobjdump is None and os.environ.get("JITKV_REQUIRE_NVCC"):
         pytest.fail("JITKV_REQUIRE_NVCC is set but cuobjdump was not found (pip install nvidia-cuda-cuobjdump)")
+    from jitkv.codes import KvFormat  # noqa: PLC0415
     from jitkv.prebuild import specs_for  # noqa: PLC0415
 
     monkeypatch.setenv("JITKV_CACHE_DIR", str(tmp_path))
@@ -331,8 +332,8 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
         first_per_op.setdefault(spec.op, spec)
     # store_cache's any-alignment (head bytes 0) and fp8 builds besides the first (a 16-byte copy)
     more_store = [s for s in specs_for("9.0a") if s.op == "store_cache_cuda" and
-                  (dict(s.args)["k_head_bytes"] == 0 or dict(s.args)["kv_dtype"] != dict(s.args)["copy_code"])]
-    mla_fp8 = [s for s in specs_for("9.0a") if s.op == "mla_cuda" and dict(s.args)["kv_format"]]  # e4m3, fp8_ds_mla
+                  (dict(s.args)["k_head_bytes"] == 0 or dict(s.args)["kv_dtype"] != KvFormat.COPY)]
+    mla_fp8 = [s for s in specs_for("9.0a") if s.op == "mla_cuda" and dict(s.args).get("kv_format")]  # e4m3, fp8_ds_mla
     assert set(first_per_op) == {"mla_cuda", "store_cache_cuda", "dsv4_cuda", "indexer_cuda", "mla_gather_cuda"}
     assert len(more_store) >= 2 and len(mla_fp8) == 2
     from jitkv.benchmark.gpu import latency_floor_spec  # noqa: PLC0415
