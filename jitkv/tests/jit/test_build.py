@@ -317,7 +317,7 @@ def test_accesses_before_pdl_wait_finds_a_hoisted_load():
 def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
     """The Hopper kernels (the MLA fp8 writers included, and the benchmark's latency-floor kernel) compile
     with no GPU present (CI has nvcc, no GPU), and a process without nvcc finds them intact. In their SASS
-    no kernel touches global memory before its PDL wait (jitkv/cuda/launch.cuh: ptxas may hoist a
+    no kernel touches global memory before its PDL wait (jitkv/cuda/vec.cuh load: ptxas may hoist a
     non-coherent load above it)."""
     _need_nvcc()
     cuobjdump = _cuobjdump()
