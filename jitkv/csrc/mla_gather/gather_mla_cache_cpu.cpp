@@ -2,7 +2,7 @@
 // dequantized to bf16.
 //
 // Algorithm: parse + validate (gather_mla_cache.cuh, its host part); check cu_seq_lens serially
-// (non-decreasing, rows inside out: ValueError / IndexError before any write, as the reference does
+// (non-decreasing, rows inside out: ValueError before any write, as the reference does
 // on CPU); then one pass over the output rows, OpenMP above a payload threshold: each row finds its
 // entry with the same rule as the CUDA kernel (entry_offset) and is copied (row_copy.h) or
 // dequantized: fp8 -> fp32 exactly (AVX-512: 16 values through vcvtph2ps; the scalar tail and
@@ -16,7 +16,9 @@
 #include "jitkv/cpu/fp8.h"
 #include "jitkv/cpu/row_copy.h"
 #include "jitkv/cpu/scatter.h"
-#include "mla_gather/gather_mla_cache.cuh"
+#include "mla_gather/entry.h"
+#include "mla_gather/params.h"
+#include "mla_gather/parse.h"
 
 namespace jitkv {
 namespace {
@@ -28,8 +30,10 @@ constexpr const char* kOp = "gather_mla_cache";
 // The value of every fp8 byte (e4m3fn: 0x7F / 0xFF NaN; e5m2: the high byte of an fp16).
 struct Fp8Table {
   float v[256];
-  explicit Fp8Table(Format f) {
-    for (uint32_t b = 0; b < 256; ++b) v[b] = f == kFp8E5M2 ? cpu::f16_to_f32(static_cast<uint16_t>(b << 8)) : e4m3(b);
+  explicit Fp8Table(KvFormat f) {
+    for (uint32_t b = 0; b < 256; ++b) {
+      v[b] = f == KvFormat::kE5M2 ? cpu::f16_to_f32(static_cast<uint16_t>(b << 8)) : e4m3(b);
+    }
   }
   static float e4m3(uint32_t b) {
     const uint32_t e = (b >> 3) & 15u, m = b & 7u, sign = (b & 0x80u) << 24;
@@ -50,9 +54,9 @@ inline uint16_t bf16_rne(float f) {
 // 16 fp8 bytes -> 16 floats, exact: e5m2 is the high byte of an fp16; e4m3's exponent and mantissa
 // bits, moved up by 7, are an fp16 of the value / 2^8 (normals and subnormals alike), its sign to
 // bit 15; 0x7F / 0xFF are NaN.
-inline __m512 fp8x16_to_f32(const uint8_t* src, Format f) {
+inline __m512 fp8x16_to_f32(const uint8_t* src, KvFormat f) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-  if (f == kFp8E5M2) return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_slli_epi32(b, 8)));
+  if (f == KvFormat::kE5M2) return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_slli_epi32(b, 8)));
   const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
   const __m512i h = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 8),
                                     _mm512_slli_epi32(mag, 7));
@@ -71,7 +75,7 @@ inline __m256i bf16x16_rne(__m512 x) {
 #endif
 
 // dst[i] = bf16(value(src[i]) * scale), i < n.
-inline void dequant(uint16_t* dst, const uint8_t* src, int64_t n, Format f, const float* table, float scale) {
+inline void dequant(uint16_t* dst, const uint8_t* src, int64_t n, KvFormat f, const float* table, float scale) {
   int64_t i = 0;
 #ifdef JITKV_CPU_AVX512
   const __m512 s = _mm512_set1_ps(scale);
@@ -93,19 +97,19 @@ void write_row(const GatherParams& p, char* dst, int64_t off, const float* table
   auto* d = reinterpret_cast<uint16_t*>(dst);
   const auto* s = reinterpret_cast<const uint8_t*>(src);
   switch (p.format) {
-    case kCopy:
+    case KvFormat::kCopy:
       cpu::copy_seg(dst, src, p.out_row_bytes, false);
       break;
-    case kDsMla:
+    case KvFormat::kDsMla:
       for (int t = 0; t < DsMla::kNope / DsMla::kTile; ++t) {
         float tile_scale;
-        std::memcpy(&tile_scale, src + DsMla::kScaleAt + 4 * t, 4);
-        dequant(d + t * DsMla::kTile, s + t * DsMla::kTile, DsMla::kTile, kFp8E4M3, table, tile_scale);
+        std::memcpy(&tile_scale, src + DsMla::kScaleOffset + 4 * t, 4);
+        dequant(d + t * DsMla::kTile, s + t * DsMla::kTile, DsMla::kTile, KvFormat::kE4M3, table, tile_scale);
       }
-      std::memcpy(d + DsMla::kNope, src + DsMla::kRopeAt, 2 * DsMla::kRope);
+      std::memcpy(d + DsMla::kNope, src + DsMla::kRopeOffset, 2 * DsMla::kRope);
       break;
     default:
-      dequant(d, s, p.out_row_bytes / 2, static_cast<Format>(p.format), table, scale);
+      dequant(d, s, p.out_row_bytes / 2, static_cast<KvFormat>(p.format), table, scale);
   }
 }
 
@@ -145,8 +149,8 @@ void gather_mla_cache_cpu(TensorView out, TensorView kv_cache, TensorView block_
   if (!(s > 0.0f && s <= 3.4028234663852886e38f)) {  // a CPU scale tensor is read here, like a float
     TVM_FFI_THROW(ValueError) << kOp << ": scale: must be finite and > 0, got " << s;
   }
-  static const Fp8Table e4m3(kFp8E4M3), e5m2(kFp8E5M2);
-  const float* table = (p.format == kFp8E5M2 ? e5m2 : e4m3).v;
+  static const Fp8Table e4m3(KvFormat::kE4M3), e5m2(KvFormat::kE5M2);
+  const float* table = (p.format == KvFormat::kE5M2 ? e5m2 : e4m3).v;
   const int threads = cpu::threads_for(p.rows * p.out_row_bytes);
   cpu::for_rows(p.rows, threads, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
