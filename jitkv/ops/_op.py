@@ -152,20 +152,27 @@ class Op:
         except AttributeError:
             self.check(*args)  # raises the TypeError naming it
             raise
-        if cuda:
-            index = home.get_device()
-            key = self.variant(*args) if self.variant is not None else ()
-            fn = self._cuda.get((index, backend, key)) or self._cuda_runner(index, backend, key)
-        elif home.is_cpu:
-            index, fn = -1, self._cpu.get(backend) or self._cpu_runner(backend)
-        else:
-            raise checks.unsupported_device(self.name, self.home, home)
+        try:
+            if cuda:
+                index = home.get_device()
+                key = self.variant(*args) if self.variant is not None else ()
+                fn = self._cuda.get((index, backend, key)) or self._cuda_runner(index, backend, key)
+            elif home.is_cpu:
+                index, fn = -1, self._cpu.get(backend) or self._cpu_runner(backend)
+            else:
+                raise checks.unsupported_device(self.name, self.home, home)
+        except (AttributeError, TypeError, KeyError, BackendUnavailable):
+            # Arguments the variant cannot read, or a view no backend (or the forced one) takes: bad
+            # input gets its own error first, whichever backend would have run it.
+            self.check(*args)
+            raise
         try:
             again = fn(*args)
-        except (TypeError, RuntimeError):
+        except (TypeError, ValueError, RuntimeError):
             # tvm-ffi's type errors name an argument by position, a DLPack refusal (meta) none, and an
-            # array that is no torch.Tensor (numpy) can reach a binding's dtype check: raise the check
-            # that names the argument.
+            # array that is no torch.Tensor (numpy) reaches a binding's dtype or device checks: raise
+            # the op's check, which names the argument as every backend does; what it accepts (a
+            # module's own limits, a launch failure) is the binding's to report.
             self.check(*args)
             raise
         if again is not None:

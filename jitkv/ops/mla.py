@@ -182,15 +182,11 @@ _FP8_SRC = {torch.bfloat16: SrcDtype.BF16, torch.float16: SrcDtype.F16}
 
 def variant(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scale, skip_slot) -> tuple:
     """The fields of the CUDA Variant, read on every CUDA call (fp8_ds_mla: the record's widths; a
-    binding names any other width). Arguments the checks refuse raise here."""
-    try:
-        if kv_cache_dtype == "auto":
-            return (cache_k_nope.shape[-1] * cache_k_nope.element_size(),
-                    cache_k_rope.shape[-1] * cache_k_rope.element_size(), KvFormat.COPY, SrcDtype.NONE)
-        fmt, src = KV_FORMATS[kv_cache_dtype], _FP8_SRC[cache_k_nope.dtype]
-    except (KeyError, TypeError):
-        check(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scale, skip_slot)
-        raise
+    binding names any other width). Arguments it cannot read raise (Op.run then raises the check's error)."""
+    if kv_cache_dtype == "auto":
+        return (cache_k_nope.shape[-1] * cache_k_nope.element_size(), cache_k_rope.shape[-1] * cache_k_rope.element_size(),
+                KvFormat.COPY, SrcDtype.NONE)
+    fmt, src = KV_FORMATS[kv_cache_dtype], _FP8_SRC[cache_k_nope.dtype]
     if fmt == KvFormat.DS_MLA:
         return (2 * DsMla.NOPE, 2 * DsMla.ROPE, fmt, src)
     return (2 * cache_k_nope.shape[-1], 2 * cache_k_rope.shape[-1], fmt, src)
