@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "jitkv/cpu/fp8.h"
+#include "jitkv/cpu/isa.h"
 #include "jitkv/cpu/row_copy.h"
 #include "jitkv/cpu/scatter.h"
 #include "mla_gather/gather_mla_cache.cuh"
@@ -160,3 +161,4 @@ void gather_mla_cache_cpu(TensorView out, TensorView kv_cache, TensorView block_
 }  // namespace jitkv
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gather_mla_cache, jitkv::gather_mla_cache_cpu);
+JITKV_CPU_EXPORT_ISA();

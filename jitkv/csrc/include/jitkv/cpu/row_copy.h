@@ -13,10 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define JITKV_CPU_AVX512 1
-#endif
+#include "jitkv/cpu/isa.h"
 
 namespace jitkv {
 namespace cpu {
