@@ -44,7 +44,7 @@ inline uint16_t bf16_rne(float f) {
 
 #ifdef JITKV_CPU_AVX512
 // 16 fp8 bytes -> 16 floats, exact (see the top of the file).
-inline __m512 fp8x16_to_f32(const uint8_t* src, Fp8Kind f) {
+JITKV_CPU_VEC __m512 fp8x16_to_f32(const uint8_t* src, Fp8Kind f) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
   if (f == Fp8Kind::kE5M2) return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_slli_epi32(b, 8)));
   const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
@@ -55,7 +55,7 @@ inline __m512 fp8x16_to_f32(const uint8_t* src, Fp8Kind f) {
 }
 
 // bf16_rne of 16 floats.
-inline __m256i bf16x16_rne(__m512 x) {
+JITKV_CPU_VEC __m256i bf16x16_rne(__m512 x) {
   const __m512i b = _mm512_castps_si512(x);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd), 16);
@@ -66,7 +66,7 @@ inline __m256i bf16x16_rne(__m512 x) {
 #elif defined(JITKV_CPU_AVX2)
 // 8 fp8 bytes -> 8 floats, exact (see the top of the file), in 16-bit lanes: an e4m3 NaN byte gets
 // the all-ones fp16 exponent, so its fp16 is a NaN too.
-inline __m256 fp8x8_to_f32(const uint8_t* src, Fp8Kind f) {
+JITKV_CPU_VEC __m256 fp8x8_to_f32(const uint8_t* src, Fp8Kind f) {
   const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
   if (f == Fp8Kind::kE5M2) return _mm256_cvtph_ps(_mm_slli_epi16(b, 8));
   const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7F));
@@ -77,7 +77,7 @@ inline __m256 fp8x8_to_f32(const uint8_t* src, Fp8Kind f) {
 }
 
 // bf16_rne of 8 floats.
-inline __m128i bf16x8_rne(__m256 x) {
+JITKV_CPU_VEC __m128i bf16x8_rne(__m256 x) {
   const __m256i b = _mm256_castps_si256(x);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), odd), 16);

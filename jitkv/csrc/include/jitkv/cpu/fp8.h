@@ -10,15 +10,14 @@
 // AVX-512: 16 lanes per conversion, 64 bytes per stored line, masked lanes for the tail. AVX2: 8 lanes
 // per conversion, 64 bytes per stored line as two halves, then 32- and 8-byte steps; the last < 8
 // values are staged through a zeroed stack buffer (no byte masks). The loops are instantiated per
-// source kind (with_kind). The scalar functions are the path of builds without either (and the
-// reference the vector code is tested against: jitkv/tests/jit/test_cpu_isa.py feeds every bf16 and
-// fp16 value and fp32 specials through each path).
+// source kind (quantize_seg_k, abs_max_k). The scalar functions are the path of builds without
+// either (and the reference the vector code is tested against: jitkv/tests/jit/test_cpu_isa.py
+// feeds every bf16 and fp16 value and fp32 specials through each path).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 #include "jitkv/cpu/row_copy.h"
 
@@ -39,7 +38,7 @@ constexpr Fp8Format kFp8E4M3{448.0f, 1087u << 20, 121u << 23, 141u << 23, (uint3
 constexpr Fp8Format kFp8E5M2{57344.0f, 143u << 23, 113u << 23, 134u << 23, (uint32_t(15 - 127) << 23) + 0xfffffu, 21,
                              0x7c};
 
-// Source element kind: a runtime value; the vector paths dispatch on it once per segment (with_kind).
+// Source element kind: a runtime value; the vector paths dispatch on it once per segment.
 enum class SrcKind { kBF16, kF16, kF32 };
 
 inline uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
@@ -84,21 +83,10 @@ inline float load_f32(SrcKind k, const void* p, int64_t i) {
   }
 }
 
-// f(std::integral_constant<SrcKind, k>{}): the vector loops are instantiated per source kind, so the
-// kind is decided once per segment, not per vector.
-template <class F>
-inline auto with_kind(SrcKind k, F&& f) {
-  switch (k) {
-    case SrcKind::kBF16: return f(std::integral_constant<SrcKind, SrcKind::kBF16>{});
-    case SrcKind::kF16: return f(std::integral_constant<SrcKind, SrcKind::kF16>{});
-    default: return f(std::integral_constant<SrcKind, SrcKind::kF32>{});
-  }
-}
-
 #ifdef JITKV_CPU_AVX512
 // Elements [i, i+16) (lanes in m) of a source row as fp32.
 template <SrcKind K>
-inline __m512 load16(const void* p, int64_t i, __mmask16 m) {
+JITKV_CPU_VEC __m512 load16(const void* p, int64_t i, __mmask16 m) {
   if constexpr (K == SrcKind::kF32) {
     return _mm512_maskz_loadu_ps(m, static_cast<const float*>(p) + i);
   } else {
@@ -125,7 +113,7 @@ struct Fp8Vec {
 // adding e's offset from the smallest normal exponent, shifted to the exponent field, gives the code.
 // NaN's sum (a NaN) lies below the magic, so the difference wraps past 0x7f and one unsigned min maps
 // it to 0x7f; finite codes stay below (0x7e for 448, 0x7b for 57344).
-inline __m512i quantize16(__m512 x, const Fp8Vec& F) {
+JITKV_CPU_VEC __m512i quantize16(__m512 x, const Fp8Vec& F) {
   __m512 y = _mm512_div_ps(x, F.scale);
   // max/min return their SECOND operand when either is NaN: keep y there so NaN propagates.
   y = _mm512_min_ps(F.max, _mm512_max_ps(F.min, y));
@@ -145,7 +133,7 @@ inline __m512i quantize16(__m512 x, const Fp8Vec& F) {
 // 64 lanes -> 64 bytes in order. The two packs interleave 4-byte groups across the four inputs
 // within each 128-bit lane (a 4x4 dword transpose); one permute undoes it.
 template <SrcKind K>
-inline __m512i quantize64(const void* p, int64_t i, const Fp8Vec& F) {
+JITKV_CPU_VEC __m512i quantize64(const void* p, int64_t i, const Fp8Vec& F) {
   const __mmask16 all = 0xffff;
   const __m512i lo = _mm512_packus_epi32(quantize16(load16<K>(p, i, all), F), quantize16(load16<K>(p, i + 16, all), F));
   const __m512i hi =
@@ -180,7 +168,7 @@ inline void quantize_seg_k(uint8_t* dst, const void* src, int64_t n, const Fp8Ve
 #elif defined(JITKV_CPU_AVX2)
 // Elements [i, i+8) of a source row as fp32.
 template <SrcKind K>
-inline __m256 load8(const void* p, int64_t i) {
+JITKV_CPU_VEC __m256 load8(const void* p, int64_t i) {
   if constexpr (K == SrcKind::kF32) {
     return _mm256_loadu_ps(static_cast<const float*>(p) + i);
   } else {
@@ -192,7 +180,7 @@ inline __m256 load8(const void* p, int64_t i) {
 
 // Elements [i, i+r) of a source row, 0 < r < 8, as fp32 lanes; the other lanes are 0.
 template <SrcKind K>
-inline __m256 load_part(const void* p, int64_t i, int64_t r) {
+JITKV_CPU_VEC __m256 load_part(const void* p, int64_t i, int64_t r) {
   constexpr int64_t es = K == SrcKind::kF32 ? 4 : 2;
   alignas(32) char buf[32] = {};
   std::memcpy(buf, static_cast<const char*>(p) + i * es, static_cast<size_t>(r * es));
@@ -210,7 +198,7 @@ struct Fp8Vec {
 };
 
 // 8 lanes of quantize_one, one fp8 code per int32 lane: the AVX-512 quantize16's conversion (see there).
-inline __m256i quantize8(__m256 x, const Fp8Vec& F) {
+JITKV_CPU_VEC __m256i quantize8(__m256 x, const Fp8Vec& F) {
   __m256 y = _mm256_div_ps(x, F.scale);
   // max/min return their SECOND operand when either is NaN: keep y there so NaN propagates.
   y = _mm256_min_ps(F.max, _mm256_max_ps(F.min, y));
@@ -227,7 +215,7 @@ inline __m256i quantize8(__m256 x, const Fp8Vec& F) {
 }
 
 // Codes of 8 lanes -> 8 bytes in order (the low half).
-inline __m128i pack8(__m256i q) {
+JITKV_CPU_VEC __m128i pack8(__m256i q) {
   const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
   return _mm_packus_epi16(w, w);
 }
@@ -235,7 +223,7 @@ inline __m128i pack8(__m256i q) {
 // Elements [i, i+32) -> 32 bytes in order. The packs interleave 4-byte groups of the four inputs
 // within each 128-bit lane; one dword permute undoes it.
 template <SrcKind K>
-inline __m256i quantize32(const void* p, int64_t i, const Fp8Vec& F) {
+JITKV_CPU_VEC __m256i quantize32(const void* p, int64_t i, const Fp8Vec& F) {
   const __m256i w01 = _mm256_packus_epi32(quantize8(load8<K>(p, i), F), quantize8(load8<K>(p, i + 8), F));
   const __m256i w23 = _mm256_packus_epi32(quantize8(load8<K>(p, i + 16), F), quantize8(load8<K>(p, i + 24), F));
   return _mm256_permutevar8x32_epi32(_mm256_packus_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -279,7 +267,11 @@ inline void quantize_seg_k(uint8_t* dst, const void* src, int64_t n, const Fp8Ve
 #if defined(JITKV_CPU_AVX512) || defined(JITKV_CPU_AVX2)
 // The largest |x| of n source values, NaN left out (fmaxf's rule), inf kept.
 inline float abs_max(SrcKind k, const void* src, int64_t n) {
-  return with_kind(k, [&](auto kind) { return abs_max_k<decltype(kind)::value>(src, n); });
+  switch (k) {
+    case SrcKind::kBF16: return abs_max_k<SrcKind::kBF16>(src, n);
+    case SrcKind::kF16: return abs_max_k<SrcKind::kF16>(src, n);
+    default: return abs_max_k<SrcKind::kF32>(src, n);
+  }
 }
 
 // dst[i] = fp8(clamp(src[i] / scale)) for i < n. nt streams whole 64-byte lines (dst 64-byte aligned);
@@ -287,7 +279,11 @@ inline float abs_max(SrcKind k, const void* src, int64_t n) {
 inline void quantize_seg(uint8_t* dst, SrcKind k, const void* src, int64_t n, float scale, const Fp8Format& fmt,
                          bool nt) {
   const Fp8Vec F(fmt, scale);
-  with_kind(k, [&](auto kind) { quantize_seg_k<decltype(kind)::value>(dst, src, n, F, nt); });
+  switch (k) {
+    case SrcKind::kBF16: return quantize_seg_k<SrcKind::kBF16>(dst, src, n, F, nt);
+    case SrcKind::kF16: return quantize_seg_k<SrcKind::kF16>(dst, src, n, F, nt);
+    default: return quantize_seg_k<SrcKind::kF32>(dst, src, n, F, nt);
+  }
 }
 #else
 // The largest |x| of n source values, NaN left out (fmaxf's rule), inf kept.

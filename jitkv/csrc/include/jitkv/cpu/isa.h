@@ -22,6 +22,10 @@
 #define JITKV_CPU_ISA_NAME "scalar"
 #endif
 
+// The per-vector helpers: always inlined, so a large translation unit never calls one per vector
+// (through the PLT, as these inline functions have default visibility in the module).
+#define JITKV_CPU_VEC inline __attribute__((always_inline))
+
 namespace jitkv {
 namespace cpu {
 

@@ -23,10 +23,10 @@ namespace cpu {
 
 #ifdef JITKV_CPU_AVX512
 // Bytes [0, r) of a 64-byte lane set, 0 < r <= 64.
-inline __mmask64 head_mask(int64_t r) { return r >= 64 ? ~__mmask64(0) : (__mmask64(1) << r) - 1; }
+JITKV_CPU_VEC __mmask64 head_mask(int64_t r) { return r >= 64 ? ~__mmask64(0) : (__mmask64(1) << r) - 1; }
 
 // Streaming stores need a 64-byte aligned destination; the branch is loop-invariant (predicted).
-inline void store_line(char* dst, __m512i v, bool nt) {
+JITKV_CPU_VEC void store_line(char* dst, __m512i v, bool nt) {
   if (nt) {
     _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), v);
   } else {
@@ -34,7 +34,7 @@ inline void store_line(char* dst, __m512i v, bool nt) {
   }
 }
 
-inline void copy_tail(char* dst, const char* src, int64_t r) {
+JITKV_CPU_VEC void copy_tail(char* dst, const char* src, int64_t r) {
   __mmask64 m = head_mask(r);
   _mm512_mask_storeu_epi8(dst, m, _mm512_maskz_loadu_epi8(m, src));
 }
@@ -78,11 +78,11 @@ inline void copy_two(char* dst, const char* a, int64_t na, const char* b, int64_
 }
 
 #elif defined(JITKV_CPU_AVX2)
-inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+JITKV_CPU_VEC __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 // One 64-byte line as two 32-byte halves, streamed (nt: dst 64-byte aligned) or stored; the branch is
 // loop-invariant (predicted).
-inline void store_line(char* dst, __m256i lo, __m256i hi, bool nt) {
+JITKV_CPU_VEC void store_line(char* dst, __m256i lo, __m256i hi, bool nt) {
   auto* d = reinterpret_cast<__m256i*>(dst);
   if (nt) {
     _mm256_stream_si256(d, lo);
@@ -93,12 +93,14 @@ inline void store_line(char* dst, __m256i lo, __m256i hi, bool nt) {
   }
 }
 
-inline void copy_line(char* dst, const char* src, bool nt) { store_line(dst, load32(src), load32(src + 32), nt); }
+JITKV_CPU_VEC void copy_line(char* dst, const char* src, bool nt) {
+  store_line(dst, load32(src), load32(src + 32), nt);
+}
 
 // dst[0, n) = src[0, n) for B <= n <= 2B: B bytes from the start, B bytes ending at n (memcpy of a
 // constant size is one load and one store).
 template <int B>
-inline void copy_ends(char* dst, const char* src, int64_t n) {
+JITKV_CPU_VEC void copy_ends(char* dst, const char* src, int64_t n) {
   char head[B], tail[B];
   std::memcpy(head, src, B);
   std::memcpy(tail, src + n - B, B);
