@@ -4,10 +4,10 @@
 // AVX-512: 64-byte unaligned load/store loop with one masked tail. The non-temporal variant streams
 // whole 64-byte lines (destination must be 64-byte aligned) and writes a partial last line with a
 // regular masked store; callers issue stream_fence() once per thread after their last streamed row.
-// AVX2: 32-byte loop; the tail is one 32-byte move that ends at the segment's end (overlapping bytes
-// already written with the same values), or for segments under 32 bytes two overlapping moves of the
-// largest power of two that fits. Streaming writes whole lines as two 32-byte halves and the rest with
-// regular stores that stay inside the partial line. Scalar builds: memcpy.
+// AVX2: 64-byte lines as two 32-byte halves; the tail is one 64-byte move that ends at the segment's
+// end (rewriting bytes already written with the same values), or, for a segment under 64 bytes or a
+// streamed one, two overlapping moves of the largest power of two that fits the rest, so a partial
+// line is written with regular stores inside it. Scalar builds: memcpy.
 //
 // Sizes are runtime values: compile-time segment sizes (tried: 128..2048 B) gave no measurable gain
 // here and cost build time, so one build serves every shape.
