@@ -2,9 +2,9 @@
 //
 // Writer: parse and check (indexer_k_cache.cuh, its host part); resolve every slot serially (slot < 0
 // skipped, IndexError for an out-of-range slot before anything is written); then per kept token: the
-// amax of its values (an integer max of magnitude bits, NaN halves ignored), the scale, the values
-// through cpu/fp8.h's quantize_seg (x / scale, clamp, round to nearest even: torch's bytes, AVX-512
-// where built) and the scale's 4 bytes. OpenMP above a payload threshold (cpu/scatter.h).
+// amax of its values (cpu/fp8.h's abs_max: NaN left out, inf kept), the scale, the values through
+// quantize_seg (x / scale, clamp, round to nearest even: torch's bytes; AVX-512 or AVX2 where built)
+// and the scale's 4 bytes. OpenMP above a payload threshold (cpu/scatter.h).
 // Gather: per dst row, the covering request (binary search over cu_seq_lens), its block-table entry,
 // then a copy of the token's value and scale bytes (zeros for an invalid block).
 #include <tvm/ffi/function.h>
@@ -15,6 +15,7 @@
 #include "indexer/params.h"
 #include "indexer/parse.h"
 #include "jitkv/cpu/fp8.h"
+#include "jitkv/cpu/isa.h"
 #include "jitkv/cpu/scatter.h"
 
 namespace jitkv {
@@ -34,13 +35,7 @@ void check_cpu(const char* op, const TensorView& kv_cache) {
 
 // The scale of one token of kHeadDim bf16 / fp16 values (see indexer_k_cache.cuh).
 float token_scale(const uint16_t* x, bool f16, bool ue8m0) {
-  const uint32_t nan_above = f16 ? 0x7C00u : 0x7F80u;
-  uint32_t m = 0;
-  for (int64_t i = 0; i < kHeadDim; ++i) {
-    const uint32_t a = x[i] & 0x7FFFu;
-    m = std::max(m, a > nan_above ? 0u : a);
-  }
-  const float amax = f16 ? cpu::f16_to_f32(static_cast<uint16_t>(m)) : cpu::bf16_to_f32(static_cast<uint16_t>(m));
+  const float amax = cpu::abs_max(f16 ? cpu::SrcKind::kF16 : cpu::SrcKind::kBF16, x, kHeadDim);
   const float scale = std::max(amax, kAmaxMin) / kFp8Max;
   return ue8m0 ? cpu::f32_from_bits((cpu::f32_bits(scale) + 0x7FFFFFu) & 0x7F800000u) : scale;
 }
@@ -109,3 +104,4 @@ void gather_indexer_k_quant_cache_cpu(TensorView kv_cache, TensorView dst_k, Ten
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(indexer_k_quant_and_cache, jitkv::indexer_k_quant_and_cache_cpu);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gather_indexer_k_quant_cache, jitkv::gather_indexer_k_quant_cache_cpu);
+JITKV_CPU_EXPORT_ISA();

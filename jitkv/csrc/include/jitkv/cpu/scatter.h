@@ -4,15 +4,17 @@
 // skip_slot skipped, optional loc_map translation with mapped < 0 skipped) and raises IndexError for an
 // out-of-range slot, so the (possibly OpenMP) copy pass never throws. It returns the kept (row, slot)
 // pairs, so the copy loop has no branches and threads split real work evenly.
-// threads_for() gives one thread below kParallelMinBytes of payload (measured crossover; for_rows
-// then uses a plain `if`: `omp parallel if(...)` still enters libgomp, ~0.5 us) and otherwise
-// omp_get_max_threads() (torch shares libgomp, so torch.set_num_threads applies).
+// threads_for() gives each thread of an OpenMP team at least kBytesPerThread of payload: one thread
+// below twice that (for_rows then uses a plain `if`: `omp parallel if(...)` still enters libgomp),
+// and at most omp_get_max_threads() (torch shares libgomp, so torch.set_num_threads applies), so a
+// many-core host does not fork and join its whole team for a mid-size call.
 // want_streaming() picks non-temporal stores when the written lines are cold (see there).
 #pragma once
 
 #include <omp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 
@@ -22,7 +24,8 @@
 namespace jitkv {
 namespace cpu {
 
-constexpr int64_t kParallelMinBytes = int64_t(256) << 10;
+// Measured crossover of one thread against two (docs/performance.md, kBytesPerThread).
+constexpr int64_t kBytesPerThread = int64_t(96) << 10;
 
 struct RowSlot {
   int64_t row, slot;
@@ -78,9 +81,10 @@ inline int64_t cache_bytes(int name, int64_t fallback) {
   return s > 0 ? int64_t(s) : fallback;
 }
 
-// Threads for a payload: the OpenMP team only pays off above kParallelMinBytes.
+// Threads for a payload: one per kBytesPerThread, a team only from two of them.
 inline int threads_for(int64_t payload_bytes) {
-  return payload_bytes >= kParallelMinBytes ? omp_get_max_threads() : 1;
+  const int64_t t = payload_bytes / kBytesPerThread;
+  return t < 2 ? 1 : static_cast<int>(std::min<int64_t>(t, omp_get_max_threads()));
 }
 
 // Streaming stores skip the read-for-ownership of each destination line but push it out of the
