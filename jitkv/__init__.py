@@ -9,7 +9,6 @@ import os as _os
 from . import _warn
 from . import ops as _ops
 from ._version import __version__
-from .ops import *  # noqa: F403  (every family's public names: the ops and their record layouts)
 from .ops import BackendUnavailable, JitkvFallbackWarning, backend_info
 from .ops._custom_ops import register_all as _register_custom_ops
 from .prebuild import prebuild, warmup
@@ -41,6 +40,7 @@ def _setup_logging() -> None:
 
 _setup_logging()
 _register_custom_ops()  # torch.ops.jitkv.*, what torch.compile traces
+globals().update(_ops.PUBLIC)  # every family's public names: the ops and their record layouts
 
 __all__ = sorted(["BackendUnavailable", "JitkvFallbackWarning", "__version__", "backend_info", "prebuild", "warmup",
-                  *_ops.__all__])
+                  *_ops.PUBLIC])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 
@@ -91,7 +92,7 @@ def _plot(report, path) -> int:
 def _describe(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
-    return f"{_cpu_model()}, {torch.get_num_threads()} threads"
+    return f"{_cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
 
 
 def _cpu_model() -> str:
@@ -107,7 +108,10 @@ def _cpu_model() -> str:
 def _cpu(families, report, quick=False):
     from . import cpu  # noqa: PLC0415
 
-    print(f"# jitkv CPU benchmark ({_describe('cpu')}, torch {torch.__version__})")
+    from jitkv.jit.toolchain import cpu_isa  # noqa: PLC0415
+
+    report["isa"] = cpu_isa()
+    print(f"# jitkv CPU benchmark ({_describe('cpu')}, kernel path {report['isa']}, torch {torch.__version__})")
     rows = []
     if families:
         report["copy_gbps"] = cpu.copy_gbps(8 << 20) if quick else cpu.copy_gbps()

@@ -133,6 +133,7 @@ class Op:
             self.factories["triton"] = self._triton_factory
         self._cpu: dict[str | None, Callable] = {}  # hot path: keyed by the backend argument
         self._cuda: dict[tuple, Callable] = {}  # hot path: (device index, backend argument, variant fields)
+        self.run = self._make_run()
         if self.name in OPS:
             raise ValueError(f"jitkv: op {self.name!r} declared twice")
         OPS[self.name] = self
@@ -142,41 +143,46 @@ class Op:
 
     # ------------------------------------------------------------------------------ a call
 
-    def run(self, args: tuple, backend=None):
-        """Run the op on the public arguments ``args`` (in schema order, without ``backend``)."""
-        if is_compiling():
-            return self.compiled(args, backend)
-        home = args[self._home_at]
-        try:
-            cuda = home.is_cuda
-        except AttributeError:
-            self.check(*args)  # raises the TypeError naming it
-            raise
-        try:
-            if cuda:
-                index = home.get_device()
-                key = self.variant(*args) if self.variant is not None else ()
-                fn = self._cuda.get((index, backend, key)) or self._cuda_runner(index, backend, key)
-            elif home.is_cpu:
-                index, fn = -1, self._cpu.get(backend) or self._cpu_runner(backend)
-            else:
-                raise checks.unsupported_device(self.name, self.home, home)
-        except (AttributeError, TypeError, KeyError, BackendUnavailable):
-            # Arguments the variant cannot read, or a view no backend (or the forced one) takes: bad
-            # input gets its own error first, whichever backend would have run it.
-            self.check(*args)
-            raise
-        try:
-            again = fn(*args)
-        except (TypeError, ValueError, RuntimeError):
-            # tvm-ffi's type errors name an argument by position, a DLPack refusal (meta) none, and an
-            # array that is no torch.Tensor (numpy) reaches a binding's dtype or device checks: raise
-            # the op's check, which names the argument as every backend does; what it accepts (a
-            # module's own limits, a launch failure) is the binding's to report.
-            self.check(*args)
-            raise
-        if again is not None:
-            self._cuda_runner(index, backend, again)(*args)
+    def _make_run(self):
+        """``run(args, backend)``: the op on its public arguments ``args`` (in schema order, without
+        ``backend``). A closure over what it reads: every eager call runs it, and a closure's cells
+        are cheaper to read than the attributes of ``self``."""
+        home_at, variant, check, compiled = self._home_at, self.variant, self.check, self.compiled
+        cuda_get, cpu_get, cuda_runner, cpu_runner = self._cuda.get, self._cpu.get, self._cuda_runner, self._cpu_runner
+        name, home_name = self.name, self.home
+
+        def run(args: tuple, backend=None):
+            if is_compiling():
+                return compiled(args, backend)
+            home = args[home_at]
+            try:
+                if home.is_cuda:
+                    index = home.get_device()
+                    key = variant(*args) if variant is not None else ()
+                    fn = cuda_get((index, backend, key)) or cuda_runner(index, backend, key)
+                elif home.is_cpu:
+                    fn = cpu_get(backend) or cpu_runner(backend)
+                else:
+                    raise checks.unsupported_device(name, home_name, home)
+            except (AttributeError, TypeError, KeyError, BackendUnavailable):
+                # A home that is no tensor, arguments the variant cannot read, or a view no backend
+                # (or the forced one) takes: bad input gets its own error first, whichever backend
+                # would have run it.
+                check(*args)
+                raise
+            try:
+                again = fn(*args)
+            except (TypeError, ValueError, RuntimeError):
+                # tvm-ffi's type errors name an argument by position, a DLPack refusal (meta) none, and
+                # an array that is no torch.Tensor (numpy) reaches a binding's dtype or device checks:
+                # raise the op's check, which names the argument as every backend does; what it accepts
+                # (a module's own limits, a launch failure) is the binding's to report.
+                check(*args)
+                raise
+            if again is not None:
+                cuda_runner(index, backend, again)(*args)
+
+        return run
 
     def args_of(self, kwargs: dict) -> tuple:
         """The public arguments of a keyword call (defaults filled in), in schema order."""
@@ -383,8 +389,12 @@ def debug_checks() -> bool:
 
 
 def jit_function(spec: JitSpec, name: str):
-    """(function ``name`` of the built module, its backend_info fields); JitUnavailable propagates."""
-    return get_function(spec, name), {"key": artifact_dir(spec).name, "artifact": str(artifact_dir(spec))}
+    """(function ``name`` of the built module, its backend_info fields: key, artifact, and for a CPU
+    module the kernel path it was built for, "isa": avx512, avx2 or scalar); JitUnavailable propagates."""
+    info = {"key": artifact_dir(spec).name, "artifact": str(artifact_dir(spec))}
+    if not spec.is_cuda:
+        info["isa"] = get_function(spec, "cpu_isa")()
+    return get_function(spec, name), info
 
 
 def scale_args(op: str, name: str, scale) -> tuple:

@@ -81,6 +81,17 @@ def test_torch_compile_fullgraph(name):
     assert str(getattr(torch.ops.jitkv, name).default._schema) == str(declared)
 
 
+@pytest.mark.parametrize("name", [n for n in NAMES if OPS[n].order["cpu"][0] == "jit"])
+def test_backend_info_names_the_cpu_kernel_path(name):
+    """A CPU jit module says which kernel path it was built for, as toolchain.cpu_isa() picks it."""
+    from jitkv.jit.toolchain import cpu_isa  # noqa: PLC0415
+
+    op = OPS[name]
+    op.fn(**op.sample("cpu"))
+    info = jitkv.backend_info(name)["cpu"]
+    assert info["backend"] == "jit" and info["isa"] == cpu_isa()
+
+
 @pytest.mark.parametrize("name", [n for n in NAMES if OPS[n].variant_type is not None])
 def test_variant_fields_make_the_variant(name):
     """The per-call key is exactly the typed variant's fields, and the variant is what backend_info
