@@ -29,7 +29,7 @@ class JitSpec:
     op:      readable family name, e.g. "mla_cuda".
     sources: entry files relative to ``root`` (one .cu binding for CUDA, one .cpp for CPU).
     args:    template arguments, passed as ``-DJITKV_<NAME>=<value>`` to every source.
-    target:  "cpu" (host ISA, -march=native) or a CUDA arch such as "9.0a".
+    target:  "cpu" (host ISA, -march=native, held down to toolchain.cpu_isa()) or a CUDA arch such as "9.0a".
     exports: functions the module must export (checked after load)."""
 
     op: str
@@ -59,7 +59,7 @@ class JitSpec:
         base = ["-O3", "-std=c++17", *self.defines(), *self.cflags]
         if self.is_cuda:
             return base
-        return [*base, "-march=native", "-fopenmp"]
+        return [*base, "-march=native", *toolchain.cpu_isa_cflags(), "-fopenmp"]
 
     def cuda_cflags(self) -> list[str]:
         return ["-O3", "-std=c++17", "--expt-relaxed-constexpr", *self.defines(), *self.cflags]

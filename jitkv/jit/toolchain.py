@@ -10,6 +10,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import warnings
 
 from .util import cache_once
 
@@ -102,18 +103,69 @@ def ensure_ninja_on_path() -> None:
 
 
 @cache_once
-def cpu_target() -> str:
-    """The host ISA as a target string, e.g. 'x86_64+avx512bw+avx512f+...'; builds use -march=native."""
-    flags: set[str] = set()
+def _cpu_flags() -> frozenset[str]:
+    """The host's ISA flags (/proc/cpuinfo) that _ISA_FLAG names; empty when it cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith(("flags", "Features")):
-                    flags = {w for w in line.split(":", 1)[1].split() if _ISA_FLAG.match(w)}
-                    break
+                    return frozenset(w for w in line.split(":", 1)[1].split() if _ISA_FLAG.match(w))
     except OSError:
         pass
-    return "+".join([platform.machine(), *sorted(flags)])
+    return frozenset()
+
+
+@cache_once
+def cpu_target() -> str:
+    """The host ISA as a target string, e.g. 'x86_64+avx512bw+avx512f+...'; builds use -march=native."""
+    return "+".join([platform.machine(), *sorted(_cpu_flags())])
+
+
+# The vector paths of the CPU kernels (jitkv/cpu/isa.h), lowest first, and the flags that hold a
+# `-march=native` build of an x86 host down to each: -mno-avx512f drops every AVX-512 subset, -mno-avx
+# also AVX2, F16C and FMA, so the headers' macros select the path.
+CPU_ISAS = ("scalar", "avx2", "avx512")
+_ISA_CFLAGS = {"scalar": ["-mno-avx"], "avx2": ["-mno-avx512f"]}
+_ISA_NEEDS = {"avx512": {"avx512f", "avx512bw"}, "avx2": {"avx2", "f16c", "fma"}}
+_ISA_WARNED: set[str] = set()
+
+
+def host_cpu_isa() -> str:
+    """The best CPU kernel path this host runs: "avx512" (AVX-512 F and BW), "avx2" (AVX2, F16C and
+    FMA), else "scalar"; from /proc/cpuinfo, "scalar" off x86-64."""
+    flags = _cpu_flags() if platform.machine() in ("x86_64", "AMD64") else frozenset()
+    return next((isa for isa in ("avx512", "avx2") if _ISA_NEEDS[isa] <= flags), "scalar")
+
+
+def cpu_isa() -> str:
+    """The path the CPU kernels are built for: "avx512", "avx2" or "scalar".
+
+    ``JITKV_CPU_ISA`` (any case) chooses it: ``native`` (default) is ``host_cpu_isa()``; ``avx512``,
+    ``avx2`` or ``scalar`` caps it there (tests and A/B timings of the lower paths). Asking for more
+    than this CPU runs warns once and gives the host's path, so one environment serves hosts of
+    either kind; any other value raises ValueError. The choice adds flags to CPU builds
+    (``cpu_isa_cflags``), so each path is its own artifact, and each CPU module's ``cpu_isa()``
+    returns the path it was compiled for."""
+    asked = os.environ.get("JITKV_CPU_ISA", "").strip().lower() or "native"
+    host = host_cpu_isa()
+    if asked == "native":
+        return host
+    if asked not in CPU_ISAS:
+        raise ValueError(f"jitkv: JITKV_CPU_ISA={asked!r}: expected native, {', '.join(reversed(CPU_ISAS))}")
+    if CPU_ISAS.index(asked) <= CPU_ISAS.index(host):
+        return asked
+    if asked not in _ISA_WARNED:
+        _ISA_WARNED.add(asked)
+        warnings.warn(f"jitkv: JITKV_CPU_ISA={asked}: this CPU lacks it; building for {host}", RuntimeWarning,
+                      stacklevel=2)
+    return host
+
+
+def cpu_isa_cflags() -> list[str]:
+    """Flags that hold a CPU build to ``cpu_isa()`` on top of ``-march=native``: none for the host's own
+    path (its key stays that of a plain native build) or off x86-64."""
+    isa = cpu_isa()
+    return [] if isa == host_cpu_isa() else list(_ISA_CFLAGS[isa])
 
 
 def normalize_cuda_arch(arch: str) -> str:

@@ -14,6 +14,7 @@
 
 #include "indexer/indexer_k_cache.cuh"
 #include "jitkv/cpu/fp8.h"
+#include "jitkv/cpu/isa.h"
 #include "jitkv/cpu/scatter.h"
 
 namespace jitkv {
@@ -108,3 +109,4 @@ void gather_indexer_k_quant_cache_cpu(TensorView kv_cache, TensorView dst_k, Ten
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(indexer_k_quant_and_cache, jitkv::indexer_k_quant_and_cache_cpu);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gather_indexer_k_quant_cache, jitkv::gather_indexer_k_quant_cache_cpu);
+JITKV_CPU_EXPORT_ISA();

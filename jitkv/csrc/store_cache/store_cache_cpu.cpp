@@ -10,6 +10,7 @@
 #include <tvm/ffi/function.h>
 
 #include "jitkv/cpu/fp8.h"
+#include "jitkv/cpu/isa.h"
 #include "jitkv/cpu/row_copy.h"
 #include "jitkv/cpu/scatter.h"
 #include "store_cache/store_cache.cuh"
@@ -160,3 +161,4 @@ int64_t store_cache_cpu(TensorView k, TensorView v, TensorView k_cache, TensorVi
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(store_cache, jitkv::store_cache_cpu);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(store_cache_copy, jitkv::store_cache::store_cache_copy<jitkv::store_cache_cpu>);
+JITKV_CPU_EXPORT_ISA();

@@ -1,0 +1,327 @@
+"""The CPU kernels' vector paths (jitkv/cpu/isa.h): for every path this host runs (AVX-512, AVX2,
+scalar), a child process with ``JITKV_CPU_ISA`` set and its own cache builds the four CPU modules,
+checks that each reports that path, and runs every CPU op against the torch reference over the whole
+destination, poisoned first with random bytes: row lengths that end in each vector tail, strided
+sources, flat / paged NHD / paged HND caches, streamed (non-temporal) writes, fp8 conversion of every
+bf16 and fp16 value and of fp32 specials. Also ``toolchain.cpu_isa()``'s handling of the variable."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import jitkv
+from jitkv.jit import ensure_built, get_function, toolchain
+from jitkv.layouts import DS_MLA_NOPE, DS_MLA_RECORD_BYTES, DS_MLA_ROPE, DS_MLA_ROPE_OFFSET, DS_MLA_SCALE_OFFSET
+from jitkv.tests.conftest import assert_bitwise, every_16_bit_value, rand, slots
+from jitkv.tests.jit.conftest import run_py
+
+HOST_ISA = toolchain.host_cpu_isa()
+ISAS = toolchain.CPU_ISAS[: toolchain.CPU_ISAS.index(HOST_ISA) + 1]
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# Element counts per row segment around the vector widths: below 8, the 8-lane (AVX2) and 16-lane
+# (AVX-512) steps, 32 / 64 byte blocks and their tails.
+LENGTHS = [1, 7, 13, 40, 64, 100, 129]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_cpu_op_matches_the_reference_on_each_isa(isa, tmp_path):
+    res = run_py(f"from jitkv.tests.jit.test_cpu_isa import check_isa; check_isa({isa!r})", tmp_path,
+                 JITKV_CPU_ISA=isa, JITKV_LOG_LEVEL="WARNING")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    assert f"checked {isa}" in res.stdout
+
+
+def test_cpu_isa_env(monkeypatch):
+    monkeypatch.setattr(toolchain, "_ISA_WARNED", set())
+    for asked, want in (("", HOST_ISA), ("native", HOST_ISA), ("SCALAR", "scalar"), (" scalar ", "scalar")):
+        monkeypatch.setenv("JITKV_CPU_ISA", asked)
+        assert toolchain.cpu_isa() == want
+        assert toolchain.cpu_isa_cflags() == ([] if want == HOST_ISA else ["-mno-avx"])
+    monkeypatch.setenv("JITKV_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="JITKV_CPU_ISA='sse9': expected native, avx512, avx2, scalar"):
+        toolchain.cpu_isa()
+    monkeypatch.setattr(toolchain, "host_cpu_isa", lambda: "scalar")
+    monkeypatch.setenv("JITKV_CPU_ISA", "avx2")
+    with pytest.warns(RuntimeWarning, match="JITKV_CPU_ISA=avx2: this CPU lacks it; building for scalar"):
+        assert toolchain.cpu_isa() == "scalar"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        assert toolchain.cpu_isa() == "scalar" and toolchain.cpu_isa_cflags() == []
+
+
+def test_isa_flags_are_part_of_the_key(monkeypatch):
+    from jitkv.ops import store_cache  # noqa: PLC0415
+
+    keys = set()
+    for isa in ISAS:
+        monkeypatch.setenv("JITKV_CPU_ISA", isa)
+        keys.add(store_cache.cpu_spec().key())
+    assert len(keys) == len(ISAS)
+
+
+# ----------------------------------------------------------------------------------------------------
+# What the child process runs.
+
+
+def check_isa(isa: str) -> None:
+    """Every CPU module reports ``isa``; every check below passes. Prints the seed (fresh data each run)."""
+    seed = torch.seed()
+    print(f"seed {seed}", flush=True)
+    torch.set_num_threads(min(torch.get_num_threads(), 2))  # bounds the streamed cases' payload (2 threads' L2)
+    from jitkv.ops import indexer, mla, mla_gather, store_cache  # noqa: PLC0415
+
+    assert toolchain.cpu_isa() == isa, toolchain.cpu_isa()
+    specs = [family.cpu_spec() for family in (store_cache, mla, mla_gather, indexer)]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # the four builds side by side
+        list(pool.map(ensure_built, specs))
+    for spec in specs:
+        got = get_function(spec, "cpu_isa")()
+        assert got == isa, f"{spec.op}: built for {got}, asked {isa}"
+    for check in CHECKS:
+        check()
+    print(f"checked {isa}")
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    t.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8))
+    return t
+
+
+def _agree(what: str, bases: tuple, call) -> None:
+    """call(backend, *bases) writes into (views of) contiguous bases; poisoned alike, jit and torch
+    leave every byte of every base the same."""
+    for b in bases:
+        _poison(b)
+    want = tuple(b.clone() for b in bases)
+    call("torch", *want)
+    call("jit", *bases)
+    for i, (g, w) in enumerate(zip(bases, want)):
+        try:
+            assert_bitwise(g, w)
+        except AssertionError as e:
+            raise AssertionError(f"{what}, destination {i}: {e}") from None
+
+
+def _with_padding(n: int, num_slots: int) -> torch.Tensor:
+    """n distinct random slots with every 5th position padding (-1)."""
+    s = slots(num_slots, n)
+    s[::5] = -1
+    return s
+
+
+def _streamed_rows(row_bytes: int) -> int:
+    """Rows (a fifth of them padding) whose payload per thread passes the L2 size, where the scatters
+    stream (cpu/scatter.h want_streaming; getconf reads the sysconf value it reads, which os.sysconf
+    does not name)."""
+    out = subprocess.run(["getconf", "LEVEL2_CACHE_SIZE"], capture_output=True, text=True).stdout.strip()
+    l2 = int(out) if out.isdigit() and int(out) > 0 else 1 << 20
+    return -(-l2 * torch.get_num_threads() * 3 // (2 * row_bytes))
+
+
+# store_cache ----------------------------------------------------------------------------------------
+
+
+def _kv_cache(layout: str, num_slots: int, h: int, d: int, dtype, d_pad: int) -> torch.Tensor:
+    """The contiguous storage of a flat [slots, H, D], paged NHD [nb, 16, H, D] or paged HND
+    [nb, H, 16, D] cache whose rows of D values are D + d_pad apart (``_kv_view`` gives the cache)."""
+    if layout == "flat":
+        return torch.empty(num_slots, h, d + d_pad, dtype=dtype)
+    shape = (num_slots // 16, 16, h) if layout == "nhd" else (num_slots // 16, h, 16)
+    return torch.empty(*shape, d + d_pad, dtype=dtype)
+
+
+def _kv_view(layout: str, base: torch.Tensor, d: int) -> torch.Tensor:
+    return (base.permute(0, 2, 1, 3) if layout == "hnd" else base)[..., :d]
+
+
+def _store_cache_case(what, n, h, d, src_dtype, cache_dtype, layout, *, kv="auto", scales=(None, None), src_pad=0,
+                      d_pad=0, k=None):
+    num_slots = 16 * (-(-2 * n // 16))
+    k = rand((n, h, d + src_pad), src_dtype)[..., :d] if k is None else k
+    v = rand((n, h, d), src_dtype)
+    sm = _with_padding(n, num_slots)
+
+    def call(backend, kb, vb):
+        jitkv.store_cache(k, v, _kv_view(layout, kb, d), _kv_view(layout, vb, d), sm, kv_cache_dtype=kv,
+                          k_scale=scales[0], v_scale=scales[1], backend=backend)
+
+    bases = tuple(_kv_cache(layout, num_slots, h, d, cache_dtype, d_pad) for _ in "kv")
+    _agree(f"store_cache {what} n={n} H={h} D={d} {src_dtype}->{kv} {layout}", bases, call)
+
+
+def check_store_cache_copy():
+    for dtype, h, d in ((torch.bfloat16, 8, 128), (torch.float32, 2, 24), (torch.uint8, 5, 13), (torch.float16, 1, 7)):
+        for layout in ("flat", "nhd", "hnd"):
+            _store_cache_case("copy", 37, h, d, dtype, dtype, layout)
+    for d in LENGTHS:  # one segment per head: a strided source, a padded cache row
+        _store_cache_case("copy, strided source", 21, 3, d, torch.bfloat16, torch.bfloat16, "flat", src_pad=8)
+        _store_cache_case("copy, padded cache", 21, 3, d, torch.bfloat16, torch.bfloat16, "nhd", d_pad=5)
+    # Streamed: whole lines, then (D = 40 in 64-value rows) partial ones.
+    _store_cache_case("copy, streamed", _streamed_rows(2 * 8 * 128 * 2), 8, 128, torch.bfloat16, torch.bfloat16, "hnd")
+    _store_cache_case("copy, streamed", _streamed_rows(2 * 8 * 40 * 2), 8, 40, torch.bfloat16, torch.bfloat16, "flat",
+                      src_pad=8, d_pad=24)
+
+
+def check_store_cache_fp8():
+    for kv, fp8 in FP8.items():
+        for src_dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for d in LENGTHS:
+                per_head = (torch.rand(3) + 0.05, torch.rand(3) * 4 + 0.5)
+                for scales in ((0.37, 2.5), per_head):
+                    _store_cache_case("", 13, 3, d, src_dtype, torch.uint8, "flat", kv=kv, scales=scales)
+            _store_cache_case("strided", 37, 4, 100, src_dtype, fp8, "hnd", kv=kv, scales=(0.5, 0.25), src_pad=4)
+            _store_cache_case("per-head", 37, 4, 128, src_dtype, fp8, "nhd", kv=kv,
+                              scales=(torch.rand(4) + 0.1, torch.tensor([3.0])))
+        for d, layout, d_pad in ((128, "hnd", 0), (100, "flat", 28)):
+            _store_cache_case("streamed", _streamed_rows(2 * 8 * d), 8, d, torch.bfloat16, fp8, layout, kv=kv,
+                              scales=(0.5, 0.25), d_pad=d_pad)
+
+
+def check_fp8_every_16_bit_value():
+    """store_cache's conversion of every bf16 / fp16 pattern, per-tensor and per-head scales."""
+    for dtype in (torch.bfloat16, torch.float16):
+        x = every_16_bit_value(dtype, 8 * 125)
+        k = x.view(x.shape[0], 8, 125)
+        for kv in FP8:
+            for scales in ((1.0, 0.37), (torch.exp2(torch.arange(-10.0, 14.0, 3.0)), 1e-3)):
+                _store_cache_case("every value", k.shape[0], 8, 125, dtype, torch.uint8, "flat", kv=kv, scales=scales,
+                                  k=k)
+
+
+def _fp32_specials() -> torch.Tensor:
+    """NaNs of both signs and several payloads, ±inf, ±0, fp32 subnormals, the fp8 formats' maxima,
+    their rounding edges and values above them, fp8 subnormal edges; then random bit patterns."""
+    bits = [0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7FBFFFFF, 0, 0x80000000,
+            0x00000001, 0x807FFFFF, 0x00400000, 0x00800000, 0x7F7FFFFF, 0xFF7FFFFF]
+    vals = [448.0, 449.0, 464.0, 465.0, 480.0, 1e6, -448.0, -500.0, 57344.0, 61440.0, 61441.0, -1e30, 2.0**-6,
+            2.0**-9, 2.0**-10, 3 * 2.0**-10, 2.0**-14, 2.0**-16, 2.0**-17, 3 * 2.0**-17, 1.5 * 2.0**-7, 0.0625 * 1.0625]
+    special = torch.cat([torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32),
+                         torch.tensor(vals, dtype=torch.float32)])
+    randbits = torch.randint(-(2**31), 2**31, (8 * 1000 - special.numel(),), dtype=torch.int64).to(torch.int32)
+    return torch.cat([special, randbits.view(torch.float32)])
+
+
+def check_fp8_fp32_specials():
+    k = _fp32_specials().view(-1, 4, 50)
+    for kv in FP8:
+        for scales in ((1.0, 1.0), (0.37, 3e5), (torch.tensor([1.0, 2.0**-20, 0.5, 7.0]), 1.0)):
+            _store_cache_case("fp32 specials", k.shape[0], 4, 50, torch.float32, torch.uint8, "flat", kv=kv,
+                              scales=scales, k=k)
+
+
+# set_mla_kv_buffer -------------------------------------------------------------------------------------
+
+
+def _mla_case(what, nope, rope, width, n, *, src_dtype=torch.bfloat16, kv="auto", scale=None, k_nope=None):
+    num_slots = 2 * n + 3
+    k_nope = rand((n, nope), src_dtype) if k_nope is None else k_nope
+    k_rope = rand((n, rope), src_dtype)
+    loc = _with_padding(n, num_slots)
+    buf = torch.empty(num_slots, width, dtype=src_dtype if kv == "auto" else torch.uint8)
+
+    def call(backend, b):
+        if kv == "auto":
+            jitkv.set_mla_kv_buffer(b, loc, k_nope, k_rope, backend=backend)
+        else:
+            jitkv.set_mla_kv_buffer(b, loc, k_nope, k_rope, kv_cache_dtype=kv, scale=scale, backend=backend)
+
+    _agree(f"set_mla_kv_buffer {what} n={n} {nope}+{rope} in {width} {src_dtype}->{kv}", (buf,), call)
+
+
+def check_mla_copy():
+    cases = ((512, 64, 576, torch.bfloat16), (500, 50, 560, torch.bfloat16), (7, 3, 16, torch.float32),
+             (100, 28, 130, torch.uint8), (13, 1, 20, torch.float16))
+    for nope, rope, width, dtype in cases:
+        _mla_case("copy", nope, rope, width, 29, src_dtype=dtype)
+    for nope, rope in ((512, 64), (500, 50), (500, 12)):  # streamed; the line straddling nope, a partial last line
+        _mla_case("copy, streamed", nope, rope, 576, _streamed_rows(1152))
+
+
+def check_mla_fp8():
+    for kv in FP8:
+        for src_dtype in (torch.bfloat16, torch.float16):
+            for nope, rope in ((512, 64), (100, 13), (7, 40), (129, 1)):
+                _mla_case("", nope, rope, nope + rope + 3, 29, src_dtype=src_dtype, kv=kv, scale=0.37)
+            _mla_case("every value", 512, 64, 600, 128, src_dtype=src_dtype, kv=kv, scale=torch.tensor([0.02]),
+                      k_nope=every_16_bit_value(src_dtype, 512))
+        _mla_case("streamed", 512, 64, 576, _streamed_rows(576), kv=kv, scale=1.5)
+        _mla_case("streamed", 500, 40, 576, _streamed_rows(576), kv=kv, scale=1.5)
+    for src_dtype in (torch.bfloat16, torch.float16):
+        _mla_case("", DS_MLA_NOPE, DS_MLA_ROPE, DS_MLA_RECORD_BYTES + 5, 29, src_dtype=src_dtype, kv="fp8_ds_mla")
+        _mla_case("every value", DS_MLA_NOPE, DS_MLA_ROPE, DS_MLA_RECORD_BYTES, 128, src_dtype=src_dtype,
+                  kv="fp8_ds_mla", k_nope=every_16_bit_value(src_dtype, DS_MLA_NOPE))
+    _mla_case("streamed", DS_MLA_NOPE, DS_MLA_ROPE, 704, _streamed_rows(704), kv="fp8_ds_mla")
+
+
+# gather_mla_cache -------------------------------------------------------------------------------------
+
+
+def _gather_case(fmt, cache, out_width, lens):
+    """Requests of `lens` tokens over random blocks of `cache` [nb, bs, W]; a table entry of each kind
+    that gives zero rows (-1, past the cache); out has rows no request covers."""
+    nb, bs = cache.shape[0], cache.shape[1]
+    need = max(-(-n // bs) for n in lens)
+    table = torch.stack([torch.randperm(nb)[:need] for _ in lens]).int()
+    table[0, 0], table[-1, -1] = -1, nb
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    out = torch.empty(int(cu[-1]) + 5, out_width, dtype=cache.dtype if fmt == "auto" else torch.bfloat16)
+    scale = None if fmt in ("auto", "fp8_ds_mla") else 0.0371
+
+    def call(backend, o):
+        jitkv.gather_mla_cache(o, cache, table, cu, kv_cache_dtype=fmt, scale=scale, backend=backend)
+
+    _agree(f"gather_mla_cache {fmt} W={cache.shape[2]} {cache.dtype}", (out,), call)
+
+
+def check_mla_gather():
+    lens = [37, 5, 64]
+    for dtype, width in ((torch.bfloat16, 576), (torch.bfloat16, 13), (torch.float32, 24), (torch.uint8, 100)):
+        _gather_case("auto", rand((8, 16, width), dtype), width, lens)
+    for fmt, fp8 in FP8.items():
+        for width in (576, *LENGTHS):
+            cache = rand((8, 16, width), torch.uint8)
+            every = min(256, 16 * width)  # every fp8 byte in each block (the first `every` of a narrow one)
+            cache.view(8, -1)[:, :every] = torch.arange(every, dtype=torch.uint8)
+            _gather_case(fmt, cache.view(fp8) if width == 576 else cache, width, lens)
+    cache = rand((8, 16, DS_MLA_RECORD_BYTES), torch.uint8)
+    scales = (torch.rand(8, 16, 4) + 1e-3) * torch.exp2(torch.randint(-12, 4, (8, 16, 4)).float())
+    cache[..., DS_MLA_SCALE_OFFSET:DS_MLA_ROPE_OFFSET] = scales.view(torch.uint8)
+    cache[:, 0, :256] = torch.arange(256, dtype=torch.uint8)
+    _gather_case("fp8_ds_mla", cache, DS_MLA_NOPE + DS_MLA_ROPE, lens)
+
+
+# indexer ------------------------------------------------------------------------------------------------
+
+
+def check_indexer():
+    bs, nb = 16, 40
+    layout = jitkv.INDEXER_K_CACHE
+    for dtype in (torch.bfloat16, torch.float16):
+        for k in ((torch.randn(77, 128) * torch.exp2(torch.randint(-12, 12, (77, 1)).float())).to(dtype),
+                  every_16_bit_value(dtype, 128)):
+            sm = _with_padding(k.shape[0], nb * bs)
+            for fmt in (None, "ue8m0"):
+                def call(backend, c, k=k, sm=sm, fmt=fmt):
+                    jitkv.indexer_k_quant_and_cache(k, c, sm, block_size=bs, scale_fmt=fmt, backend=backend)
+
+                _agree(f"indexer_k_quant_and_cache {dtype} {k.shape[0]} rows {fmt}", (layout.allocate(nb, bs, "cpu"),),
+                       call)
+    cache = rand((nb, layout.block_stride(bs)), torch.uint8)
+    table = torch.randperm(nb)[:12].int().view(2, 6)
+    table[0, 4], table[1, 1] = nb, -1  # zero rows: a block past the cache, a negative one
+    cu = torch.tensor([0, 70, 90], dtype=torch.int32)
+
+    def gather(backend, dst_k, dst_scale):
+        jitkv.gather_indexer_k_quant_cache(cache, dst_k, dst_scale, table, cu, block_size=bs, backend=backend)
+
+    _agree("gather_indexer_k_quant_cache", (torch.empty(95, 128, dtype=torch.uint8), torch.empty(95)), gather)
+
+
+CHECKS = (check_store_cache_copy, check_store_cache_fp8, check_fp8_every_16_bit_value, check_fp8_fp32_specials,
+          check_mla_copy, check_mla_fp8, check_mla_gather, check_indexer)
