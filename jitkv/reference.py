@@ -550,8 +550,12 @@ def rms_norm_fixed_order(x, weight, eps):
     if pad:
         groups = torch.cat([groups, groups.new_zeros(*groups.shape[:-1], pad)], dim=-1)
     total = _fold_by_halves(groups)
-    mean = total / torch.full((), float(d), device=x.device)
-    r = torch.full((), 1.0, device=x.device) / torch.sqrt(mean + eps)
+    # The division, sqrt and reciprocal in float64, each rounded to float32: exactly the float32 IEEE
+    # results (float64 holds more than twice float32's precision), where torch's CPU sqrt is not
+    # correctly rounded and a division by a scalar may become a multiply by its reciprocal.
+    mean = (total.double() / d).float()
+    root = torch.sqrt((mean + eps).double()).float()
+    r = (1.0 / root.double()).float()
     return (x * r.unsqueeze(-1)) * weight.float()
 
 

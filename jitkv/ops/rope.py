@@ -229,13 +229,13 @@ def _heads(op, name, t, d):
     return t.view(t.shape[0], t.shape[1] // d, d)
 
 
-def _rotary(op, rotary_dim, cos_sin_cache, width, src_dtype, width_name="head_dim"):
+def _rotary(op, rotary_dim, cos_sin_cache, width, src_dtype):
     """rotary_dim resolved (even, <= width) and cos_sin_cache checked against it."""
     if cos_sin_cache.dim() != 2:
         raise ValueError(f"{op}: cos_sin_cache: expected shape [max_pos, rotary_dim], got {list(cos_sin_cache.shape)}")
     rot = cos_sin_cache.shape[1] if rotary_dim is None else checks.integer(op, "rotary_dim", rotary_dim)
     if rot <= 0 or rot % 2 or rot > width:
-        raise ValueError(f"{op}: rotary_dim: expected an even number in [2, {width}] ({width_name}), got {rot}")
+        raise ValueError(f"{op}: rotary_dim: expected an even number in [2, {width}] (head_dim), got {rot}")
     if cos_sin_cache.shape[1] != rot:
         raise ValueError(f"{op}: cos_sin_cache: expected [max_pos, rotary_dim] = [max_pos, {rot}] (cos half then sin "
                          f"half), got {list(cos_sin_cache.shape)}")
@@ -329,7 +329,9 @@ def check_mla(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_p
     for name, t in (("positions", positions), ("cos_sin_cache", cos_sin_cache)):
         checks.same_device(MLA_OP, name, t, dev, "kv_buffer")
     r = rope.shape[1]
-    _rotary(MLA_OP, None, cos_sin_cache, r, rope.dtype, width_name="k_pe's width")
+    if r % 2:
+        raise ValueError(f"{MLA_OP}: k_pe: expected an even width (RoPE rotates pairs of dims), got {r}")
+    _rotary(MLA_OP, r, cos_sin_cache, r, rope.dtype)
     _positions(MLA_OP, positions, n, dev, "kv_buffer")
     q_pe, q_nope, q_out, q_scale = _mla_queries(q_pe, q_nope, q_out, q_scale, rope, n, dev)
     if k_pe_out is not None:

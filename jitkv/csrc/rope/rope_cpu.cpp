@@ -187,32 +187,63 @@ inline void group_squares(const float* x, int64_t d, float* g) {
   }
 }
 
-// x[i] = x[i] * C[i] + y[i] * S[i] for i < n, each product rounded before the sum.
-inline void rotate_mul_add(float* x, const float* y, const float* C, const float* S, int64_t n) {
+// x[0, rot) rotated in place: out = x * C + partner(x) * S, each product rounded before the sum; the
+// partner of i is i +- h (NeoX) or i ^ 1 (GPT-J). Both halves of a NeoX pair are loaded before either is
+// stored, so no copy of x is needed.
+inline void rotate(float* x, const float* C, const float* S, int64_t rot, bool neox) {
+  const int64_t h = rot / 2;
   int64_t i = 0;
+  if (neox) {
 #if defined(JITKV_CPU_AVX512)
-  for (; i + 16 <= n; i += 16) {
-    const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(C + i));
-    const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(y + i), _mm512_loadu_ps(S + i));
+    for (; i + 16 <= h; i += 16) {
+      const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + h + i);
+      const __m512 c = _mm512_loadu_ps(C + i), s = _mm512_loadu_ps(S + h + i);  // S: [-s | s]
+      _mm512_storeu_ps(x + i, _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(b, s)));
+      _mm512_storeu_ps(x + h + i, _mm512_add_ps(_mm512_mul_ps(b, c), _mm512_mul_ps(a, s)));
+    }
+#elif defined(JITKV_CPU_AVX2)
+    for (; i + 8 <= h; i += 8) {
+      const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + h + i);
+      const __m256 c = _mm256_loadu_ps(C + i), s = _mm256_loadu_ps(S + h + i);
+      _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_mul_ps(a, c), _mm256_mul_ps(b, s)));
+      _mm256_storeu_ps(x + h + i, _mm256_add_ps(_mm256_mul_ps(b, c), _mm256_mul_ps(a, s)));
+    }
+#endif
+    for (; i < h; ++i) {
+      const float a = x[i], b = x[h + i];
+      x[i] = a * C[i] - b * S[h + i];
+      x[h + i] = b * C[i] + a * S[h + i];
+    }
+    return;
+  }
+#if defined(JITKV_CPU_AVX512)
+  for (; i + 16 <= rot; i += 16) {  // 8 pairs: the partner vector swaps adjacent lanes
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m512 a = _mm512_mul_ps(v, _mm512_loadu_ps(C + i));
+    const __m512 b = _mm512_mul_ps(_mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)), _mm512_loadu_ps(S + i));
     _mm512_storeu_ps(x + i, _mm512_add_ps(a, b));
   }
 #elif defined(JITKV_CPU_AVX2)
-  for (; i + 8 <= n; i += 8) {
-    const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(C + i));
-    const __m256 b = _mm256_mul_ps(_mm256_loadu_ps(y + i), _mm256_loadu_ps(S + i));
+  for (; i + 8 <= rot; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 a = _mm256_mul_ps(v, _mm256_loadu_ps(C + i));
+    const __m256 b = _mm256_mul_ps(_mm256_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)), _mm256_loadu_ps(S + i));
     _mm256_storeu_ps(x + i, _mm256_add_ps(a, b));
   }
 #endif
-  for (; i < n; ++i) x[i] = x[i] * C[i] + y[i] * S[i];
+  for (; i < rot; i += 2) {
+    const float a = x[i], b = x[i + 1];
+    x[i] = a * C[i] + b * S[i];
+    x[i + 1] = b * C[i + 1] + a * S[i + 1];
+  }
 }
 
-// Per-thread scratch: one head (x, its swapped copy y), the norm's group sums, the token's expanded
-// cos/sin (C, S), float32 norm weights, and a rounded head (MLA's fp8_ds_mla rope).
+// Per-thread scratch: one head, the norm's group sums, the token's cos/sin row and its expanded form
+// (C, S), and a rounded head (MLA's fp8_ds_mla rope).
 struct Scratch {
-  std::vector<float> x, y, g, C, S;
+  std::vector<float> x, g, cs, C, S;
   std::vector<uint16_t> half;
-  explicit Scratch(int64_t width, int64_t rot)
-      : x(width), y(rot), g(width / 8 + 8), C(rot), S(rot), half(width) {}
+  explicit Scratch(int64_t width, int64_t rot) : x(width), g(width / 8 + 8), cs(rot), C(rot), S(rot), half(width) {}
 };
 
 // The token's expanded cos/sin row (see the top of this file).
@@ -221,7 +252,7 @@ void expand_cos_sin(const rope::Rotation& r, int64_t t, Scratch& s) {
   const char* row = r.cos_sin + pos * r.cs_stride;
   const SrcKind k = kind_of(r.cs_dtype);
   const int64_t h = r.rot / 2;
-  float* c = s.y.data();  // y is free until the rotation: cos then sin
+  float* c = s.cs.data();  // cos then sin
   load_row(c, k, row, r.rot);
   for (int64_t i = 0; i < h; ++i) {
     const float cv = c[i], sv = c[h + i];
@@ -246,18 +277,7 @@ void transform_head(const rope::Rotation& r, const float* w, float eps, int64_t 
     const float inv = 1.0f / std::sqrt(mean + eps);
     for (int64_t i = 0; i < d; ++i) x[i] = (x[i] * inv) * w[i];
   }
-  const int64_t h = r.rot / 2;
-  float* y = s.y.data();
-  if (r.neox) {
-    std::memcpy(y, x + h, h * 4);
-    std::memcpy(y + h, x, h * 4);
-  } else {
-    for (int64_t i = 0; i < r.rot; i += 2) {
-      y[i] = x[i + 1];
-      y[i + 1] = x[i];
-    }
-  }
-  rotate_mul_add(x, y, s.C.data(), s.S.data(), r.rot);
+  rotate(x, s.C.data(), s.S.data(), r.rot, r.neox);
 }
 
 const cpu::Fp8Format& fp8_of(RopeQ m) { return m == RopeQ::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3; }
