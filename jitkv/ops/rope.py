@@ -13,8 +13,8 @@ from ..codes import FP8_DTYPES, FP8_MAX, KV_FORMATS, NO_SLOT, SRC_DTYPES, KvForm
 from ..jit import JitSpec
 from ._op import Op, jit_function, scale_args
 from ._samples import rand, slots
-from .mla import DS_MLA_ARGS, check_rows, row_view
-from .store_cache import CODE_ARGS, check_kv
+from .mla import DS_MLA_ARGS, check_rows, row_view, set_mla_kv_buffer
+from .store_cache import CODE_ARGS, check_kv, store_cache
 
 __all__ = ["rope_set_mla_kv_buffer", "rope_store_cache"]
 
@@ -556,6 +556,146 @@ def sample_mla(device, gen=None) -> dict:
                 kv_cache_dtype="fp8_ds_mla")
 
 
+# The unfused baselines: what an engine runs without this op, in torch (vLLM's RotaryEmbedding
+# forward_native: the table's rows cast to the model dtype, the halves or pairs rotated in it; HF's
+# Qwen3RMSNorm: float32 variance, rsqrt, weight in the model dtype), then jitkv's own cache writer.
+
+
+def torch_rope(x, positions, cos_sin_cache, is_neox):
+    """x [n, H, R] rotated in its own dtype (a new tensor)."""
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
+    a, b = x.chunk(2, dim=-1) if is_neox else (x[..., ::2], x[..., 1::2])
+    out = (a * cos - b * sin, b * cos + a * sin)
+    return torch.cat(out, dim=-1) if is_neox else torch.stack(out, dim=-1).flatten(-2)
+
+
+def torch_rms_norm(x, weight, eps):
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _mha_unfused(a):
+    """torch (QK-norm,) RoPE on q and k, q written back, then jitkv.store_cache."""
+    q, k = a["q"], a["k"]
+    if a.get("q_norm_weight") is not None:
+        q, k = torch_rms_norm(q, a["q_norm_weight"], 1e-6), torch_rms_norm(k, a["k_norm_weight"], 1e-6)
+    q_rot = torch_rope(q, a["positions"], a["cos_sin_cache"], True)
+    k_rot = torch_rope(k, a["positions"], a["cos_sin_cache"], True)
+    a["q"].copy_(q_rot)
+    scales = {name: a[name] for name in ("kv_cache_dtype", "k_scale", "v_scale") if name in a}
+    store_cache(k_rot, a["v"], a["k_cache"], a["v_cache"], a["slot_mapping"], **scales)
+
+
+def _mla_unfused(a):
+    """torch RoPE on q_pe (written back) and k_pe, then jitkv.set_mla_kv_buffer."""
+    a["q_pe"].copy_(torch_rope(a["q_pe"], a["positions"], a["cos_sin_cache"], False))
+    k_rot = torch_rope(a["k_pe"].unsqueeze(1), a["positions"], a["cos_sin_cache"], False)[:, 0]
+    set_mla_kv_buffer(a["kv_buffer"], a["loc"], a["kv_c"], k_rot, kv_cache_dtype=a["kv_cache_dtype"],
+                      scale=a.get("scale"))
+
+
+# (case, Hq or H, Hk, head dim, QK-norm): the models of the benchmark.
+MHA_MODELS = (("Llama-3-8B", 32, 8, 128, False), ("Qwen3-8B QK-norm", 32, 8, 128, True))
+MLA_HEADS = 128  # DeepSeek-V3: 128 query heads over one 512 + 64 latent row
+
+
+def _mha_args(hq, hk, d, norm, n, num_slots, kv, device="cpu", slot_mapping=None, caches=None):
+    bf16 = torch.bfloat16
+    a = dict(q=rand((n, hq, d), bf16, device), k=rand((n, hk, d), bf16, device), v=rand((n, hk, d), bf16, device),
+             slot_mapping=slots(num_slots, n, device=device) if slot_mapping is None else slot_mapping,
+             positions=torch.randint(0, 4096, (n,), device=device), cos_sin_cache=cos_sin_table(4096, d,
+             device=device), is_neox=True)
+    cache_dtype = bf16 if kv == "auto" else torch.float8_e4m3fn
+    a["k_cache"], a["v_cache"] = caches or (rand((num_slots, hk, d), cache_dtype, device) for _ in "kv")
+    if norm:
+        a.update(q_norm_weight=rand((d,), bf16, device), k_norm_weight=rand((d,), bf16, device))
+    if kv != "auto":
+        a.update(kv_cache_dtype=kv, k_scale=0.5, v_scale=0.25)
+    return a
+
+
+def _mla_args(n, num_slots, kv, device="cpu", buf=None):
+    bf16 = torch.bfloat16
+    width = 656 if kv == "fp8_ds_mla" else 576
+    a = dict(kv_buffer=buf if buf is not None else rand((num_slots, width), bf16 if kv == "auto" else torch.uint8,
+                                                        device),
+             loc=slots(num_slots, n, device=device), kv_c=rand((n, 512), bf16, device), k_pe=rand((n, 64), bf16, device),
+             positions=torch.randint(0, 4096, (n,), device=device), cos_sin_cache=cos_sin_table(4096, 64,
+             device=device), is_neox=False, q_pe=rand((n, MLA_HEADS, 64), bf16, device), kv_cache_dtype=kv)
+    if kv == "fp8_e4m3":
+        a["scale"] = 0.5
+    return a
+
+
+def _mha_bytes(a) -> int:
+    """q read and written, k and v read, their cache rows written."""
+    q, k, v, kc = a["q"], a["k"], a["v"], a["k_cache"]
+    return q.numel() * 4 + (k.numel() + v.numel()) * (2 + kc.element_size())
+
+
+def _mla_bytes(a) -> int:
+    n = a["loc"].numel()
+    return a["q_pe"].numel() * 4 + n * (576 * 2 + a["kv_buffer"].shape[1] * a["kv_buffer"].element_size())
+
+
+def _bench_cpu(h) -> list:
+    """Llama-3-8B and Qwen3-8B (QK-norm) K/V into bf16 and e4m3 caches, DeepSeek MLA into bf16 and
+    fp8_ds_mla rows: torch's unfused composition (the baseline) against the fused op."""
+    rows = []
+    for case, hq, hk, d, norm in MHA_MODELS:
+        for kv in ("auto", "fp8_e4m3"):
+            for n in h.sizes((1, 133, 4096)):
+                a = _mha_args(hq, hk, d, norm, n, 8192, kv)
+                rows += h.rows(OP, f"{case} bf16 -> {'bf16' if kv == 'auto' else 'e4m3'}", n, _mha_bytes(a), [
+                    ("torch unfused + jitkv store_cache", lambda: _mha_unfused(a)),
+                    ("jitkv jit", lambda: rope_store_cache(**a))])
+    for kv in ("auto", "fp8_ds_mla"):
+        for n in h.sizes((1, 133, 1024)):
+            a = _mla_args(n, 8192, kv)
+            rows += h.rows(MLA_OP, f"DeepSeek H{MLA_HEADS} 512+64 bf16 -> {kv}", n, _mla_bytes(a), [
+                ("torch unfused + jitkv set_mla_kv_buffer", lambda: _mla_unfused(a)),
+                ("jitkv jit", lambda: rope_set_mla_kv_buffer(**a))])
+    return rows
+
+
+ROPE_NS = (1, 8, 32, 128, 512, 2048, 16384)
+
+
+def _bench_gpu(h, ns=ROPE_NS) -> list:
+    """The CPU cases on CUDA under graph replay, per layer its own caches (2^16 slots) and sources: the
+    unfused composition (torch RoPE, then jitkv's writer), then the op on each backend it has (Triton
+    and torch until the CUDA kernel lands)."""
+    rows, slots_per_layer = [], 1 << 16
+    for case, hq, hk, d, norm in MHA_MODELS:
+        for kv in ("auto", "fp8_e4m3"):
+            cache_dtype = torch.bfloat16 if kv == "auto" else torch.float8_e4m3fn
+            caches = [tuple(rand((slots_per_layer, hk, d), cache_dtype, "cuda") for _ in "kv")
+                      for _ in range(h.layers)]
+            for n in h.sizes(ns):
+                args = [_mha_args(hq, hk, d, norm, n, slots_per_layer, kv, "cuda", caches=caches[i])
+                        for i in range(h.layers)]
+                cases = [("torch unfused + jitkv store_cache", lambda i: _mha_unfused(args[i]))]
+                cases += [(f"jitkv {b}", lambda i, b=b: rope_store_cache(**args[i], backend=b))
+                          for b in ROPE_STORE_CACHE.order["cuda"]]
+                rows += h.rows(OP, f"{case} bf16 -> {'bf16' if kv == 'auto' else 'e4m3'}", n, _mha_bytes(args[0]),
+                               cases)
+                del args
+            del caches
+    for kv in ("auto", "fp8_e4m3"):
+        width, dtype = (576, torch.bfloat16) if kv == "auto" else (576, torch.uint8)
+        bufs = [rand((slots_per_layer, width), dtype, "cuda") for _ in range(h.layers)]
+        for n in h.sizes(ns):
+            args = [_mla_args(n, slots_per_layer, kv, "cuda", buf=bufs[i]) for i in range(h.layers)]
+            cases = [("torch unfused + jitkv set_mla_kv_buffer", lambda i: _mla_unfused(args[i]))]
+            cases += [(f"jitkv {b}", lambda i, b=b: rope_set_mla_kv_buffer(**args[i], backend=b))
+                      for b in ROPE_SET_MLA_KV_BUFFER.order["cuda"]]
+            rows += h.rows(MLA_OP, f"DeepSeek H{MLA_HEADS} 512+64 bf16 -> {kv}", n, _mla_bytes(args[0]), cases)
+            del args
+        del bufs
+    return rows
+
+
 ROPE_STORE_CACHE = Op(rope_store_cache, schema=(
     "(Tensor(a!) q, Tensor k, Tensor v, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, "
     "Tensor positions, Tensor cos_sin_cache, *, bool is_neox, int? rotary_dim=None, Tensor? q_norm_weight=None, "
@@ -563,8 +703,8 @@ ROPE_STORE_CACHE = Op(rope_store_cache, schema=(
     "Tensor(e!)? k_out=None, str kv_cache_dtype=\"auto\", Scale? k_scale=None, Scale? v_scale=None, "
     "Tensor? loc_map=None, int? skip_slot=None)"),
     home="k_cache", check=check, debug_check=debug_check, variant=variant, variant_type=Variant, specs=specs,
-    reference=reference.rope_store_cache, triton="rope_store_cache_triton", sample=sample,
-    backends={"cuda": ("triton", "torch")})
+    reference=reference.rope_store_cache, triton="rope_store_cache_triton", sample=sample, bench_cpu=_bench_cpu,
+    bench_gpu=_bench_gpu, backends={"cuda": ("triton", "torch")})  # the benchmark cases of both ops
 ROPE_STORE_CACHE.backend("jit")(_jit)
 
 ROPE_SET_MLA_KV_BUFFER = Op(rope_set_mla_kv_buffer, schema=(
