@@ -77,10 +77,9 @@ def copy_gbps(nbytes=2 << 30) -> float:
 def latency_floor_spec(arch: str):
     """The benchmark-only CUDA module of ``latency_floor_us``."""
     from jitkv.jit import JitSpec  # noqa: PLC0415
-    from jitkv.ops.mla import DS_MLA_ARGS  # noqa: PLC0415  (the fp8 floors use the MLA writers' conversions)
 
-    return JitSpec("latency_floor_cuda", ("benchmark/latency_floor_cuda.cu",), args=DS_MLA_ARGS,
-                   target=arch, exports=("latency_floor", "latency_floor_e4m3", "latency_floor_ds_mla"))
+    return JitSpec("latency_floor_cuda", ("benchmark/latency_floor_cuda.cu",), target=arch,
+                   exports=("latency_floor", "latency_floor_e4m3", "latency_floor_ds_mla"))
 
 
 def latency_floor_us(bufs, kernel="latency_floor", args=(), repeats=3) -> float:

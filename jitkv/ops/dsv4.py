@@ -195,10 +195,8 @@ def _gather_variant(out, k_cache, seq_lens, gather_lens, block_table, block_size
 
 
 def cuda_spec(arch: str) -> JitSpec:
-    """The CUDA module of both ops, built for the record of jitkv/codes.py."""
-    record = (("dsv4_head_dim", Dsv4.HEAD_DIM), ("dsv4_nope", Dsv4.NOPE), ("dsv4_group", Dsv4.GROUP),
-              ("dsv4_scale_bytes", Dsv4.SCALE_BYTES))
-    return JitSpec("dsv4_cuda", ("dsv4/dsv4_cuda.cu",), args=record, target=arch, exports=(WRITE_OP, GATHER_OP))
+    """The CUDA module of both ops, built for the record of jitkv/codes.py (codes.Dsv4)."""
+    return JitSpec("dsv4_cuda", ("dsv4/dsv4_cuda.cu",), target=arch, exports=(WRITE_OP, GATHER_OP))
 
 
 def specs(target: str) -> list[JitSpec]:

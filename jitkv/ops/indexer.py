@@ -236,17 +236,12 @@ def _gather_variant(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_
 
 # ------------------------------------------------------------------------------------------- jit
 
-_LAYOUT_ARGS = (("head_dim", Indexer.HEAD_DIM), ("scale_bytes", Indexer.SCALE_BYTES), ("fp8_max", Indexer.FP8_MAX),
-                ("amax_min", Indexer.AMAX_MIN))
-
-
 def cpu_spec() -> JitSpec:
-    return JitSpec("indexer_cpu", ("indexer/indexer_k_cache_cpu.cpp",), args=_LAYOUT_ARGS, exports=(WRITE_OP, GATHER_OP))
+    return JitSpec("indexer_cpu", ("indexer/indexer_k_cache_cpu.cpp",), exports=(WRITE_OP, GATHER_OP))
 
 
 def cuda_spec(arch: str) -> JitSpec:
-    return JitSpec("indexer_cuda", ("indexer/indexer_k_cache_cuda.cu",), args=_LAYOUT_ARGS, target=arch,
-                   exports=(WRITE_OP, GATHER_OP))
+    return JitSpec("indexer_cuda", ("indexer/indexer_k_cache_cuda.cu",), target=arch, exports=(WRITE_OP, GATHER_OP))
 
 
 def specs(target: str) -> list[JitSpec]:

@@ -206,14 +206,8 @@ def variant(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scale, s
 
 # ------------------------------------------------------------------------------------------- jit
 
-# The fp8_ds_mla record's layout, build arguments of the modules with fp8 writers (and of the
-# benchmark's latency floors, which use their conversions).
-DS_MLA_ARGS = (("dsmla_nope", DsMla.NOPE), ("dsmla_rope", DsMla.ROPE), ("dsmla_tile", DsMla.TILE),
-               ("dsmla_scales", DsMla.SCALE_OFFSET), ("dsmla_rope_at", DsMla.ROPE_OFFSET), ("dsmla_bytes", DsMla.BYTES))
-
-
 def cpu_spec() -> JitSpec:
-    return JitSpec("mla_cpu", ("mla/set_mla_kv_buffer_cpu.cpp",), args=DS_MLA_ARGS, exports=(OP, FP8_ENTRY))
+    return JitSpec("mla_cpu", ("mla/set_mla_kv_buffer_cpu.cpp",), exports=(OP, FP8_ENTRY))
 
 
 def cuda_spec(arch: str, nope_bytes: int, rope_bytes: int, *, kernel: str = "auto", pdl: bool = True,
@@ -225,11 +219,11 @@ def cuda_spec(arch: str, nope_bytes: int, rope_bytes: int, *, kernel: str = "aut
     dependent launch."""
     kernels = MlaFp8Kernel if kv_format else MlaKernel
     args = (("nope_bytes", nope_bytes), ("rope_bytes", rope_bytes), ("kernel", int(kernels[kernel.upper()])),
-            ("pdl", int(pdl)), ("kv_format", int(kv_format)))
+            ("pdl", int(pdl)))
     if kv_format:
-        args += (("src_dtype", int(src_dtype)), *DS_MLA_ARGS)
-    return JitSpec("mla_cuda", ("mla/set_mla_kv_buffer_cuda.cu",), args=args, target=arch,
-                   exports=(FP8_ENTRY,) if kv_format else (OP,))
+        args += (("kv_format", int(kv_format)), ("src_dtype", int(src_dtype)))
+        return JitSpec("mla_cuda", ("mla/set_mla_kv_buffer_fp8_cuda.cu",), args=args, target=arch, exports=(FP8_ENTRY,))
+    return JitSpec("mla_cuda", ("mla/set_mla_kv_buffer_cuda.cu",), args=args, target=arch, exports=(OP,))
 
 
 # Byte layouts prebuilt for CUDA: DeepSeek/Kimi bf16 512+64, fp8 528+128 and 512+64; quantizing bf16

@@ -206,20 +206,14 @@ def variant(out, kv_cache, block_table, cu_seq_lens, seq_starts, kv_cache_dtype,
 # ------------------------------------------------------------------------------------------- jit
 
 
-def _layout_args() -> tuple:
-    """The fp8_ds_mla record layout as build arguments (every module parses it)."""
-    return (("ds_nope", DsMla.NOPE), ("ds_rope", DsMla.ROPE), ("ds_tile", DsMla.TILE),
-            ("ds_scale_at", DsMla.SCALE_OFFSET), ("ds_rope_at", DsMla.ROPE_OFFSET), ("ds_record", DsMla.BYTES))
-
-
 def cpu_spec() -> JitSpec:
-    return JitSpec("mla_gather_cpu", ("mla_gather/gather_mla_cache_cpu.cpp",), args=_layout_args(), exports=(OP,))
+    return JitSpec("mla_gather_cpu", ("mla_gather/gather_mla_cache_cpu.cpp",), exports=(OP,))
 
 
 def cuda_spec(arch: str, kv_format: int, out_row_bytes: int) -> JitSpec:
     """The CUDA module for one format (a KvFormat) and output rows of ``out_row_bytes``."""
     return JitSpec("mla_gather_cuda", ("mla_gather/gather_mla_cache_cuda.cu",),
-                   args=(("format", int(kv_format)), ("out_bytes", out_row_bytes), *_layout_args()), target=arch,
+                   args=(("format", int(kv_format)), ("out_bytes", out_row_bytes)), target=arch,
                    exports=(OP,))
 
 

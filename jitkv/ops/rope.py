@@ -13,8 +13,8 @@ from ..codes import FP8_DTYPES, FP8_MAX, KV_FORMATS, NO_SLOT, SRC_DTYPES, KvForm
 from ..jit import JitSpec
 from ._op import Op, jit_function, scale_args
 from ._samples import rand, slots
-from .mla import DS_MLA_ARGS, check_rows, row_view, set_mla_kv_buffer
-from .store_cache import CODE_ARGS, check_kv, store_cache
+from .mla import check_rows, row_view, set_mla_kv_buffer
+from .store_cache import check_kv, store_cache
 
 __all__ = ["rope_set_mla_kv_buffer", "rope_store_cache"]
 
@@ -471,8 +471,7 @@ def variant_mla(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q
 def cpu_spec() -> JitSpec:
     """Both ops' CPU module. -ffp-contract=off: RoPE's products are rounded before the sum
     (docs/design.md §9), so no multiply-add may be contracted."""
-    return JitSpec("rope_cpu", ("rope/rope_cpu.cpp",), args=(*CODE_ARGS, *DS_MLA_ARGS), cflags=("-ffp-contract=off",),
-                   exports=(OP, MLA_OP))
+    return JitSpec("rope_cpu", ("rope/rope_cpu.cpp",), cflags=("-ffp-contract=off",), exports=(OP, MLA_OP))
 
 
 def specs(target: str) -> list[JitSpec]:

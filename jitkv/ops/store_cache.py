@@ -239,12 +239,8 @@ def _head_bytes_any_layout(k, k_cache, v, v_cache) -> tuple[int, int]:
 COPY_ENTRY = "store_cache_copy"  # the binding's kv_cache_dtype "auto" entry point: 7 arguments instead of 12
 
 
-# The cache format codes, build arguments of every store_cache module (store_cache.cuh).
-CODE_ARGS = (("copy_code", int(KvFormat.COPY)), ("e4m3_code", int(KvFormat.E4M3)), ("e5m2_code", int(KvFormat.E5M2)))
-
-
 def cpu_spec() -> JitSpec:
-    return JitSpec("store_cache_cpu", ("store_cache/store_cache_cpu.cpp",), args=CODE_ARGS, exports=(OP, COPY_ENTRY))
+    return JitSpec("store_cache_cpu", ("store_cache/store_cache_cpu.cpp",), exports=(OP, COPY_ENTRY))
 
 
 def cuda_spec(arch: str, k_head_bytes: int, v_head_bytes: int, src_dtype: int, kv_format: int, *,
@@ -254,7 +250,7 @@ def cuda_spec(arch: str, k_head_bytes: int, v_head_bytes: int, src_dtype: int, k
     ``kv_format`` (a KvFormat); ``pdl=False`` launches without programmatic dependent launch."""
     return JitSpec("store_cache_cuda", ("store_cache/store_cache_cuda.cu",),
                    args=(("k_head_bytes", k_head_bytes), ("v_head_bytes", v_head_bytes), ("src_dtype", int(src_dtype)),
-                         ("kv_dtype", int(kv_format)), *CODE_ARGS, ("pdl", int(pdl))),
+                         ("kv_dtype", int(kv_format)), ("pdl", int(pdl))),
                    target=arch, exports=(OP, COPY_ENTRY))
 
 

@@ -6,33 +6,34 @@
 //    writer launch at n = 1.
 //  - latency_floor_e4m3: the same thread with one fp8 conversion on the way: the device scale loaded
 //    with the slot and the 8 bf16 values, then x / scale -> e4m3 -> 8 bytes stored. `exact` divides as
-//    the MLA writers do (their quantize_vec); otherwise x * rcp.approx(scale), which no exact division
-//    undercuts (it needs the reciprocal and the product at the least).
+//    the latency writers do (jitkv/cuda/fp8.cuh quantize8 with Divider); otherwise x * rcp.approx(scale),
+//    which no exact division undercuts (it needs the reciprocal and the product at the least).
 //  - latency_floor_ds_mla: one warp quantizing two 128-value tiles of an fp8_ds_mla record (lanes
 //    0-15 and 16-31, 8 bf16 values each): each lane's largest magnitude (NaN not left out), a
 //    redux.sync max per tile, the tile scale amax / 448, the division, the 8-byte stores and lane 0's
-//    two scales. `exact` as the MLA writer (its ds_mla_scale and quantize_vec); otherwise amax *
-//    (1 / 448) and x * rcp.approx(scale): less than any writer of the record must do.
+//    two scales. `exact` as the MLA writer (jitkv/cuda/fp8.cuh amax_scale, quantize8 with Divider);
+//    otherwise amax * (1 / 448) and x * rcp.approx(scale): less than any writer of the record must do.
 // Each fp8 floor does no more than the contract demands of its write, so a jitkv kernel cannot run
-// below it, and a target under it is beyond the hardware. The module is built with the fp8_ds_mla
-// layout's arguments (jitkv/ops/mla.py DS_MLA_ARGS), which the MLA family's header needs.
+// below it, and a target under it is beyond the hardware.
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
 #include <cstdint>
 
 #include "jitkv/check.h"
+#include "jitkv/codes.h"
 #include "jitkv/cuda/fp8.cuh"
 #include "jitkv/cuda/launch.cuh"
-#include "mla/set_mla_kv_buffer.cuh"
+#include "jitkv/cuda/vec.cuh"
 
 namespace {
 
 using jitkv::data_ptr;
+using jitkv::codes::DsMla;
+using jitkv::codes::KvFormat;
+using jitkv::codes::SrcDtype;
 using jitkv::cuda::Divider;
 using jitkv::cuda::load;
-using jitkv::mla::KvFormat;
-using jitkv::mla::Src16;
 using tvm::ffi::TensorView;
 
 __global__ void latency_floor_kernel(const int64_t* loc, const uint4* src, char* dst, int64_t row_bytes,
@@ -51,21 +52,12 @@ __device__ __forceinline__ float rcp_approx(float s) {
   return r;
 }
 
-// The 8 bf16 values of v divided by the scale (kExact: as the MLA writers, d.quick(x); else x * r), as 8
+// The 8 bf16 values of v divided by the scale (kExact: as the latency writers, d(x); else x * r), as 8
 // e4m3 bytes.
 template <bool kExact>
 __device__ __forceinline__ uint2 quantize8(const uint4& v, const Divider& d, float r) {
-  if constexpr (kExact) return jitkv::mla::quantize_vec<Src16::kBF16, KvFormat::kE4M3>(v, d);
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  float q[8];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const float2 x = jitkv::mla::Src16Traits<Src16::kBF16>::pair(w[k]);
-    q[2 * k] = x.x * r;
-    q[2 * k + 1] = x.y * r;
-  }
-  return make_uint2(jitkv::mla::fp8x4<KvFormat::kE4M3>(q[0], q[1], q[2], q[3]),
-                    jitkv::mla::fp8x4<KvFormat::kE4M3>(q[4], q[5], q[6], q[7]));
+  if constexpr (kExact) return jitkv::cuda::quantize8<SrcDtype::kBF16, KvFormat::kE4M3>(v, d);
+  return jitkv::cuda::quantize8<SrcDtype::kBF16, KvFormat::kE4M3>(v, [r](float x) { return x * r; });
 }
 
 template <bool kExact>
@@ -93,8 +85,8 @@ __global__ void latency_floor_e4m3_kernel(const int64_t* loc, const uint4* src, 
 // A tile's scale from its amax (bf16 bits): kExact as the MLA writer, max(RN(amax / 448), FLT_MIN).
 template <bool kExact>
 __device__ __forceinline__ float tile_scale(uint32_t amax) {
-  if constexpr (kExact) return jitkv::mla::ds_mla_scale<Src16::kBF16>(amax);
-  return __uint_as_float(amax << 16) * (1.0f / jitkv::mla::DsMla::kFp8Max);
+  if constexpr (kExact) return jitkv::cuda::amax_scale<SrcDtype::kBF16>(amax, DsMla::kFP8Max);
+  return __uint_as_float(amax << 16) * (1.0f / DsMla::kFP8Max);
 }
 
 template <bool kExact>

@@ -1,6 +1,7 @@
-// tvm-ffi binding of the DeepSeek-V4 FP8 K cache kernels (dsv4.cuh): checks every argument, builds the
-// kernel's parameter block and launches on the caller's current stream of the cache's device
-// (jitkv/cuda/launch.cuh: PDL from sm_90, device guard). Empty work returns without a launch.
+// tvm-ffi binding of the DeepSeek-V4 FP8 K cache kernels (write.cuh, gather.cuh): checks every argument,
+// builds the kernel's parameter block (params.h) and launches on the caller's current stream of the
+// cache's device (jitkv/cuda/launch.cuh: PDL from sm_90, device guard). Empty work returns without a
+// launch. The record is codes::Dsv4; the module has no template arguments.
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/extra/c_env_api.h>
@@ -9,8 +10,11 @@
 
 #include <cstdint>
 
-#include "dsv4/dsv4.cuh"
+#include "dsv4/gather.cuh"
+#include "dsv4/params.h"
+#include "dsv4/write.cuh"
 #include "jitkv/check.h"
+#include "jitkv/cuda/launch.cuh"
 
 namespace {
 

@@ -12,7 +12,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "indexer/indexer_k_cache.cuh"
+#include "indexer/params.h"
+#include "indexer/parse.h"
 #include "jitkv/cpu/fp8.h"
 #include "jitkv/cpu/isa.h"
 #include "jitkv/cpu/scatter.h"

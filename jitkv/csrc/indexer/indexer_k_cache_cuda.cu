@@ -1,28 +1,31 @@
-// tvm-ffi binding of the indexer K cache ops on CUDA: parses and checks the arguments
-// (indexer_k_cache.cuh), refuses views the vector kernels cannot take, picks the kernel and the launch
-// shape, and launches on the caller's current stream (jitkv/cuda/launch.cuh: PDL from sm_90, device
-// guard).
-//
-// Template arguments (JitSpec args, from jitkv/layouts.py): JITKV_HEAD_DIM, JITKV_SCALE_BYTES,
-// JITKV_FP8_MAX, JITKV_AMAX_MIN.
+// tvm-ffi binding of the indexer K cache ops on CUDA: parses and checks the arguments (parse.h),
+// refuses views the vector kernels cannot take, picks the kernel (kernels.cuh) and the launch shape, and
+// launches on the caller's current stream (jitkv/cuda/launch.cuh: PDL from sm_90, device guard). The
+// record is codes::Indexer; the module has no template arguments.
 //
 // The kernels move 16-byte vectors: k rows, cache blocks and dst_k rows must be 16-byte aligned (base
 // and stride), dst_scale rows 4-byte aligned. ops/indexer.py dispatches other views to the Triton
 // kernels from the arguments (recorded in backend_info and warned about once); called directly, the
 // binding refuses them with a ValueError.
 //
-// Launch shapes: the writer runs a grid of exactly ceil(n / 2) warps (half a warp per token), 4 warps
-// per block up to 8 warps per SM and 8 beyond, the choice set_mla_kv_buffer's latency kernel measured
-// for the same one-warp-per-row pattern; the gather runs 4-warp CTAs of 16 tokens over dst_k.shape[0].
+// Launch shapes: the writer runs a grid of exactly ceil(n / 2) warps (half a warp per token) in blocks
+// of jitkv/cuda/launch.cuh latency_warps_per_block, the choice set_mla_kv_buffer's latency kernel
+// measured for the same one-warp-per-row pattern; the gather runs 4-warp CTAs of 16 tokens over
+// dst_k.shape[0].
 // python -m jitkv.benchmark --op indexer re-measures both.
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
-#include "indexer/indexer_k_cache.cuh"
+#include "indexer/kernels.cuh"
+#include "indexer/params.h"
+#include "indexer/parse.h"
+#include "jitkv/codes.h"
+#include "jitkv/cuda/launch.cuh"
 
 namespace {
 
 using namespace jitkv::indexer;
+using jitkv::codes::SrcDtype;
 using jitkv::cuda::DeviceInfo;
 using tvm::ffi::TensorView;
 
@@ -44,12 +47,12 @@ void require_aligned(const char* op, const char* name, const void* base, int64_t
                             << "-byte aligned base and row stride";
 }
 
-template <bool kF16, typename TIdx>
+template <SrcDtype kSrc, typename TIdx>
 cudaError_t launch_write(const WriteParams& p, const DeviceInfo& info, cudaStream_t stream) {
   const int64_t warps = (p.n + 1) / 2;
-  const int per_block = warps <= 8 * static_cast<int64_t>(info.sms) ? 4 : 8;
+  const int per_block = jitkv::cuda::latency_warps_per_block(warps, info.sms);
   const auto blocks = static_cast<unsigned>((warps + per_block - 1) / per_block);
-  return jitkv::cuda::launch(indexer_write_kernel<kF16, TIdx>, dim3(blocks), dim3(32 * per_block), stream,
+  return jitkv::cuda::launch(indexer_write_kernel<kSrc, TIdx>, dim3(blocks), dim3(32 * per_block), stream,
                              info.pdl(), p);
 }
 
@@ -66,9 +69,11 @@ void indexer_k_quant_and_cache(TensorView k, TensorView kv_cache, TensorView slo
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
   cudaError_t err;
   if (p.k_f16) {
-    err = p.slot_i64 ? launch_write<true, int64_t>(p, info, stream) : launch_write<true, int32_t>(p, info, stream);
+    err = p.slot_i64 ? launch_write<SrcDtype::kF16, int64_t>(p, info, stream)
+                     : launch_write<SrcDtype::kF16, int32_t>(p, info, stream);
   } else {
-    err = p.slot_i64 ? launch_write<false, int64_t>(p, info, stream) : launch_write<false, int32_t>(p, info, stream);
+    err = p.slot_i64 ? launch_write<SrcDtype::kBF16, int64_t>(p, info, stream)
+                     : launch_write<SrcDtype::kBF16, int32_t>(p, info, stream);
   }
   jitkv::cuda::check_launch(kWriteOp, err);
 }

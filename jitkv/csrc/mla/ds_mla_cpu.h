@@ -9,7 +9,7 @@
 
 #include "jitkv/cpu/fp8.h"
 #include "jitkv/cpu/row_copy.h"
-#include "mla/set_mla_kv_buffer.cuh"
+#include "mla/parse.h"
 
 namespace jitkv {
 namespace mla {
@@ -20,7 +20,7 @@ inline void write_ds_mla(char* dst, cpu::SrcKind kind, const char* nope, const c
   float scales[DsMla::kTiles];
   for (int t = 0; t < DsMla::kTiles; ++t) {
     const char* x = nope + 2 * t * DsMla::kTile;
-    scales[t] = std::max(cpu::abs_max(kind, x, DsMla::kTile) / DsMla::kFp8Max, FLT_MIN);
+    scales[t] = std::max(cpu::abs_max(kind, x, DsMla::kTile) / DsMla::kFP8Max, FLT_MIN);
     cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst) + t * DsMla::kTile, kind, x, DsMla::kTile, scales[t],
                       cpu::kFp8E4M3, nt && DsMla::kTile % 64 == 0);
   }

@@ -15,7 +15,7 @@
 #include "jitkv/cpu/row_copy.h"
 #include "jitkv/cpu/scatter.h"
 #include "mla/ds_mla_cpu.h"
-#include "mla/set_mla_kv_buffer.cuh"
+#include "mla/parse.h"
 
 namespace jitkv {
 namespace {

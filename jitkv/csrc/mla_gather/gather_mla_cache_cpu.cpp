@@ -2,7 +2,7 @@
 // dequantized to bf16.
 //
 // Algorithm: parse + validate (gather_mla_cache.cuh, its host part); check cu_seq_lens serially
-// (non-decreasing, rows inside out: ValueError / IndexError before any write, as the reference does
+// (non-decreasing, rows inside out: ValueError before any write, as the reference does
 // on CPU); then one pass over the output rows, OpenMP above a payload threshold: each row finds its
 // entry with the same rule as the CUDA kernel (entry_offset) and is copied (row_copy.h) or
 // dequantized (cpu/dequant.h: fp8 -> fp32 exactly, times the scale in fp32, rounded to bf16 nearest
@@ -15,7 +15,9 @@
 #include "jitkv/cpu/isa.h"
 #include "jitkv/cpu/row_copy.h"
 #include "jitkv/cpu/scatter.h"
-#include "mla_gather/gather_mla_cache.cuh"
+#include "mla_gather/entry.h"
+#include "mla_gather/params.h"
+#include "mla_gather/parse.h"
 
 namespace jitkv {
 namespace {
@@ -33,19 +35,19 @@ void write_row(const GatherParams& p, char* dst, int64_t off, const float* table
   auto* d = reinterpret_cast<uint16_t*>(dst);
   const auto* s = reinterpret_cast<const uint8_t*>(src);
   switch (p.format) {
-    case kCopy:
+    case KvFormat::kCopy:
       cpu::copy_seg(dst, src, p.out_row_bytes, false);
       break;
-    case kDsMla:
+    case KvFormat::kDsMla:
       for (int t = 0; t < DsMla::kNope / DsMla::kTile; ++t) {
         float tile_scale;
-        std::memcpy(&tile_scale, src + DsMla::kScaleAt + 4 * t, 4);
+        std::memcpy(&tile_scale, src + DsMla::kScaleOffset + 4 * t, 4);
         cpu::dequant(d + t * DsMla::kTile, s + t * DsMla::kTile, DsMla::kTile, cpu::Fp8Kind::kE4M3, table, tile_scale);
       }
-      std::memcpy(d + DsMla::kNope, src + DsMla::kRopeAt, 2 * DsMla::kRope);
+      std::memcpy(d + DsMla::kNope, src + DsMla::kRopeOffset, 2 * DsMla::kRope);
       break;
     default:
-      cpu::dequant(d, s, p.out_row_bytes / 2, p.format == kFp8E5M2 ? cpu::Fp8Kind::kE5M2 : cpu::Fp8Kind::kE4M3,
+      cpu::dequant(d, s, p.out_row_bytes / 2, p.format == KvFormat::kE5M2 ? cpu::Fp8Kind::kE5M2 : cpu::Fp8Kind::kE4M3,
                    table, scale);
   }
 }
@@ -87,7 +89,7 @@ void gather_mla_cache_cpu(TensorView out, TensorView kv_cache, TensorView block_
     TVM_FFI_THROW(ValueError) << kOp << ": scale: must be finite and > 0, got " << s;
   }
   static const cpu::Fp8Table e4m3(cpu::Fp8Kind::kE4M3), e5m2(cpu::Fp8Kind::kE5M2);
-  const float* table = (p.format == kFp8E5M2 ? e5m2 : e4m3).v;
+  const float* table = (p.format == KvFormat::kE5M2 ? e5m2 : e4m3).v;
   const int threads = cpu::threads_for(p.rows * p.out_row_bytes);
   cpu::for_rows(p.rows, threads, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {

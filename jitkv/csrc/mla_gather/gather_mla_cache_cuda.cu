@@ -1,16 +1,16 @@
-// tvm-ffi binding of gather_mla_cache on CUDA: parses and checks the arguments (gather_mla_cache.cuh),
-// checks them against the module's template arguments and launches on the caller's current stream
-// (jitkv/cuda/launch.cuh: PDL from sm_90, device guard).
+// tvm-ffi binding of gather_mla_cache on CUDA: parses and checks the arguments (parse.h), checks them
+// against the module's template arguments and launches the kernel (gather.cuh) on the caller's current
+// stream (jitkv/cuda/launch.cuh: PDL from sm_90, device guard).
 //
-// Template arguments (JitSpec args): JITKV_FORMAT, the kv_cache_dtype code this module reads (0 copy,
-// 1 fp8_e4m3, 2 fp8_e5m2, 3 fp8_ds_mla); JITKV_OUT_BYTES, the output row in bytes (a multiple of 16);
-// JITKV_DS_*, the fp8_ds_mla record layout (jitkv/layouts.py).
+// Template arguments (JitSpec args): JITKV_FORMAT, the codes::KvFormat this module reads (copy, e4m3,
+// e5m2, fp8_ds_mla: the codes::DsMla record); JITKV_OUT_BYTES, the output row in bytes (a multiple of
+// 16).
 //
 // The grid covers out.shape[0] rows (never cu_seq_lens[num_reqs], which lives on the device): one warp
 // per kTok rows, kWarps warps per CTA, at most 2^31 - 1 CTAs (the kernel's grid-stride loop takes any
-// rest). Launch constants (gather_mla_cache.cuh): 4 warps of 2 rows, chosen by the register budget, as
-// the DSv4 gather's measured best: 32-40 registers (ptxas, sm_90a), so 12-16 CTAs and 2 x 1152 bytes
-// in flight per warp, far above what hides DRAM latency at full bandwidth.
+// rest). Launch constants (gather.cuh): 4 warps of 2 rows, chosen by the register budget, as the DSv4
+// gather's measured best: 32-40 registers (ptxas, sm_90a), so 12-16 CTAs and 2 x 1152 bytes in flight
+// per warp, far above what hides DRAM latency at full bandwidth.
 // python -m jitkv.benchmark --op gather_mla_cache times them against a contiguous copy of the same
 // bytes (16 requests x 4096 tokens of 576 bf16, copied and from fp8_ds_mla).
 #include <tvm/ffi/extra/c_env_api.h>
@@ -18,11 +18,11 @@
 
 #include <algorithm>
 
-#include "mla_gather/gather_mla_cache.cuh"
-
-#if !defined(JITKV_FORMAT) || !defined(JITKV_OUT_BYTES)
-#error "gather_mla_cache_cuda.cu needs -DJITKV_FORMAT and -DJITKV_OUT_BYTES"
-#endif
+#include "jitkv/codes.h"
+#include "jitkv/cuda/launch.cuh"
+#include "mla_gather/gather.cuh"
+#include "mla_gather/params.h"
+#include "mla_gather/parse.h"
 
 namespace {
 
@@ -31,9 +31,9 @@ using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
 
 constexpr const char* kOp = "gather_mla_cache";
-constexpr int kFormat = JITKV_FORMAT;
+constexpr KvFormat kFormat = static_cast<KvFormat>(JITKV_FORMAT);
 constexpr int kOutBytes = JITKV_OUT_BYTES;
-static_assert(kFormat >= kCopy && kFormat <= kDsMla, "JITKV_FORMAT: 0 copy, 1 fp8_e4m3, 2 fp8_e5m2, 3 fp8_ds_mla");
+static_assert(JITKV_FORMAT >= 0 && JITKV_FORMAT <= 3, "JITKV_FORMAT: a codes::KvFormat");
 static_assert(kOutBytes > 0 && kOutBytes % 16 == 0, "JITKV_OUT_BYTES: whole 16-byte vectors");
 
 uint64_t u(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr); }
@@ -53,7 +53,7 @@ void check_module(const GatherParams& p) {
   if ((u(p.out) | u(p.out_row_stride)) % 16 != 0) {
     TVM_FFI_THROW(ValueError) << kOp << ": out: the CUDA kernel needs a 16-byte aligned data pointer and row stride";
   }
-  const uint64_t in_align = kFormat == kFp8E4M3 || kFormat == kFp8E5M2 ? 8 : 16;
+  const uint64_t in_align = kFormat == KvFormat::kE4M3 || kFormat == KvFormat::kE5M2 ? 8 : 16;
   if ((u(p.cache) | u(p.block_stride) | u(p.token_stride)) % in_align != 0) {
     TVM_FFI_THROW(ValueError) << kOp << ": kv_cache: the CUDA kernel needs a " << in_align
                               << "-byte aligned data pointer, block stride and token stride";

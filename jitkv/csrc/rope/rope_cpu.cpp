@@ -1,6 +1,6 @@
 // rope on CPU: rope_store_cache (MHA/GQA) and rope_set_mla_kv_buffer (MLA), docs/design.md §9.
 //
-// Algorithm: parse (rope.cuh); check every position, then resolve every slot (skip rules, loc_map,
+// Algorithm: parse (parse.h); check every position, then resolve every slot (skip rules, loc_map,
 // IndexError before any write); then one pass over the tokens. Per token: its cos/sin row, expanded to
 // rot values (NeoX: [c | c] and [-s | s]; GPT-J: c and -s, s per pair), so that a rotation is
 // out = x * C + swap(x) * S, each product rounded before the sum (the module is built with
@@ -21,7 +21,7 @@
 #include "jitkv/cpu/row_copy.h"
 #include "jitkv/cpu/scatter.h"
 #include "mla/ds_mla_cpu.h"
-#include "rope/rope.cuh"
+#include "rope/parse.h"
 
 namespace jitkv {
 namespace {
@@ -39,6 +39,10 @@ constexpr int64_t kRopeWeight = 4;
 
 SrcKind kind_of(DLDataType d) {
   return d.code == kDLBfloat ? SrcKind::kBF16 : d.bits == 16 ? SrcKind::kF16 : SrcKind::kF32;
+}
+
+SrcKind kind_of(codes::SrcDtype d) {
+  return d == codes::SrcDtype::kBF16 ? SrcKind::kBF16 : d == codes::SrcDtype::kF16 ? SrcKind::kF16 : SrcKind::kF32;
 }
 
 // ------------------------------------------------------------------------ float32 conversions
@@ -142,10 +146,16 @@ inline float fold8(const float* s) {
   return (a0 + a2) + (a1 + a3);
 }
 
-// g[0, count) summed by halves, padded with zeros to a power of two (adding +0 is exact); g is scratch.
+inline int64_t pow2_at_least(int64_t n) {
+  int64_t p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
+// g[0, count) summed by halves, padded with zeros to a power of two (adding +0 is exact); g is scratch of
+// pow2_at_least(count) values.
 inline float fold_by_halves(float* g, int64_t count) {
-  int64_t width = 1;
-  while (width < count) width *= 2;
+  int64_t width = pow2_at_least(count);
   for (int64_t i = count; i < width; ++i) g[i] = 0.0f;
   for (; width > 1; width /= 2) {
     for (int64_t j = 0; j < width / 2; ++j) g[j] = g[j] + g[j + width / 2];
@@ -243,7 +253,8 @@ inline void rotate(float* x, const float* C, const float* S, int64_t rot, bool n
 struct Scratch {
   std::vector<float> x, g, cs, C, S;
   std::vector<uint16_t> half;
-  explicit Scratch(int64_t width, int64_t rot) : x(width), g(width / 8 + 8), cs(rot), C(rot), S(rot), half(width) {}
+  explicit Scratch(int64_t width, int64_t rot)
+      : x(width), g(pow2_at_least(width / 8)), cs(rot), C(rot), S(rot), half(width) {}
 };
 
 // The token's expanded cos/sin row (see the top of this file).
@@ -319,7 +330,7 @@ std::vector<int64_t> destinations(const char* op, const char* name, const IdxT* 
   return dest;
 }
 
-std::vector<float> weight_f32(const void* w, DLDataType dt, int64_t d) {
+std::vector<float> weight_f32(const void* w, codes::SrcDtype dt, int64_t d) {
   std::vector<float> out;
   if (w != nullptr) {
     out.resize(d);
@@ -342,8 +353,8 @@ void store_token(const rope::StoreParams& p, const float* qw, const float* kw, i
   const auto& kv = p.kv;
   const int64_t d = kv.k_head_dim, src_es = elem_bytes(kv.src_dtype);
   const SrcKind src = kind_of(kv.src_dtype);
-  const bool fp8_kv = kv.kv_dtype != store_cache::Fp8::kNone;
-  const cpu::Fp8Format& kv_fmt = kv.kv_dtype == store_cache::Fp8::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3;
+  const bool fp8_kv = kv.kv_dtype != codes::KvFormat::kCopy;
+  const cpu::Fp8Format& kv_fmt = kv.kv_dtype == codes::KvFormat::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3;
   expand_cos_sin(p.rot, t, s);
   const bool q_fp8 = rope::q_is_fp8(p.q.mode);
   const float q_scale = p.q.scale_ptr ? *p.q.scale_ptr : p.q.scale;
@@ -415,7 +426,7 @@ void mla_token(const rope::MlaParams& p, int64_t t, int64_t slot, Scratch& s) {
   const auto& kv = p.kv;
   const int64_t es = elem_bytes(kv.dtype), r = p.rot.rot, nope = kv.nope_bytes / es;
   const SrcKind src = kind_of(kv.dtype);
-  const auto format = static_cast<mla::KvFormat>(kv.kv_format);
+  const codes::KvFormat format = kv.kv_format;
   expand_cos_sin(p.rot, t, s);
   if (p.q.mode != RopeQ::kNone) {
     const bool q_fp8 = rope::q_is_fp8(p.q.mode), in_place = p.q.mode == RopeQ::kInPlace;
@@ -444,14 +455,14 @@ void mla_token(const rope::MlaParams& p, int64_t t, int64_t slot, Scratch& s) {
   if (slot < 0) return;
   char* dst = kv.dst + slot * kv.dst_row_stride;
   const char* kv_c = kv.nope + t * kv.nope_row_stride;
-  if (format == mla::KvFormat::kCopy) {
+  if (format == codes::KvFormat::kCopy) {
     cpu::copy_seg(dst, kv_c, kv.nope_bytes, false);
     store_row(dst + kv.nope_bytes, src, s.x.data(), r);
-  } else if (format == mla::KvFormat::kDsMla) {
+  } else if (format == codes::KvFormat::kDsMla) {
     store_row(reinterpret_cast<char*>(s.half.data()), src, s.x.data(), r);
     mla::write_ds_mla(dst, src, kv_c, reinterpret_cast<const char*>(s.half.data()), false);
   } else {
-    const cpu::Fp8Format& fmt = format == mla::KvFormat::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3;
+    const cpu::Fp8Format& fmt = format == codes::KvFormat::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3;
     const float scale = kv.scale_ptr ? *kv.scale_ptr : kv.scale;
     cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst), src, kv_c, nope, scale, fmt, false);
     cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst) + nope, SrcKind::kF32, s.x.data(), r, scale, fmt, false);

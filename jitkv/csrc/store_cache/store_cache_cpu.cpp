@@ -13,12 +13,12 @@
 #include "jitkv/cpu/isa.h"
 #include "jitkv/cpu/row_copy.h"
 #include "jitkv/cpu/scatter.h"
-#include "store_cache/store_cache.cuh"
+#include "store_cache/parse.h"
 
 namespace jitkv {
 namespace {
 
-using store_cache::Fp8;
+using codes::KvFormat;
 using store_cache::Side;
 using store_cache::StoreCacheParams;
 
@@ -102,7 +102,7 @@ void write_rows(const SideRows& k, const SideRows& v, const cpu::RowSlot* rows, 
 }
 
 void write_all(const StoreCacheParams& p, const SideRows& k, const SideRows& v, const cpu::RowSlot* rows, int64_t m) {
-  const bool quantize = p.kv_dtype != Fp8::kNone;
+  const bool quantize = p.kv_dtype != KvFormat::kCopy;
   const int64_t src_bytes = m * (k.segs * k.src_seg_bytes + v.segs * v.src_seg_bytes);
   const int64_t dst_bytes = quantize ? m * p.num_heads * (p.k_head_dim + p.v_head_dim) : src_bytes;
   const int threads = cpu::threads_for(quantize ? kQuantizeWeight * src_bytes : src_bytes);
@@ -113,7 +113,7 @@ void write_all(const StoreCacheParams& p, const SideRows& k, const SideRows& v, 
                [nt](const SideRows& r, int64_t row, int64_t slot) { copy_side(r, row, slot, nt); });
     return;
   }
-  const cpu::Fp8Format& fmt = p.kv_dtype == Fp8::kE4M3 ? cpu::kFp8E4M3 : cpu::kFp8E5M2;
+  const cpu::Fp8Format& fmt = p.kv_dtype == KvFormat::kE4M3 ? cpu::kFp8E4M3 : cpu::kFp8E5M2;
   const cpu::SrcKind kind = p.src_dtype.code == kDLBfloat ? cpu::SrcKind::kBF16
                             : p.src_dtype.bits == 16      ? cpu::SrcKind::kF16
                                                           : cpu::SrcKind::kF32;
@@ -139,21 +139,21 @@ int64_t store_cache_cpu(TensorView k, TensorView v, TensorView k_cache, TensorVi
   const StoreCacheParams p = store_cache::parse_params(kOp, k, v, k_cache, v_cache, slot_mapping, loc_map, skip_slot,
                                                        kv_cache_dtype, k_scale, v_scale, k_scale_value,
                                                        v_scale_value);
-  if (p.n == 0) return store_cache::kDone;
+  if (p.n == 0) return store_cache::status(codes::Status::kDone);
 
   cpu::RowSlotBuffer buf(p.n);
   const int64_t m = p.slot_i64 ? resolve<int64_t>(p, buf.data()) : resolve<int32_t>(p, buf.data());
-  if (m == 0) return store_cache::kDone;
+  if (m == 0) return store_cache::status(codes::Status::kDone);
 
   const int64_t src_es = elem_bytes(p.src_dtype), dst_es = elem_bytes(k_cache.dtype());
   SideRows ks = side_rows(p.k, p.num_heads, p.k_head_dim, src_es, dst_es);
   SideRows vs = side_rows(p.v, p.num_heads, p.v_head_dim, src_es, dst_es);
-  if (p.kv_dtype != Fp8::kNone) {
+  if (p.kv_dtype != KvFormat::kCopy) {
     ks.scale = p.k.scale_ptr ? *p.k.scale_ptr : p.k.scale;
     vs.scale = p.v.scale_ptr ? *p.v.scale_ptr : p.v.scale;
   }
   write_all(p, ks, vs, buf.data(), m);
-  return store_cache::kDone;
+  return store_cache::status(codes::Status::kDone);
 }
 
 }  // namespace

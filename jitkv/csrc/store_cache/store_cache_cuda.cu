@@ -1,4 +1,4 @@
-// tvm-ffi binding of store_cache on CUDA: parses and checks the arguments (store_cache.cuh), checks them
+// tvm-ffi binding of store_cache on CUDA: parses and checks the arguments (parse.h), checks them
 // against this module's template arguments, picks the vector width, the kernel and the launch shape,
 // and launches on the caller's current stream (jitkv/cuda/launch.cuh: PDL from sm_90, device guard).
 //
@@ -9,15 +9,16 @@
 //       picked per call (16, 8, 4, 2 or 1 bytes). Python picks the build from the head bytes
 //       (ops/store_cache.py, _cuda_variant); a 16-byte build given a less aligned view returns
 //       kNeedsAnyAlignment before launching, and the op dispatches the any-alignment build.
-//   JITKV_SRC_DTYPE  0: plain byte copy (kv_cache_dtype "auto", any dtype); 1 bf16, 2 fp16, 3 fp32
-//       (sources quantized to fp8).
-//   JITKV_KV_DTYPE   the cache format's code (jitkv/layouts.py FP8_CODES; see store_cache.cuh).
+//   JITKV_SRC_DTYPE  a codes::SrcDtype: none for a plain byte copy (kv_cache_dtype "auto", any dtype);
+//       bf16, fp16 or fp32 (sources quantized to fp8).
+//   JITKV_KV_DTYPE   the cache format, a codes::KvFormat: copy, e4m3 or e5m2.
 //   JITKV_PDL        0 launches without programmatic dependent launch (tests).
 // Launch shape: one warp per (token, chunk[, side]); the latency kernel in blocks of 4 or 8 warps
 // (jitkv/cuda/launch.cuh latency_warps_per_block), the bulk kernel in blocks of 1, 2, 4 or 8 warps so
-// that its grid spreads over the SMs first. Each build holds two kernels (store_cache.cuh): the latency
+// that its grid spreads over the SMs first. Each build holds two kernels (kernels.cuh): the latency
 // kernel while its warps per token side fit in kLatencyWarpsPerSM per SM, the bulk kernel beyond; a
-// 16-byte build also holds the row kernels, the latency kernel's form for the calls use_row_kernel takes.
+// 16-byte build also holds the row kernels (row.cuh), the latency kernel's form for the calls
+// use_row_kernel takes.
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
@@ -26,16 +27,18 @@
 #include <cstring>
 #include <initializer_list>
 
-#include "store_cache/store_cache.cuh"
-
-#if !defined(JITKV_K_HEAD_BYTES) || !defined(JITKV_V_HEAD_BYTES) || !defined(JITKV_SRC_DTYPE) || \
-    !defined(JITKV_KV_DTYPE) || !defined(JITKV_PDL)
-#error "store_cache_cuda.cu needs -DJITKV_K_HEAD_BYTES, _V_HEAD_BYTES, _SRC_DTYPE, _KV_DTYPE and _PDL"
-#endif
+#include "jitkv/codes.h"
+#include "jitkv/cuda/launch.cuh"
+#include "jitkv/cuda/paged.cuh"
+#include "store_cache/kernels.cuh"
+#include "store_cache/params.h"
+#include "store_cache/parse.h"
+#include "store_cache/row.cuh"
 
 namespace {
 
 using namespace jitkv::store_cache;
+using jitkv::codes::Status;
 using jitkv::cuda::DeviceInfo;
 using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
@@ -43,31 +46,30 @@ using tvm::ffi::TensorView;
 constexpr const char* kOp = "store_cache";
 constexpr int kKHeadBytes = JITKV_K_HEAD_BYTES;
 constexpr int kVHeadBytes = JITKV_V_HEAD_BYTES;
-constexpr SrcType kSrc = static_cast<SrcType>(JITKV_SRC_DTYPE);
-constexpr Fp8 kFp8 = static_cast<Fp8>(JITKV_KV_DTYPE);
+constexpr SrcDtype kSrc = static_cast<SrcDtype>(JITKV_SRC_DTYPE);
+constexpr KvFormat kFmt = static_cast<KvFormat>(JITKV_KV_DTYPE);
 constexpr bool kGeneric = kKHeadBytes == 0;
 constexpr bool kPdl = JITKV_PDL != 0;
-constexpr int kRatio = src_ratio(kSrc, kFp8);
+constexpr int kRatio = src_ratio(kSrc, kFmt);
 static_assert((kKHeadBytes == 0) == (kVHeadBytes == 0), "K and V are both specialised or both generic");
 static_assert(kKHeadBytes % 16 == 0 && kVHeadBytes % 16 == 0, "specialised head bytes must be multiples of 16");
-static_assert(kFp8 == Fp8::kNone || kFp8 == Fp8::kE4M3 || kFp8 == Fp8::kE5M2, "JITKV_KV_DTYPE: an FP8_CODES value");
+static_assert(kFmt == KvFormat::kCopy || kFmt == KvFormat::kE4M3 || kFmt == KvFormat::kE5M2,
+              "JITKV_KV_DTYPE: codes::KvFormat copy, e4m3 or e5m2");
 
-// Latency kernels while n x chunks (x 2 sides for fp8) stays within this many warps per SM. NVIDIA
-// H100, H=8 D=128, CUDA-graph replay (python -m jitkv.benchmark --op store_cache): bf16 latency vs
-// bulk kernel n = 1024 4.4 vs 4.9 us, 2048 7.3 vs 7.9, 4096 13.4 vs 13.4 (256 warps per SM: 13.6);
-// e4m3 n = 4096 10.4 vs 13.4 us, 16,384 35.9 vs 38.8.
-constexpr int64_t kLatencyWarpsPerSM = kFp8 == Fp8::kNone ? 64 : 256;
+// Latency kernels while n x chunks (x 2 sides for fp8) stays within this many warps per SM, the bulk
+// kernel beyond: the crossovers measured for copies and for fp8 (docs/performance.md
+// "kLatencyWarpsPerSM").
+constexpr int64_t kLatencyWarpsPerSM = kFmt == KvFormat::kCopy ? 64 : 256;
 
 // Destination bytes per lane of the row kernels: 16 for copies; fp8 builds convert 8 values per lane
-// (twice the warps, half of each warp's conversion chain). NVIDIA H100, bf16 -> e4m3 H8 D128, same run:
-// n = 1 / 4 / 16 / 64 at 16 bytes 0.96 / 1.01 / 1.04 / 1.12 us, 8 bytes 0.93 / 0.93 / 0.98 / 1.07,
-// 4 bytes 0.96 / 0.96 / 1.05 / 1.09.
-constexpr int kRowVec = kFp8 == Fp8::kNone ? 16 : 8;
+// (twice the warps, half of each warp's conversion chain), faster than 16 or 4 (docs/performance.md
+// "kRowVec").
+constexpr int kRowVec = kFmt == KvFormat::kCopy ? 16 : 8;
 
-SrcType src_type_of(DLDataType d) {
-  if (d.code == kDLBfloat) return SrcType::kBF16;
-  if (d.code == kDLFloat && d.bits == 16) return SrcType::kF16;
-  return SrcType::kF32;
+SrcDtype src_type_of(DLDataType d) {
+  if (d.code == kDLBfloat) return SrcDtype::kBF16;
+  if (d.code == kDLFloat && d.bits == 16) return SrcDtype::kF16;
+  return SrcDtype::kF32;
 }
 
 // Largest power of two <= 16 dividing every value (0 divides into anything).
@@ -99,18 +101,16 @@ int pick_vec(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_head_byt
   return static_cast<int>(vec);
 }
 
-bool is_pow2(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
-
 // The call against this module's template arguments and the kernels' limits.
 void check_module(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_head_bytes, int vec) {
   if (p.device.device_type != kDLCUDA) {
     TVM_FFI_THROW(ValueError) << kOp << ": k_cache: expected a CUDA tensor, got " << jitkv::device_str(p.device);
   }
-  if (p.kv_dtype != kFp8) {
+  if (p.kv_dtype != kFmt) {
     TVM_FFI_THROW(ValueError) << kOp << ": kv_cache_dtype: this module was built for JITKV_KV_DTYPE="
                               << JITKV_KV_DTYPE << ", got " << static_cast<int>(p.kv_dtype);
   }
-  if (kFp8 != Fp8::kNone && src_type_of(p.src_dtype) != kSrc) {
+  if (kFmt != KvFormat::kCopy && src_type_of(p.src_dtype) != kSrc) {
     TVM_FFI_THROW(ValueError) << kOp << ": k: this module was built for JITKV_SRC_DTYPE=" << JITKV_SRC_DTYPE
                               << ", got dtype " << p.src_dtype;
   }
@@ -125,34 +125,26 @@ void check_module(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_hea
                               << " elements are too large for the CUDA kernel";
   }
   for (const Side* s : {&p.k, &p.v}) {
-    if (!is_pow2(s->block_size) && s->num_slots > int64_t(UINT32_MAX)) {
+    if (!jitkv::cuda::block_division_exact(s->block_size, s->num_slots)) {
       TVM_FFI_THROW(ValueError) << kOp << ": k_cache: a block_size that is not a power of two (" << s->block_size
                                 << ") needs fewer than 2^32 slots, got " << s->num_slots;
     }
   }
 }
 
-// Division of a slot by block_size as (umulhi(slot, magic) + slot) >> shift (round-up method:
-// shift = ceil(log2(block_size)), magic = floor(2^32 (2^shift - block_size) / block_size) + 1). Exact
-// for slots < 2^32; for a power of two magic is 1, umulhi is 0 and the shift is exact for any slot.
-void set_block_division(Side& s) {
-  int32_t shift = 0;
-  while ((int64_t(1) << shift) < s.block_size) ++shift;
-  s.block_shift = shift;
-  s.block_magic =
-      static_cast<uint32_t>((((uint64_t(1) << shift) - uint64_t(s.block_size)) << 32) / uint64_t(s.block_size) + 1);
-}
-
-// The fields of a side only the CUDA kernels read: vectors of `vec` bytes per head and row, the block division.
+// The fields of a side only the CUDA kernels read: vectors of `vec` bytes per head and row, the block
+// division (jitkv/cuda/paged.cuh).
 void set_kernel_fields(Side& s, int64_t heads, int64_t head_bytes, int vec) {
   s.head_vecs = static_cast<int32_t>(head_bytes / vec);
   s.row_vecs = static_cast<int32_t>(heads * head_bytes / vec);
-  set_block_division(s);
+  const jitkv::cuda::BlockDivision d = jitkv::cuda::block_division(s.block_size);
+  s.block_magic = d.magic;
+  s.block_shift = d.shift;
 }
 
 // Warps per token: chunks of 32 * unroll destination vectors over the longer of the K and V rows.
 int64_t chunks_per_token(const StoreCacheParams& p, bool bulk) {
-  const int64_t chunk = 32 * chunk_unroll(kSrc, kFp8, bulk);
+  const int64_t chunk = 32 * chunk_unroll(kSrc, kFmt, bulk);
   return (std::max(p.k.row_vecs, p.v.row_vecs) + chunk - 1) / chunk;
 }
 
@@ -161,10 +153,10 @@ using Kernel = void (*)(StoreCacheArgs);
 // The kernel for kVec-byte vectors: fp8 builds also hold kernels that divide each head by its own scale.
 template <int kVec, bool kBulk>
 Kernel kernel(bool per_head) {
-  if constexpr (kFp8 != Fp8::kNone) {
-    if (per_head) return store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, kBulk, true>;
+  if constexpr (kFmt != KvFormat::kCopy) {
+    if (per_head) return store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFmt, kBulk, true>;
   }
-  return store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFp8, kBulk, false>;
+  return store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFmt, kBulk, false>;
 }
 
 // Heads of one side back to back in its source and its cache rows (or a single head).
@@ -197,20 +189,14 @@ bool fits_row_fp8_args(const StoreCacheParams& p) {
          p.num_heads <= UINT16_MAX && fits_offset(p.k.src, p.v.src) && fits_offset(p.k.dst, p.v.dst);
 }
 
-// The latency calls a row kernel takes in a 16-byte build (store_cache.cuh, row kernels): no loc_map, one
-// scale per side or contiguous per-head scales, dense rows, one block size for K and V. Measured on an
-// NVIDIA H100, H8 D128 flat caches, CUDA-graph replay, same run (python -m jitkv.benchmark --op
-// store_cache), latency kernel vs row kernel: bf16 n = 1 / 4 / 16 / 64 / 256 0.99 / 1.01 / 1.03 / 1.11 /
-// 1.46 us vs 0.88 / 0.87 / 0.94 / 1.02 / 1.26; bf16 -> e4m3 n = 1 / 4 / 16 / 64 1.06 / 1.09 / 1.13 /
-// 1.18 vs 0.95 / 0.95 / 1.01 / 1.12.
-// RowArgs with 64-bit strides and skip_slot (96 bytes flat, 120 paged) vs its 32/16-bit form (64, 88),
-// same run (a build of each form; no benchmark row keeps the wider one): bf16 n = 1 / 2 / 4 / 16 / 64
-// 0.947 / 0.922 / 0.950 / 0.980 / 1.020 vs 0.865 / 0.879 / 0.898 / 0.909 / 1.019; paged (block_size
-// 16) n = 1 / 64 1.002 / 1.066 vs 0.913 / 1.023. fp8 builds take RowFp8Args (store_cache.cuh).
+// The latency calls a row kernel takes in a 16-byte build (row.cuh): no loc_map, one scale per side or
+// contiguous per-head scales, dense rows, one block size for K and V; the row kernel is faster than the
+// latency kernel there, and its 32/16-bit block than one with 64-bit strides and skip_slot
+// (docs/performance.md "use_row_kernel", "RowArgs"). fp8 builds take RowFp8Args (row.cuh).
 bool use_row_kernel(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_head_bytes) {
   return p.loc_map == nullptr && p.k.scale_stride <= 1 && p.v.scale_stride <= 1 && p.same_blocks &&
          dense_rows(p, p.k, k_head_bytes) && dense_rows(p, p.v, v_head_bytes) && fits_row_args(p) &&
-         (kFp8 == Fp8::kNone || fits_row_fp8_args(p));
+         (kFmt == KvFormat::kCopy || fits_row_fp8_args(p));
 }
 
 // One scale of RowFp8Args: the pointer (| 2 for per-head scales), or the value's bits << 32 | 1.
@@ -263,8 +249,8 @@ RowFp8Args fp8_row_args(const StoreCacheParams& p) {
 // A row kernel's parameter block from the call's, and its launch.
 template <bool kPaged, typename TSlot>
 cudaError_t launch_row(const StoreCacheParams& p, dim3 grid, dim3 block, cudaStream_t stream, bool pdl) {
-  RowArgsOf<kPaged, kFp8 != Fp8::kNone> a{};
-  if constexpr (kFp8 != Fp8::kNone) {
+  RowArgsOf<kPaged, kFmt != KvFormat::kCopy> a{};
+  if constexpr (kFmt != KvFormat::kCopy) {
     static_cast<RowFp8Args&>(a) = fp8_row_args(p);
   } else {
     static_cast<RowArgs&>(a) = copy_row_args(p);
@@ -275,7 +261,7 @@ cudaError_t launch_row(const StoreCacheParams& p, dim3 grid, dim3 block, cudaStr
     a.block_magic = p.k.block_magic;
     a.block_shift = p.k.block_shift;
   }
-  return jitkv::cuda::launch(store_cache_row_kernel<kKHeadBytes, kVHeadBytes, kRowVec, kSrc, kFp8, kPaged, TSlot>,
+  return jitkv::cuda::launch(store_cache_row_kernel<kKHeadBytes, kVHeadBytes, kRowVec, kSrc, kFmt, kPaged, TSlot>,
                              grid, block, stream, pdl, a);
 }
 
@@ -285,7 +271,7 @@ template <int kVec>
 cudaError_t launch(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_head_bytes, const DeviceInfo& info,
                    cudaStream_t stream) {
   const bool bulk = p.n * chunks_per_token(p, false) > kLatencyWarpsPerSM * info.sms;
-  const unsigned sides = split_sides(kFp8, kKHeadBytes, kVHeadBytes, bulk) ? 2u : 1u;
+  const unsigned sides = split_sides(kFmt, kKHeadBytes, kVHeadBytes, bulk) ? 2u : 1u;
   const bool pdl = kPdl && info.pdl();
   if constexpr (!kGeneric) {
     if (!bulk && use_row_kernel(p, k_head_bytes, v_head_bytes)) {
@@ -318,12 +304,12 @@ int64_t store_cache(TensorView k, TensorView v, TensorView k_cache, TensorView v
                     double v_scale_value) {
   StoreCacheParams p = parse_params(kOp, k, v, k_cache, v_cache, slot_mapping, loc_map, skip_slot, kv_cache_dtype,
                                     k_scale, v_scale, k_scale_value, v_scale_value);
-  const int64_t cache_elem = p.kv_dtype == Fp8::kNone ? jitkv::elem_bytes(p.src_dtype) : 1;
+  const int64_t cache_elem = p.kv_dtype == KvFormat::kCopy ? jitkv::elem_bytes(p.src_dtype) : 1;
   const int64_t k_head_bytes = p.k_head_dim * cache_elem, v_head_bytes = p.v_head_dim * cache_elem;
   const int vec = pick_vec(p, k_head_bytes, v_head_bytes);
   check_module(p, k_head_bytes, v_head_bytes, vec);
-  if (!kGeneric && vec != 16) return kNeedsAnyAlignment;
-  if (p.n == 0) return kDone;
+  if (!kGeneric && vec != 16) return status(Status::kNeedsAnyAlignment);
+  if (p.n == 0) return status(Status::kDone);
   set_kernel_fields(p.k, p.num_heads, k_head_bytes, vec);
   set_kernel_fields(p.v, p.num_heads, v_head_bytes, vec);
   const int device = p.device.device_id;
@@ -341,7 +327,7 @@ int64_t store_cache(TensorView k, TensorView v, TensorView k_cache, TensorView v
     err = launch<16>(p, k_head_bytes, v_head_bytes, info, stream);  // any other width returned kNeedsAnyAlignment above
   }
   jitkv::cuda::check_launch(kOp, err);
-  return kDone;
+  return status(Status::kDone);
 }
 
 }  // namespace

@@ -295,12 +295,13 @@ def test_accesses_before_pdl_wait_finds_a_hoisted_load():
 def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
     """The Hopper kernels (the MLA fp8 writers included, and the benchmark's latency-floor kernel) compile
     with no GPU present (CI has nvcc, no GPU), and a process without nvcc finds them intact. In their SASS
-    no kernel touches global memory before its PDL wait (jitkv/cuda/launch.cuh: ptxas may hoist a
+    no kernel touches global memory before its PDL wait (jitkv/cuda/vec.cuh load: ptxas may hoist a
     non-coherent load above it)."""
     _need_nvcc()
     cuobjdump = _cuobjdump()
     if cuobjdump is None and os.environ.get("JITKV_REQUIRE_NVCC"):
         pytest.fail("JITKV_REQUIRE_NVCC is set but cuobjdump was not found (pip install nvidia-cuda-cuobjdump)")
+    from jitkv.codes import KvFormat  # noqa: PLC0415
     from jitkv.prebuild import specs_for  # noqa: PLC0415
 
     monkeypatch.setenv("JITKV_CACHE_DIR", str(tmp_path))
@@ -309,8 +310,8 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
         first_per_op.setdefault(spec.op, spec)
     # store_cache's any-alignment (head bytes 0) and fp8 builds besides the first (a 16-byte copy)
     more_store = [s for s in specs_for("9.0a") if s.op == "store_cache_cuda" and
-                  (dict(s.args)["k_head_bytes"] == 0 or dict(s.args)["kv_dtype"] != dict(s.args)["copy_code"])]
-    mla_fp8 = [s for s in specs_for("9.0a") if s.op == "mla_cuda" and dict(s.args)["kv_format"]]  # e4m3, fp8_ds_mla
+                  (dict(s.args)["k_head_bytes"] == 0 or dict(s.args)["kv_dtype"] != KvFormat.COPY)]
+    mla_fp8 = [s for s in specs_for("9.0a") if s.op == "mla_cuda" and dict(s.args).get("kv_format")]  # e4m3, fp8_ds_mla
     assert set(first_per_op) == {"mla_cuda", "store_cache_cuda", "dsv4_cuda", "indexer_cuda", "mla_gather_cuda"}
     assert len(more_store) >= 2 and len(mla_fp8) == 2
     from jitkv.benchmark.gpu import latency_floor_spec  # noqa: PLC0415

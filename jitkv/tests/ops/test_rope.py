@@ -99,10 +99,10 @@ def test_matrix(device, backend, is_neox, rot, norm, cs_dtype, q_out, kv, per_he
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
 @pytest.mark.parametrize("src", [torch.float16, torch.float32])
 @pytest.mark.parametrize("kv", ["auto", "fp8_e5m2"])
-@pytest.mark.parametrize("d,rot", [(128, 128), (128, 64), (80, 48), (72, 72), (40, 8)])
+@pytest.mark.parametrize("d,rot", [(128, 128), (128, 64), (80, 48), (72, 72), (40, 8), (136, 64)])
 def test_dtypes_and_head_dims(device, backend, src, kv, d, rot):
-    """fp16/fp32 sources, head dims that are not powers of two (80, 72, 40: vector tails), partial rotary,
-    the norm where D allows it, e5m2 caches and an fp8 q_out."""
+    """fp16/fp32 sources, head dims that are not powers of two (80, 72, 40, 136: vector tails; 136: 17 norm
+    groups, padded to 32), partial rotary, the norm where D allows it, e5m2 caches and an fp8 q_out."""
     kw = _mha(device, src=src, d=d, rot=rot, kv=kv, norm=d % 8 == 0, q_out=E5M2 if kv != "auto" else None)
     kw["is_neox"] = d != 72
     _run_mha(backend, kw)

@@ -3,8 +3,8 @@
 // rotated K with V (rope_store_cache), or the MLA row [kv_c | rope(k_pe)] (rope_set_mla_kv_buffer),
 // written as store_cache / set_mla_kv_buffer write them.
 //
-// The family's parameter blocks and their parser, shared by the CPU binding (rope_cpu.cpp) and the CUDA
-// binding to come. The Python check (jitkv/ops/rope.py) names every argument first and hands over the
+// The argument parser, shared by the CPU binding (rope_cpu.cpp) and the CUDA binding to come (the
+// parameter blocks: params.h). The Python check (jitkv/ops/rope.py) names every argument first and hands over the
 // normalized views: q, q_out, k, k_out [n', H, D]; v [n', Hk, Dv]; caches [num_blocks, block_size, Hk,
 // D]; MLA rows 2-D; q_pe, q_nope, q_out [n', H, width]. This parser re-checks what the kernels' memory
 // accesses rely on (ranks, sizes, dtypes, devices, contiguous last dims), reusing the store_cache and
@@ -20,39 +20,11 @@
 
 #include "jitkv/check.h"
 #include "jitkv/codes.h"
-#include "mla/set_mla_kv_buffer.cuh"
-#include "store_cache/store_cache.cuh"
+#include "mla/parse.h"
+#include "rope/params.h"
+#include "store_cache/parse.h"
 
 namespace jitkv::rope {
-
-using codes::RopeQ;
-
-// Rows of one tensor, [n', H, W] (2-D rows: one head, stride_head 0). Strides in bytes.
-struct Rows {
-  char* ptr;
-  int64_t stride_token, stride_head;
-};
-
-// The rotation every token shares: its position's row of the cos/sin table.
-struct Rotation {
-  const void* positions;
-  bool pos_i64;
-  int64_t max_pos;
-  const char* cos_sin;  // [max_pos, rot]: cos half then sin half
-  int64_t cs_stride;    // bytes
-  DLDataType cs_dtype;  // float32 or the sources' dtype
-  int64_t rot;          // rotary dim (even)
-  bool neox;            // NeoX halves, else GPT-J pairs
-};
-
-// The queries: rotated from src into dst (dst == src in place) as mode says.
-struct Queries {
-  RopeQ mode;
-  Rows src, dst;
-  int64_t heads;
-  const float* scale_ptr;  // fp8 q_out: a 1-element float32 tensor, or nullptr: scale
-  float scale;
-};
 
 struct StoreParams {
   store_cache::StoreCacheParams kv;  // K (rotated), V and the caches
@@ -61,7 +33,7 @@ struct StoreParams {
   Rows k_out;  // ptr nullptr: none
   const void* q_norm;
   const void* k_norm;  // nullptr: no norm
-  DLDataType norm_dtype;
+  codes::SrcDtype norm_dtype;  // of both weights
   float eps;
 };
 
@@ -79,6 +51,11 @@ inline bool is_float_dtype(DLDataType d) {
 }
 
 inline bool is_f32(DLDataType d) { return d.code == kDLFloat && d.bits == 32 && d.lanes == 1; }
+
+// A float dtype (is_float_dtype) as its code.
+inline codes::SrcDtype src_dtype(DLDataType d) {
+  return d.code == kDLBfloat ? codes::SrcDtype::kBF16 : d.bits == 16 ? codes::SrcDtype::kF16 : codes::SrcDtype::kF32;
+}
 
 inline void require(bool ok, const char* op, const char* name, const char* what) {
   if (!ok) TVM_FFI_THROW(ValueError) << op << ": " << name << ": " << what;
@@ -127,7 +104,7 @@ inline Rotation parse_rotation(const char* op, const TensorView& positions, cons
   r.max_pos = cos_sin_cache.size(0);
   r.cos_sin = data_ptr(cos_sin_cache);
   r.cs_stride = cos_sin_cache.stride(0) * elem_bytes(cos_sin_cache.dtype());
-  r.cs_dtype = cos_sin_cache.dtype();
+  r.cs_dtype = src_dtype(cos_sin_cache.dtype());
   r.rot = rot;
   r.neox = neox;
   return r;
@@ -195,7 +172,8 @@ inline StoreParams parse_store(const char* op, const TensorView& q, const Tensor
   p.k_out = k_out.has_value() ? rows3(op, "k_out", k_out.value(), p.kv.num_heads, d, n, src, dev, "k_cache")
                               : Rows{nullptr, 0, 0};
   p.q_norm = p.k_norm = nullptr;
-  p.norm_dtype = src;
+  p.norm_dtype = src_dtype(src);
+  DLDataType norm_dtype = src;
   for (const auto& [name, w, out] : {std::tuple{"q_norm_weight", &q_norm_weight, &p.q_norm},
                                      std::tuple{"k_norm_weight", &k_norm_weight, &p.k_norm}}) {
     if (!w->has_value()) continue;
@@ -204,8 +182,9 @@ inline StoreParams parse_store(const char* op, const TensorView& q, const Tensor
     require(t.ndim() == 1 && t.size(0) == d && d % 8 == 0 && (t.size(0) < 2 || t.stride(0) == 1), op, name,
             "expected a contiguous [head_dim] weight, head_dim a multiple of 8");
     require(is_f32(t.dtype()) || t.dtype() == src, op, name, "expected dtype float32 or the queries'");
-    require(*out == nullptr || p.norm_dtype == t.dtype(), op, name, "expected the dtype of q_norm_weight");
-    p.norm_dtype = t.dtype();
+    require(*out == nullptr || norm_dtype == t.dtype(), op, name, "expected the dtype of q_norm_weight");
+    norm_dtype = t.dtype();
+    p.norm_dtype = src_dtype(t.dtype());
     *out = data_ptr(t);
   }
   p.eps = static_cast<float>(eps);
