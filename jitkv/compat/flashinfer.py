@@ -175,7 +175,8 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
         given = q_rope_out if q_rope_out is not None else q_nope_out
         quantize_dtype = given.dtype if given is not None else torch.float8_e4m3fn
     if quantize_dtype not in _FORMATS:
-        raise ValueError(f"{op}: quantize_dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {quantize_dtype}")
+        raise ValueError(f"{op}: quantize_dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got "
+                         f"{quantize_dtype}")
     mla = k_rope.dim() == 2
     if q_nope is None:
         q_nope = q_rope.new_empty(*q_rope.shape[:-1], 0)

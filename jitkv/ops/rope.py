@@ -303,7 +303,9 @@ def debug_check(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cach
                 k_norm_weight, eps, q_out, q_scale, k_out, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot):
     """JITKV_DEBUG=1 on CUDA: device scales' values, every position (a CUDA kernel clamps one outside
     the table into it), then every slot's range, on the host."""
-    scales = (("q_scale", q_scale),) + ((("k_scale", k_scale), ("v_scale", v_scale)) if kv_cache_dtype != "auto" else ())
+    scales = [("q_scale", q_scale)]
+    if kv_cache_dtype != "auto":
+        scales += [("k_scale", k_scale), ("v_scale", v_scale)]
     for name, s in scales:
         if isinstance(s, torch.Tensor):
             checks.scale_tensor_value(OP, name, s)
@@ -622,7 +624,8 @@ def _mla_args(n, num_slots, kv, device="cpu", buf=None):
     width = 656 if kv == "fp8_ds_mla" else 576
     a = dict(kv_buffer=buf if buf is not None else rand((num_slots, width), bf16 if kv == "auto" else torch.uint8,
                                                         device),
-             loc=slots(num_slots, n, device=device), kv_c=rand((n, 512), bf16, device), k_pe=rand((n, 64), bf16, device),
+             loc=slots(num_slots, n, device=device), kv_c=rand((n, 512), bf16, device),
+             k_pe=rand((n, 64), bf16, device),
              positions=torch.randint(0, 4096, (n,), device=device), cos_sin_cache=cos_sin_table(4096, 64,
              device=device), is_neox=False, q_pe=rand((n, MLA_HEADS, 64), bf16, device), kv_cache_dtype=kv)
     if kv == "fp8_e4m3":

@@ -47,7 +47,8 @@ struct MlaParams {
 };
 
 inline bool is_float_dtype(DLDataType d) {
-  return d.lanes == 1 && ((d.code == kDLFloat && (d.bits == 16 || d.bits == 32)) || (d.code == kDLBfloat && d.bits == 16));
+  return d.lanes == 1 &&
+         ((d.code == kDLFloat && (d.bits == 16 || d.bits == 32)) || (d.code == kDLBfloat && d.bits == 16));
 }
 
 inline bool is_f32(DLDataType d) { return d.code == kDLFloat && d.bits == 32 && d.lanes == 1; }
@@ -61,6 +62,12 @@ inline void require(bool ok, const char* op, const char* name, const char* what)
   if (!ok) TVM_FFI_THROW(ValueError) << op << ": " << name << ": " << what;
 }
 
+inline void check_dtype(const char* op, const char* name, const TensorView& t, DLDataType dt) {
+  if (t.dtype() != dt) {
+    TVM_FFI_THROW(TypeError) << op << ": " << name << ": expected dtype " << dt << ", got " << t.dtype();
+  }
+}
+
 // A [n', heads, width] tensor of dtype dt on dev with at least n rows and a contiguous last dim.
 inline Rows rows3(const char* op, const char* name, const TensorView& t, int64_t heads, int64_t width, int64_t n,
                   DLDataType dt, DLDevice dev, const char* dev_from) {
@@ -68,7 +75,7 @@ inline Rows rows3(const char* op, const char* name, const TensorView& t, int64_t
   require(t.ndim() == 3 && t.size(1) == heads && t.size(2) == width && t.size(0) >= n, op, name,
           "expected [tokens >= n, heads, width] as the checks normalized it");
   check_last_dim_contiguous(op, name, t);
-  if (t.dtype() != dt) TVM_FFI_THROW(TypeError) << op << ": " << name << ": expected dtype " << dt << ", got " << t.dtype();
+  check_dtype(op, name, t, dt);
   const int64_t es = elem_bytes(dt);
   return Rows{data_ptr(t), t.stride(0) * es, t.stride(1) * es};
 }
@@ -80,7 +87,7 @@ inline Rows rows2(const char* op, const char* name, const TensorView& t, int64_t
   require((t.ndim() == 2 || (t.ndim() == 3 && t.size(1) == 1)) && t.size(t.ndim() - 1) == width && t.size(0) >= n,
           op, name, "expected [tokens >= n, width]");
   check_last_dim_contiguous(op, name, t);
-  if (t.dtype() != dt) TVM_FFI_THROW(TypeError) << op << ": " << name << ": expected dtype " << dt << ", got " << t.dtype();
+  check_dtype(op, name, t, dt);
   return Rows{data_ptr(t), t.stride(0) * elem_bytes(dt), 0};
 }
 

@@ -21,14 +21,17 @@
 #include "jitkv/cpu/row_copy.h"
 #include "jitkv/cpu/scatter.h"
 #include "mla/ds_mla_cpu.h"
+#include "rope/f32_cpu.h"
 #include "rope/parse.h"
 
 namespace jitkv {
 namespace {
 
 using cpu::SrcKind;
+using rope::load_row;
 using rope::RopeQ;
 using rope::Rows;
+using rope::store_row;
 
 constexpr const char* kOp = "rope_store_cache";
 constexpr const char* kMlaOp = "rope_set_mla_kv_buffer";
@@ -43,99 +46,6 @@ SrcKind kind_of(DLDataType d) {
 
 SrcKind kind_of(codes::SrcDtype d) {
   return d == codes::SrcDtype::kBF16 ? SrcKind::kBF16 : d == codes::SrcDtype::kF16 ? SrcKind::kF16 : SrcKind::kF32;
-}
-
-// ------------------------------------------------------------------------ float32 conversions
-
-inline uint16_t f32_to_bf16(float f) {
-  const uint32_t u = cpu::f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
-
-// fp32 -> fp16, round to nearest even (the scalar builds' path; the vector builds use vcvtps2ph).
-inline uint16_t f32_to_f16(float f) {
-  const uint32_t u = cpu::f32_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
-  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds past 65504: inf
-  if (a < 0x38800000u) {  // fp16 subnormal or zero: add a magic whose ulp is 2^-24 (the hardware rounds)
-    const float m = cpu::f32_from_bits(a) + 0.5f;
-    return static_cast<uint16_t>(sign | (cpu::f32_bits(m) - 0x3f000000u));
-  }
-  const uint32_t r = a + 0xfffu + ((a >> 13) & 1) - (112u << 23);
-  return static_cast<uint16_t>(sign | (r >> 13));
-}
-
-// dst[0, n) = float32(src[0, n)) of kind k.
-inline void load_row(float* dst, SrcKind k, const char* src, int64_t n) {
-#if defined(JITKV_CPU_AVX512)
-  cpu::with_kind(k, [&](auto kind) {
-    constexpr SrcKind K = decltype(kind)::value;
-    for (int64_t i = 0; i < n; i += 16) {
-      const int64_t r = n - i < 16 ? n - i : 16;
-      const __mmask16 m = static_cast<__mmask16>((1u << r) - 1);
-      _mm512_mask_storeu_ps(dst + i, m, cpu::load16<K>(src, i, m));
-    }
-  });
-#elif defined(JITKV_CPU_AVX2)
-  cpu::with_kind(k, [&](auto kind) {
-    constexpr SrcKind K = decltype(kind)::value;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, cpu::load8<K>(src, i));
-    if (i < n) {
-      alignas(32) float part[8];
-      _mm256_store_ps(part, cpu::load_part<K>(src, i, n - i));
-      std::memcpy(dst + i, part, static_cast<size_t>(n - i) * 4);
-    }
-  });
-#else
-  for (int64_t i = 0; i < n; ++i) dst[i] = cpu::load_f32(k, src, i);
-#endif
-}
-
-#if defined(JITKV_CPU_AVX512)
-inline __m256i bf16x16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_cvtepi32_epi16(_mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-}
-#elif defined(JITKV_CPU_AVX2)
-inline __m128i bf16x8(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-#endif
-
-// dst[0, n) = src[0, n) rounded to nearest even into kind k (bf16, fp16) or copied (fp32).
-inline void store_row(char* dst, SrcKind k, const float* src, int64_t n) {
-  if (k == SrcKind::kF32) {
-    std::memcpy(dst, src, static_cast<size_t>(n) * 4);
-    return;
-  }
-  auto* out = reinterpret_cast<uint16_t*>(dst);
-  int64_t i = 0;
-#if defined(JITKV_CPU_AVX512)
-  for (; i < n; i += 16) {
-    const int64_t r = n - i < 16 ? n - i : 16;
-    const __mmask16 m = static_cast<__mmask16>((1u << r) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(m, src + i);
-    const __m256i h = k == SrcKind::kBF16 ? bf16x16(v) : _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
-    _mm256_mask_storeu_epi16(out + i, m, h);
-  }
-#elif defined(JITKV_CPU_AVX2)
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(src + i);
-    const __m128i h = k == SrcKind::kBF16 ? bf16x8(v) : _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
-  }
-#endif
-  for (; i < n; ++i) out[i] = k == SrcKind::kBF16 ? f32_to_bf16(src[i]) : f32_to_f16(src[i]);
 }
 
 // ---------------------------------------------------------------------------- norm and rotation
@@ -257,10 +167,13 @@ struct Scratch {
       : x(width), g(pow2_at_least(width / 8)), cs(rot), C(rot), S(rot), half(width) {}
 };
 
+int64_t position_at(const rope::Rotation& r, int64_t t) {
+  return r.pos_i64 ? static_cast<const int64_t*>(r.positions)[t] : static_cast<const int32_t*>(r.positions)[t];
+}
+
 // The token's expanded cos/sin row (see the top of this file).
 void expand_cos_sin(const rope::Rotation& r, int64_t t, Scratch& s) {
-  const int64_t pos = r.pos_i64 ? static_cast<const int64_t*>(r.positions)[t] : static_cast<const int32_t*>(r.positions)[t];
-  const char* row = r.cos_sin + pos * r.cs_stride;
+  const char* row = r.cos_sin + position_at(r, t) * r.cs_stride;
   const SrcKind k = kind_of(r.cs_dtype);
   const int64_t h = r.rot / 2;
   float* c = s.cs.data();  // cos then sin
@@ -304,9 +217,6 @@ inline void store_head(char* dst, SrcKind k, const float* x, int64_t n, const cp
 
 inline char* row_of(const Rows& r, int64_t t, int64_t h) { return r.ptr + t * r.stride_token + h * r.stride_head; }
 
-int64_t position_at(const rope::Rotation& r, int64_t t) {
-  return r.pos_i64 ? static_cast<const int64_t*>(r.positions)[t] : static_cast<const int32_t*>(r.positions)[t];
-}
 
 // IndexError at the first of positions[0, n) outside [0, max_pos), before anything is written.
 void check_positions(const char* op, const rope::Rotation& r, int64_t n) {
