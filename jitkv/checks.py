@@ -105,14 +105,12 @@ def rows_at_least(op, name, t, n, index_name):
 
 def written(op, name, t):
     """A destination whose elements are distinct memory: no stride 0 in a dim of size > 1 (an
-    ``expand()``ed cache would make every slot one row), no other self-overlap torch can detect."""
+    ``expand()``ed cache would make every slot one row). The C++ parsers check the same
+    (jitkv/check.h check_written)."""
     for d in range(t.dim()):
         if t.stride(d) == 0 and t.shape[d] > 1:
             raise ValueError(f"{op}: {name}: dim {d} of size {t.shape[d]} has stride 0: its rows would alias "
                              "(an expand()ed view?); expected a tensor whose elements are distinct memory")
-    if torch._debug_has_internal_overlap(t) == 1:  # 1: overlap certain (0: none, 2: too costly to tell)
-        raise ValueError(f"{op}: {name}: its elements overlap in memory; expected a tensor whose elements are "
-                         "distinct memory")
 
 
 def disjoint(op, name, t, other_name, other):

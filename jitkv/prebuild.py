@@ -27,7 +27,12 @@ def prebuild(targets=("cpu",), *, jobs: int | None = None, progress: bool = Fals
     """Build (not load) every module for ``targets``; returns {spec description: "ok" or the reason}.
 
     CUDA targets build with nvcc alone, so a machine without a GPU can fill a shared cache."""
-    specs = [s for t in targets for s in specs_for(t)]
+    return build_specs([s for t in targets for s in specs_for(t)], jobs=jobs, progress=progress)
+
+
+def build_specs(specs: list[JitSpec], *, jobs: int | None = None, progress: bool = False) -> dict[str, str]:
+    """Build (not load) ``specs``, ``jobs`` at a time (default: half the CPUs); returns {spec
+    description: "ok" or the reason}."""
     jobs = jobs or max(1, min(len(specs), (os.cpu_count() or 2) // 2))
     results: dict[str, str] = {}
 

@@ -16,8 +16,8 @@ def graph_us(step_for_layer, *, batches=15, batch_seconds=5e-4, passes=2) -> flo
     """µs per op: capture one op per layer into a graph, replay it, time with CUDA events: the median
     of ``batches`` batches of about ``batch_seconds`` each, after 2 ms of untimed replays so that the
     clocks have left idle; the least of ``passes`` such medians, taken back to back. A median over ~8 ms
-    rides out a short disturbance of a shared GPU, the second pass a longer one (single passes on one
-    H100 host read 1.23-1.44 us for rows of 0.92-0.94)."""
+    rides out a short disturbance of a shared GPU, the second pass a longer one (docs/performance.md,
+    ``graph_us``)."""
     for layer in range(LAYERS):  # compile / build outside capture
         step_for_layer(layer)
     torch.cuda.synchronize()
@@ -59,7 +59,7 @@ def _warm_replays(graph, seconds=2e-3) -> float:
 
 def copy_gbps(nbytes=2 << 30) -> float:
     """Device-to-device copy bandwidth, bytes read + written: the best of 10 copies, so that every
-    fraction of it is conservative (the median moved by 2-3 % between runs on one H200)."""
+    fraction of it is conservative (docs/performance.md, ``copy_gbps``)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -88,7 +88,7 @@ def latency_floor_us(bufs, kernel="latency_floor", args=(), repeats=3) -> float:
     (csrc/benchmark/latency_floor_cuda.cu), into ``bufs[layer]`` (one [rows, >= 16 bytes] cache per
     layer); ``kernel`` and ``args`` (after dst, loc, src) pick one of that file's fp8 floors instead.
     The least of ``repeats`` timings (new slots each): a disturbed one would lower every row's "x
-    floor" (single timings of it ranged 0.84-0.95 us over runs on one H100)."""
+    floor" (docs/performance.md, ``latency_floor_us``)."""
     fn = jitkv.jit.get_function(latency_floor_spec(jitkv.jit.cuda_arch(torch.device("cuda"))), kernel)
     srcs = [torch.randn(1, 576, device="cuda").bfloat16() for _ in range(LAYERS)]
     times = []

@@ -253,8 +253,8 @@ def _check_library(lib: Path, size: int, digest: str, mtime_ns: int | None = Non
     The size check is one stat. The hash is skipped when ``lib`` still has ``mtime_ns``, the mtime
     recorded at publish: writing a file sets its mtime, so an edited or partly written library is
     hashed, as is a cache copied without its times (cp -r; tar, cp -a and image layers keep them).
-    Hashing measured 2-4 ms per 120-280 KB CUDA module on an NVIDIA H100 host, a third of a 50 ms
-    warm start of seven ops (python -m jitkv.benchmark --op build times the warm start)."""
+    Hashing every library would be a large share of the warm start (docs/performance.md,
+    ``_check_library``)."""
     try:
         st = os.stat(lib)
     except OSError as e:

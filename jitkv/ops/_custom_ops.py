@@ -1,9 +1,10 @@
 """torch.library registrations so the ops work under torch.compile(fullgraph=True).
 
-Eager calls never go through these (the dispatcher costs ~15 µs a call); an op's call routes here
-only while compiling (``Op.compiled``). Each op is defined from its declaration's schema string with
-``torch.library.Library`` rather than the ``custom_op`` decorator, which infers a schema from
-annotations at a cost of milliseconds per op at ``import jitkv`` (the warm-start budget). Every op
+Eager calls never go through these (the torch dispatcher costs more than a whole eager call: docs/
+performance.md, ``custom ops``); an op's call routes here only while compiling (``Op.compiled``). Each
+op is defined from its declaration's schema string with ``torch.library.Library`` rather than the
+``custom_op`` decorator, which infers a schema from annotations at a cost of milliseconds per op at
+``import jitkv`` (the warm-start budget). Every op
 mutates its destinations and returns nothing; its Meta kernel (what fake tensors run) does nothing.
 """
 

@@ -177,6 +177,7 @@ void dequantize_and_gather_k_cache(TensorView out, TensorView k_cache, TensorVie
                               << shape_str(out);
   }
   jitkv::check_last_dim_contiguous(op, "out", out);
+  jitkv::check_written(op, "out", out);
   const int64_t num_reqs = out.size(0), max_tokens = out.size(1);
   const int64_t out_s0 = num_reqs > 1 ? out.stride(0) : 0;
   const int64_t out_s1 = max_tokens > 1 ? out.stride(1) : 0;

@@ -131,6 +131,7 @@ inline int64_t parse_dst_scale(const char* op, const TensorView& s, DLDevice dev
                               << "] (uint8) with T = dst_k.shape[0] = " << num_tokens << ", got " << shape_str(s);
   }
   check_last_dim_contiguous(op, "dst_scale", s);
+  check_written(op, "dst_scale", s);
   return s.stride(0) * elem_bytes(dt);
 }
 
@@ -149,6 +150,7 @@ inline GatherParams parse_gather(const char* op, const TensorView& kv_cache, con
                               << shape_str(dst_k);
   }
   check_last_dim_contiguous(op, "dst_k", dst_k);
+  check_written(op, "dst_k", dst_k);
   const int64_t num_tokens = dst_k.size(0);
   const int64_t scale_stride = parse_dst_scale(op, dst_scale, dev, num_tokens);
   check_int32(op, "block_table", block_table, dev, 2, "[batch, max_blocks]");

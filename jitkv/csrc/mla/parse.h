@@ -54,6 +54,7 @@ inline MlaParams parse_rows(const char* op, const TensorView& kv_buffer, const T
   w.nope = row_width(op, "cache_k_nope", k_nope, "[n, nope] or [n, 1, nope]");
   w.rope = row_width(op, "cache_k_rope", k_rope, "[n, rope] or [n, 1, rope]");
   check_last_dim_contiguous(op, "kv_buffer", kv_buffer);
+  check_written(op, "kv_buffer", kv_buffer);
   check_last_dim_contiguous(op, "cache_k_nope", k_nope);
   check_last_dim_contiguous(op, "cache_k_rope", k_rope);
   const bool loc_i64 = check_index(op, "loc", loc);

@@ -117,10 +117,21 @@ cudaError_t launch_latency_warps(const MlaParams& p, const DeviceInfo& info, cud
   });
 }
 
+// The 16-byte registers a row takes (RowShape named through V: widths that do not split into V-byte
+// vectors never instantiate it).
+template <int V>
+constexpr int row_registers() {
+  if constexpr (tunable<V>()) {
+    return RowShape<kNope, kRope, V>::kIters;
+  } else {
+    return 0;
+  }
+}
+
 template <typename TLoc>
 cudaError_t launch_latency(const MlaParams& p, const DeviceInfo& info, cudaStream_t stream) {
   if constexpr (tunable<16>()) {
-    constexpr int kRegs = RowShape<kNope, kRope, 16>::kIters;
+    constexpr int kRegs = row_registers<16>();
     if (kRegs > 1 && p.n <= kSplitRowsMax) return launch_latency_warps<kRegs, TLoc>(p, info, stream);
     return launch_latency_warps<1, TLoc>(p, info, stream);
   } else {

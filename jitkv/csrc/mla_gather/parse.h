@@ -140,6 +140,7 @@ inline GatherParams parse_params(const char* op, const TensorView& out, const Te
     TVM_FFI_THROW(ValueError) << op << ": out: expected shape [total_tokens, D], got " << shape_str(out);
   }
   check_last_dim_contiguous(op, "out", out);
+  check_written(op, "out", out);
   d::check_widths(op, out.size(1), kv_cache.size(2), f);
   const int64_t num_reqs = cu_seq_lens.numel() - 1;
   if (num_reqs < 0) {

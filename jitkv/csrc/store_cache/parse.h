@@ -234,6 +234,9 @@ inline StoreCacheParams parse_params(const char* op, const TensorView& k, const 
   check_last_dim_contiguous(op, "v", v);
   check_last_dim_contiguous(op, "k_cache", k_cache);
   check_last_dim_contiguous(op, "v_cache", v_cache);
+  check_written(op, "k_cache", k_cache);
+  check_written(op, "v_cache", v_cache);
+  check_disjoint(op, "k_cache", k_cache, "v_cache", v_cache);
   const HeadShape ks = pair_shape(op, "k", "k_cache", k, k_cache);
   const HeadShape vs = pair_shape(op, "v", "v_cache", v, v_cache);
   if (ks.heads && vs.heads && ks.heads != vs.heads) {

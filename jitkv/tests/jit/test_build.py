@@ -301,26 +301,21 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
     cuobjdump = _cuobjdump()
     if cuobjdump is None and os.environ.get("JITKV_REQUIRE_NVCC"):
         pytest.fail("JITKV_REQUIRE_NVCC is set but cuobjdump was not found (pip install nvidia-cuda-cuobjdump)")
-    from jitkv.codes import KvFormat  # noqa: PLC0415
-    from jitkv.prebuild import specs_for  # noqa: PLC0415
+    from jitkv.benchmark.gpu import latency_floor_spec  # noqa: PLC0415
+    from jitkv.codes import KvFormat, SrcDtype  # noqa: PLC0415
+    from jitkv.ops.mla import cuda_spec as mla_spec  # noqa: PLC0415
+    from jitkv.prebuild import build_specs, specs_for  # noqa: PLC0415
 
     monkeypatch.setenv("JITKV_CACHE_DIR", str(tmp_path))
-    first_per_op = {}
-    for spec in specs_for("9.0a"):
-        first_per_op.setdefault(spec.op, spec)
-    # store_cache's any-alignment (head bytes 0) and fp8 builds besides the first (a 16-byte copy)
-    more_store = [s for s in specs_for("9.0a") if s.op == "store_cache_cuda" and
-                  (dict(s.args)["k_head_bytes"] == 0 or dict(s.args)["kv_dtype"] != KvFormat.COPY)]
-    mla_fp8 = [s for s in specs_for("9.0a") if s.op == "mla_cuda" and dict(s.args).get("kv_format")]  # e4m3, fp8_ds_mla
-    assert set(first_per_op) == {"mla_cuda", "store_cache_cuda", "dsv4_cuda", "indexer_cuda", "mla_gather_cuda"}
-    assert len(more_store) >= 2 and len(mla_fp8) == 2
-    from jitkv.benchmark.gpu import latency_floor_spec  # noqa: PLC0415
-
-    built = []
-    from jitkv.ops.mla import cuda_spec as mla_spec  # noqa: PLC0415
-
+    # Every prebuilt module of every op, the forced TMA copy, rows of sglang's odd test widths (13 + 8
+    # bf16: no 16-byte vector divides them) in the copy and an fp8 writer, and the latency floors.
+    odd = [mla_spec("9.0a", 26, 16), mla_spec("9.0a", 26, 16, kv_format=KvFormat.E4M3, src_dtype=SrcDtype.BF16)]
     tma = mla_spec("9.0a", 1024, 128, kernel="tma")
-    for spec in [*first_per_op.values(), *more_store, *mla_fp8, tma, latency_floor_spec("9.0a")]:
+    specs = [*specs_for("9.0a"), tma, *odd, latency_floor_spec("9.0a")]
+    failed = {k: v for k, v in build_specs(specs, jobs=2).items() if v != "ok"}
+    assert not failed, failed
+    built = []
+    for spec in specs:
         artifact = ensure_built(spec)
         built.append(artifact.name)
         manifest = json.loads((artifact / "manifest.json").read_text())
@@ -341,7 +336,9 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
         from jitkv.jit.build import verify_artifact
         from jitkv.prebuild import specs_for
         from jitkv.ops.mla import cuda_spec
-        extra = [cuda_spec("9.0a", 1024, 128, kernel="tma"), latency_floor_spec("9.0a")]
+        from jitkv.codes import KvFormat, SrcDtype
+        extra = [cuda_spec("9.0a", 1024, 128, kernel="tma"), cuda_spec("9.0a", 26, 16),
+                 cuda_spec("9.0a", 26, 16, kv_format=KvFormat.E4M3, src_dtype=SrcDtype.BF16), latency_floor_spec("9.0a")]
         found = [artifact_dir(s) for s in [*specs_for("9.0a"), *extra] if is_built(s)]
         print("INTACT", sorted(d.name for d in found if verify_artifact(d)))
         """,

@@ -39,6 +39,22 @@ def test_shapes(device, backend, dtype, nope, rope, n, idx_dtype):
     _check(buf, slots(buf.shape[0], n, idx_dtype, device), k_nope, k_rope, backend)
 
 
+@gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_odd_widths_take_the_cuda_kernel(kv_cache_dtype, recwarn):
+    """sglang's own test widths, 13 + 8 bf16 values (no 16-byte vector divides either part), run the
+    jit backend: the copy's bulk kernel and the generic fp8 kernel take any width, so nothing is left
+    to a failing build and a fallback."""
+    fp8 = kv_cache_dtype != "auto"
+    buf = rand((64, 21), torch.uint8 if fp8 else torch.bfloat16, "cuda")
+    k_nope, k_rope = rand((5, 13), torch.bfloat16, "cuda"), rand((5, 8), torch.bfloat16, "cuda")
+    jitkv.ops.reset()
+    kw = dict(kv_cache_dtype=kv_cache_dtype, scale=0.5) if fp8 else {}
+    _check(buf, slots(64, 5, torch.int64, "cuda"), k_nope, k_rope, None, **kw)
+    assert jitkv.backend_info("set_mla_kv_buffer")["cuda:0"]["backend"] == "jit"
+    assert not [w for w in recwarn if issubclass(w.category, jitkv.JitkvFallbackWarning)]
+
+
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
 def test_large_batch(device, backend):
     buf, k_nope, k_rope = _case(torch.bfloat16, 512, 64, 16384, device, num_slots=32768)

@@ -105,6 +105,99 @@ inline void check_rows_at_least(const char* op, const char* name, const TensorVi
   }
 }
 
+// A destination whose elements are distinct memory: no stride 0 in a dim of size > 1 (an expand()ed
+// cache would make every slot one row). The same message as jitkv/checks.py written().
+inline void check_written(const char* op, const char* name, const TensorView& t) {
+  for (int d = 0; d < t.ndim(); ++d) {
+    if (t.stride(d) == 0 && t.size(d) > 1) {
+      TVM_FFI_THROW(ValueError) << op << ": " << name << ": dim " << d << " of size " << t.size(d)
+                                << " has stride 0: its rows would alias (an expand()ed view?); expected a tensor "
+                                << "whose elements are distinct memory";
+    }
+  }
+}
+
+namespace detail {
+
+// The byte range [lo, hi) a tensor's elements span (lo == hi: no element).
+inline void byte_extent(const TensorView& t, int64_t& lo, int64_t& hi) {
+  const int64_t es = elem_bytes(t.dtype());
+  lo = hi = reinterpret_cast<int64_t>(data_ptr(t));
+  for (int d = 0; d < t.ndim(); ++d) {
+    if (t.size(d) == 0) {
+      hi = lo;
+      return;
+    }
+    const int64_t span = (t.size(d) - 1) * t.stride(d) * es;
+    (span < 0 ? lo : hi) += span;
+  }
+  hi += es;
+}
+
+// Whether sum(c_d * stride_d) == delta for some |c_d| < size_d, strides sorted ascending in dims[0, n).
+inline bool reach(int64_t delta, const int64_t (*dims)[2], int n) {
+  if (n == 0) return delta == 0;
+  const int64_t stride = dims[n - 1][0], size = dims[n - 1][1];
+  int64_t span = 0;
+  for (int i = 0; i < n - 1; ++i) span += (dims[i][1] - 1) * dims[i][0];
+  const int64_t lo = delta >= 0 ? delta / stride : -((-delta) / stride) - ((-delta) % stride != 0);
+  for (int64_t c : {lo, lo + 1}) {
+    const int64_t rest = delta - c * stride;
+    if ((c < 0 ? -c : c) < size && (rest < 0 ? -rest : rest) <= span && reach(rest, dims, n - 1)) return true;
+  }
+  return false;
+}
+
+// Whether two views of t's shape and strides, `delta` elements apart, share an element. Exact where
+// each stride exceeds the span of the smaller ones (every layout jitkv takes); any other layout
+// counts as sharing (jitkv/checks.py _offset_reachable).
+inline bool offset_reachable(const TensorView& t, int64_t delta) {
+  int64_t dims[8][2];
+  int n = 0;
+  for (int d = 0; d < t.ndim(); ++d) {
+    if (t.size(d) <= 1) continue;
+    if (n == 8) return true;
+    const int64_t st = t.stride(d) < 0 ? -t.stride(d) : t.stride(d);
+    int i = n++;
+    for (; i > 0 && dims[i - 1][0] > st; --i) {
+      dims[i][0] = dims[i - 1][0];
+      dims[i][1] = dims[i - 1][1];
+    }
+    dims[i][0] = st;
+    dims[i][1] = t.size(d);
+  }
+  int64_t span = 0;
+  for (int i = 0; i < n; ++i) {
+    if (dims[i][0] <= span) return true;
+    span += (dims[i][1] - 1) * dims[i][0];
+  }
+  return reach(delta, dims, n);
+}
+
+}  // namespace detail
+
+// Two destinations that share no byte (k_cache and v_cache one tensor would write V over K); the K and
+// V halves of one [num_blocks, 2, ...] allocation are separate. The same rule and message as
+// jitkv/checks.py disjoint().
+inline void check_disjoint(const char* op, const char* name, const TensorView& t, const char* other_name,
+                           const TensorView& other) {
+  int64_t a_lo, a_hi, b_lo, b_hi;
+  detail::byte_extent(t, a_lo, a_hi);
+  detail::byte_extent(other, b_lo, b_hi);
+  if (!(a_lo < b_hi && b_lo < a_hi)) return;
+  bool same_layout = t.dtype() == other.dtype() && t.ndim() == other.ndim();
+  for (int d = 0; same_layout && d < t.ndim(); ++d) {
+    same_layout = t.size(d) == other.size(d) && t.stride(d) == other.stride(d);
+  }
+  if (same_layout) {
+    const int64_t es = elem_bytes(t.dtype());
+    const int64_t bytes = reinterpret_cast<int64_t>(data_ptr(other)) - reinterpret_cast<int64_t>(data_ptr(t));
+    if (bytes % es != 0 || !detail::offset_reachable(t, bytes / es)) return;
+  }
+  TVM_FFI_THROW(ValueError) << op << ": " << name << ": shares memory with " << other_name
+                            << "; expected two separate caches";
+}
+
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Dtypes a plain (bitwise) row copy accepts: bf16, fp16, fp32, uint8, float8_e4m3fn, float8_e5m2.
