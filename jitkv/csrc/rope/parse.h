@@ -175,9 +175,11 @@ inline StoreParams parse_store(const char* op, const TensorView& q, const Tensor
   p.q.heads = q.size(1);
   p.q.src = rows3(op, "q", q, p.q.heads, d, n, src, dev, "k_cache");
   p.q.dst = rows3(op, "q_out", q_dst, p.q.heads, d, n, q_dst_dtype(p.q.mode, src), dev, "k_cache");
+  check_written(op, p.q.mode == RopeQ::kInPlace ? "q" : "q_out", q_dst);
   parse_q_scale(op, p.q.mode, q_scale, q_scale_value, dev, "k_cache", p.q);
   p.k_out = k_out.has_value() ? rows3(op, "k_out", k_out.value(), p.kv.num_heads, d, n, src, dev, "k_cache")
                               : Rows{nullptr, 0, 0};
+  if (k_out.has_value()) check_written(op, "k_out", k_out.value());
   p.q_norm = p.k_norm = nullptr;
   p.norm_dtype = src_dtype(src);
   DLDataType norm_dtype = src;
@@ -230,8 +232,13 @@ inline MlaParams parse_mla(const char* op, const TensorView& kv_buffer, const Te
     const DLDataType dt = q_dst_dtype(p.q.mode, src);
     p.q.dst = rows3(op, "q_out", q_out.value(), p.q.heads, p.nope_q + r, n, dt, dev, "kv_buffer");
   }
+  if (p.q.mode == RopeQ::kInPlace) check_written(op, "q_pe", q_pe.value());
+  if (p.q.mode != RopeQ::kNone && p.q.mode != RopeQ::kInPlace) check_written(op, "q_out", q_out.value());
   parse_q_scale(op, p.q.mode, q_scale, q_scale_value, dev, "kv_buffer", p.q);
-  if (k_pe_out.has_value()) p.k_pe_out = rows2(op, "k_pe_out", k_pe_out.value(), r, n, src, dev, "kv_buffer");
+  if (k_pe_out.has_value()) {
+    p.k_pe_out = rows2(op, "k_pe_out", k_pe_out.value(), r, n, src, dev, "kv_buffer");
+    check_written(op, "k_pe_out", k_pe_out.value());
+  }
   return p;
 }
 
