@@ -614,8 +614,10 @@ def _mha_args(hq, hk, d, norm, n, num_slots, kv, device="cpu", slot_mapping=None
     a["k_cache"], a["v_cache"] = caches or (rand((num_slots, hk, d), cache_dtype, device) for _ in "kv")
     if norm:
         a.update(q_norm_weight=rand((d,), bf16, device), k_norm_weight=rand((d,), bf16, device))
-    if kv != "auto":
-        a.update(kv_cache_dtype=kv, k_scale=0.5, v_scale=0.25)
+    if kv != "auto":  # device scales: a Python float would reach store_cache's Triton kernel as a host copy,
+        # which CUDA-graph capture refuses
+        a.update(kv_cache_dtype=kv, k_scale=torch.tensor([0.5], device=device),
+                 v_scale=torch.tensor([0.25], device=device))
     return a
 
 
@@ -629,7 +631,7 @@ def _mla_args(n, num_slots, kv, device="cpu", buf=None):
              positions=torch.randint(0, 4096, (n,), device=device), cos_sin_cache=cos_sin_table(4096, 64,
              device=device), is_neox=False, q_pe=rand((n, MLA_HEADS, 64), bf16, device), kv_cache_dtype=kv)
     if kv == "fp8_e4m3":
-        a["scale"] = 0.5
+        a["scale"] = torch.tensor([0.5], device=device)
     return a
 
 

@@ -152,8 +152,9 @@ def rope_store_cache_triton(q, k, v, k_cache, v_cache, slot_mapping, positions, 
     _rotate(n, k, scratch, positions, cos_sin_cache, weight=k_norm_weight, **kw)
     if k_out is not None:
         _rotate(n, k, k_out, positions, cos_sin_cache, weight=k_norm_weight, **kw)
-    store_cache_triton(scratch, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map,
-                       skip_slot)
+    # Float scales as device fills, not host copies: graph-capturable.
+    store_cache_triton(scratch, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, _scale_tensor(k_scale, k.device),
+                       _scale_tensor(v_scale, k.device), loc_map, skip_slot)
 
 
 def rope_set_mla_kv_buffer_triton(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out,
