@@ -1,15 +1,17 @@
-"""Greedy decoding of a tiny random Llama (GQA) with its K/V in a paged cache written by
-``jitkv.store_cache``; the tokens are checked against ``transformers``' own ``generate``.
+"""Greedy decoding of a tiny random Llama (GQA) with RoPE and its K/V write in one call,
+``jitkv.rope_store_cache``, into a paged cache; the tokens are checked against ``transformers``' own
+``generate``.
 
     python examples/llama_paged_decode.py [--device cpu|cuda] [--steps N]
 
 The engine (``LlamaPagedEngine``) runs the HF model's modules (embeddings, norms, q/k/v/o
-projections, rotary tables, MLP, lm_head) on a flat batch of tokens from prompts of different
-lengths. Per layer, ``store_cache`` scatters the new K/V rows into
+projections, MLP, lm_head) on a flat batch of tokens from prompts of different lengths. Per layer,
+``rope_store_cache`` rotates q in place and k at the tokens' positions (the cos/sin table read once from
+the model's rotary module) and scatters the rotated K and V rows into
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` caches at
-``slot = block_table[req, pos // block_size] * block_size + pos % block_size``, and attention
-gathers each request's context back through its block table. One attention path serves prefill
-(all prompt tokens, causal) and decode (one token per request).
+``slot = block_table[req, pos // block_size] * block_size + pos % block_size``; attention gathers each
+request's context back through its block table. One attention path serves prefill (all prompt tokens,
+causal) and decode (one token per request).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import sys
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import jitkv
 from paged_common import Batch, PagedEngine, run
@@ -70,19 +71,20 @@ class LlamaPagedEngine(PagedEngine):
         self.k_cache = [garbage() for _ in range(cfg.num_hidden_layers)]
         self.v_cache = [garbage() for _ in range(cfg.num_hidden_layers)]
 
-    def attention(self, layer, attn, x, cos, sin, batch):
+    def attention(self, layer, attn, x, batch):
         t = x.shape[0]
         q = attn.q_proj(x).view(t, -1, attn.head_dim)
         k = attn.k_proj(x).view(t, -1, attn.head_dim)
         v = attn.v_proj(x).view(t, -1, attn.head_dim)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)  # cos/sin [T, D] broadcast over heads
-        self.timer(jitkv.store_cache, k, v, self.k_cache[layer], self.v_cache[layer], batch.slots)
+        # q rotated in place; rotated k and v into the paged caches (HF's Llama rotates NeoX halves).
+        self.timer(jitkv.rope_store_cache, q, k, v, self.k_cache[layer], self.v_cache[layer], batch.slots,
+                   batch.positions, self.cos_sin_cache, is_neox=True)
         out = paged_attention(q, self.k_cache[layer], self.v_cache[layer], batch, attn.scaling)
         return attn.o_proj(out)
 
 
 def main(argv=None) -> int:
-    return run(build_model, LlamaPagedEngine, ("store_cache",), __doc__.splitlines()[0], argv)
+    return run(build_model, LlamaPagedEngine, ("rope_store_cache",), __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
-"""Greedy decoding of a tiny random DeepSeek-V3 (MLA) with its compressed KV in a paged cache
-written by ``jitkv.set_mla_kv_buffer``; the tokens are checked against ``transformers``' own
+"""Greedy decoding of a tiny random DeepSeek-V3 (MLA) with RoPE and its compressed KV write in one call,
+``jitkv.rope_set_mla_kv_buffer``, into a paged cache; the tokens are checked against ``transformers``' own
 ``generate``.
 
     python examples/mla_paged_decode.py [--device cpu|cuda] [--steps N]
 
 MLA caches one row per token for all heads: the normalized latent ``kv_c`` (kv_lora_rank) and the
-rotated shared key ``k_pe`` (qk_rope_head_dim). Per layer, ``set_mla_kv_buffer`` scatters
-``[kv_c | k_pe]`` rows into a ``[num_blocks * block_size, kv_lora_rank + qk_rope_head_dim]`` buffer
-at ``slot = block_table[req, pos // block_size] * block_size + pos % block_size`` (blocks in random
-order), and attention reads each request's rows back through its block table.
+rotated shared key ``k_pe`` (qk_rope_head_dim). Per layer, ``rope_set_mla_kv_buffer`` rotates the
+queries' ``q_pe`` in place and ``k_pe`` at the tokens' positions and scatters ``[kv_c | rope(k_pe)]`` rows
+into a ``[num_blocks * block_size, kv_lora_rank + qk_rope_head_dim]`` buffer at
+``slot = block_table[req, pos // block_size] * block_size + pos % block_size`` (blocks in random order),
+and attention reads each request's rows back through its block table. DeepSeek's interleaved rope
+(``rope_interleave``) is GPT-J's pairs; HF computes it on a de-interleaved copy, so its rotated values
+come out permuted, the same permutation for q and k: the scores are the same sums in another order.
 
 Attention is computed in the absorbed form, straight on the cached rows. Per head h, kv_b_proj
 holds W_UK[h] (latent -> key nope part) and W_UV[h] (latent -> value). Since
@@ -26,10 +29,6 @@ import sys
 
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-    apply_rotary_pos_emb,
-    apply_rotary_pos_emb_interleave,
-)
 
 import jitkv
 from paged_common import Batch, PagedEngine, run
@@ -85,26 +84,23 @@ class MlaPagedEngine(PagedEngine):
             self.w_uk.append(w_uk)
             self.w_uv.append(w_uv)
 
-    def attention(self, layer, attn, x, cos, sin, batch):
+    def attention(self, layer, attn, x, batch):
         t = x.shape[0]
         nope, rope = attn.qk_nope_head_dim, attn.qk_rope_head_dim
         q = attn.q_proj(x) if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
         q_nope, q_pe = q.view(t, -1, nope + rope).split([nope, rope], dim=-1)
         kv_c, k_pe = attn.kv_a_proj_with_mqa(x).split([attn.kv_lora_rank, rope], dim=-1)
         kv_c = attn.kv_a_layernorm(kv_c)
-        rotary = apply_rotary_pos_emb_interleave if attn.config.rope_interleave else apply_rotary_pos_emb
-        # HF's rotary helpers want 4-D tensors (some 5.x versions reshape them as [b, h, s, d]): one
-        # batch of T tokens, heads at dim 2 (k_pe has one, shared by all query heads).
-        q_pe, k_pe = rotary(q_pe[None], k_pe[None, :, None], cos[None], sin[None], unsqueeze_dim=2)
-        q_pe, k_pe = q_pe[0], k_pe[0]
-        self.timer(jitkv.set_mla_kv_buffer, self.kv_buffer[layer], batch.slots, kv_c, k_pe)
+        # q_pe (a view into q) rotated in place; [kv_c | rope(k_pe)] into the buffer.
+        self.timer(jitkv.rope_set_mla_kv_buffer, self.kv_buffer[layer], batch.slots, kv_c, k_pe, batch.positions,
+                   self.cos_sin_cache, is_neox=not attn.config.rope_interleave, q_pe=q_pe)
         out = paged_mla_attention(
             q_nope, q_pe, self.kv_buffer[layer], self.w_uk[layer], self.w_uv[layer], batch, attn.scaling)
         return attn.o_proj(out)
 
 
 def main(argv=None) -> int:
-    return run(build_model, MlaPagedEngine, ("set_mla_kv_buffer",), __doc__.splitlines()[0], argv)
+    return run(build_model, MlaPagedEngine, ("rope_set_mla_kv_buffer",), __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

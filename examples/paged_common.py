@@ -1,9 +1,10 @@
 """What the paged-KV decode examples share: block tables and per-forward metadata, the decode loop
 around a Hugging Face causal LM's own modules, the jitkv timer, the HF reference and the CLI.
 
-A subclass of ``PagedEngine`` owns its KV pool and implements ``attention``: write the new K/V rows
-with a jitkv op, then attend over the pages through the block table. Everything else (embeddings,
-norms, rotary tables, MLP, lm_head) is the model's own modules, called on a flat batch of tokens.
+A subclass of ``PagedEngine`` owns its KV pool and implements ``attention``: rotate q and k and write
+the new K/V rows with one jitkv op, then attend over the pages through the block table. Everything else
+(embeddings, norms, MLP, lm_head, and the rotary table, read once from the model's rotary module) is the
+model's own modules, called on a flat batch of tokens.
 """
 
 from __future__ import annotations
@@ -150,10 +151,11 @@ class PagedEngine:
         # at the slots it reads.
         self._block_order = torch.Generator().manual_seed(seed)
         self.timer = JitkvTimer(self.device)
+        self.cos_sin_cache = cos_sin_cache(model)
 
-    def attention(self, layer: int, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch):
-        """Self-attention of layer ``layer`` (its HF module ``attn``) for x [T, hidden]; cos/sin
-        [T, rotary dim] are the model's rotary tables at the tokens' positions. Returns [T, hidden]."""
+    def attention(self, layer: int, attn, x: torch.Tensor, batch: Batch):
+        """Self-attention of layer ``layer`` (its HF module ``attn``) for x [T, hidden]: RoPE at
+        ``batch.positions`` from ``self.cos_sin_cache``. Returns [T, hidden]."""
         raise NotImplementedError
 
     @torch.inference_mode()
@@ -161,10 +163,8 @@ class PagedEngine:
         """The next token of every request: [B] greedy argmax."""
         inner = self.model.model
         h = inner.embed_tokens(batch.tokens)
-        cos, sin = inner.rotary_emb(h, batch.positions[None])
-        cos, sin = cos[0], sin[0]
         for i, layer in enumerate(inner.layers):
-            h = h + self.attention(i, layer.self_attn, layer.input_layernorm(h), cos, sin, batch)
+            h = h + self.attention(i, layer.self_attn, layer.input_layernorm(h), batch)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         # Only each request's last token needs logits (as HF generate computes them).
         logits = self.model.lm_head(inner.norm(h[batch.last]))
@@ -189,6 +189,17 @@ class PagedEngine:
         seconds = time.perf_counter() - t0
         stats = DecodeStats(len(prompts) * (steps - 1), seconds, self.timer.seconds(), self.timer.calls)
         return out, stats
+
+
+@torch.inference_mode()
+def cos_sin_cache(model) -> torch.Tensor:
+    """[max_position_embeddings, rotary dim]: cos half then sin half, the table the jitkv rope ops read,
+    from the model's own rotary module (HF repeats each frequency in both halves; one half of each is the
+    table), in the model's dtype."""
+    positions = torch.arange(model.config.max_position_embeddings, device=model.device)[None]
+    cos, sin = model.model.rotary_emb(torch.empty(0, device=model.device, dtype=model.dtype), positions)
+    half = cos.shape[-1] // 2
+    return torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1)
 
 
 def blocks_needed(prompts: list[list[int]], steps: int, block_size: int) -> int:

@@ -51,6 +51,18 @@ class Status(enum.IntEnum):
     NEEDS_ANY_ALIGNMENT = 1
 
 
+class RopeQ(enum.IntEnum):
+    """What the rope ops do with the queries (docs/design.md §9): no queries (MLA without q_pe),
+    rotated in place, written to ``q_out`` in q's dtype, or to an fp8 ``q_out`` (e4m3 / e5m2) with
+    ``q_scale``."""
+
+    NONE = 0
+    IN_PLACE = 1
+    COPY = 2
+    E4M3 = 3
+    E5M2 = 4
+
+
 class MlaKernel(enum.IntEnum):
     """The set_mla_kv_buffer copy module's kernel: AUTO is the measured choice; the others are forced
     (tests, the benchmark's per-kernel rows)."""
@@ -128,7 +140,7 @@ class Indexer:
     AMAX_MIN = 1e-4
 
 
-_ENUMS = (KvFormat, SrcDtype, ScaleFmt, Status, MlaKernel, MlaFp8Kernel)
+_ENUMS = (KvFormat, SrcDtype, ScaleFmt, Status, RopeQ, MlaKernel, MlaFp8Kernel)
 _RECORDS = (DsMla, Dsv4, Indexer)
 # Constants whose C++ type is float (the kernels compute in fp32); every other record constant is an int.
 _FLOATS = {"FP8_MAX", "AMAX_MIN"}

@@ -522,3 +522,159 @@ def gather_mla_cache(out, kv_cache, block_table, cu_seq_lens, *, seq_starts=None
         val = _bits(dequantize_mla_rows(_bits(kv_cache)[blk, row], kv_cache_dtype, scale))
         val = torch.where(valid.unsqueeze(1), val, 0)
     dst.copy_(torch.where(write.unsqueeze(1), val, dst))
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention prologue: RoPE, optional QK-RMSNorm, FP8 quantize, KV write (docs/design.md §9)
+#
+# In float32 with one rounding at each store. RMSNorm sums the squares in a fixed order (each group of
+# 8 dims folded by halves, then the group sums folded by halves), so every backend gives the same
+# bits; RoPE rounds each product before the sum or difference (no fused multiply-add). Divisions are
+# by tensors: torch turns division by a Python scalar on CUDA into a multiply by its reciprocal.
+
+
+def _fold_by_halves(x):
+    """Sum over the last dim of x (a power of two wide) as a[j] + a[j + w/2], repeated."""
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
+def rms_norm_fixed_order(x, weight, eps):
+    """x float32 [..., D] (D a multiple of 8) -> (x * r) * weight, r = 1 / sqrt(mean(x^2) + eps) with
+    the squares summed in docs/design.md §9's order; weight [D] (any float dtype, read as float32)."""
+    d = x.shape[-1]
+    groups = _fold_by_halves((x * x).reshape(*x.shape[:-1], d // 8, 8))  # [..., D/8]
+    pad = (1 << (d // 8 - 1).bit_length()) - d // 8
+    if pad:
+        groups = torch.cat([groups, groups.new_zeros(*groups.shape[:-1], pad)], dim=-1)
+    total = _fold_by_halves(groups)
+    # The division, sqrt and reciprocal in float64, each rounded to float32: exactly the float32 IEEE
+    # results (float64 holds more than twice float32's precision), where torch's CPU sqrt is not
+    # correctly rounded and a division by a scalar may become a multiply by its reciprocal.
+    mean = (total.double() / d).float()
+    root = torch.sqrt((mean + eps).double()).float()
+    r = (1.0 / root.double()).float()
+    return (x * r.unsqueeze(-1)) * weight.float()
+
+
+def apply_rope(y, cos, sin, is_neox):
+    """y float32 [T, H, D], cos/sin float32 [T, R/2] -> y with its first R dims rotated (NeoX halves,
+    or GPT-J pairs), each product rounded before the sum or difference; dims >= R pass through."""
+    half = cos.shape[-1]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    if is_neox:
+        a, b = y[..., :half], y[..., half : 2 * half]
+        rotated = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+    else:
+        a, b = y[..., 0 : 2 * half : 2], y[..., 1 : 2 * half : 2]
+        rotated = torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
+    return torch.cat([rotated, y[..., 2 * half :]], dim=-1)
+
+
+def check_positions(positions, n, max_pos, *, op="jitkv"):
+    """Raise IndexError naming the first of positions[:n] outside [0, max_pos) (host read: a CUDA
+    sync, refused during graph capture as ``check_slots``)."""
+    _refuse_capture(positions, "positions", op)
+    p = positions[:n].long()
+    bad = (p < 0) | (p >= max_pos)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise IndexError(f"{op}: positions: position {i} has value {int(p[i])}, out of range for a cos_sin_cache "
+                         f"of {max_pos} positions")
+
+
+def rope_rows(x, positions, cos_sin_cache, *, is_neox, rotary_dim=None, norm_weight=None, eps=1e-6):
+    """x [T, H, D] (any float dtype), positions [>= T] -> float32 [T, H, D]: RMSNorm (when a weight
+    is given), then RoPE at each token's position. A position outside [0, max_pos) is clamped into it
+    (what a CUDA kernel does; strict callers raise first)."""
+    t = x.shape[0]
+    rot = cos_sin_cache.shape[1] if rotary_dim is None else rotary_dim
+    p = positions[:t].long().clamp(0, max(cos_sin_cache.shape[0] - 1, 0))
+    cs = cos_sin_cache.index_select(0, p).float()
+    y = x.float()
+    if norm_weight is not None:
+        y = rms_norm_fixed_order(y, norm_weight, eps)
+    return apply_rope(y, cs[:, : rot // 2], cs[:, rot // 2 : rot], is_neox)
+
+
+def _head_dim(q, k, k_cache, rotary_dim, cos_sin_cache):
+    for t, dims in ((q, (3,)), (k, (3,)), (k_cache, (3, 4))):
+        if t.dim() in dims:
+            return t.shape[-1]
+    return cos_sin_cache.shape[1] if rotary_dim is None else rotary_dim
+
+
+def _heads(t, d):
+    """[n', H, D] view of a [n', H, D] or [n', H*D] tensor."""
+    return t if t.dim() == 3 else t.view(t.shape[0], -1, d)
+
+
+def _store_rows(dst, rows, scale):
+    """dst[:n] = rows (float32 [n, H, D]) rounded to dst's dtype, or fp8(clamp(rows / scale, ±max))."""
+    vals = quantize_fp8(rows, dst.dtype, scale) if dst.dtype in FP8_MAX else rows.to(dst.dtype)
+    dst[: rows.shape[0]].copy_(vals.reshape(dst[: rows.shape[0]].shape))
+
+
+def rope_store_cache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, *, is_neox, rotary_dim=None,
+                     q_norm_weight=None, k_norm_weight=None, eps=1e-6, q_out=None, q_scale=None, k_out=None,
+                     kv_cache_dtype="auto", k_scale=None, v_scale=None, loc_map=None, skip_slot=None, strict=None):
+    """The first n = slot_mapping.numel() rows of q and k normed (with a weight) and rotated: q in
+    place or into q_out, k into k_out (if given); rotated K and V written as ``store_cache`` writes
+    them (docs/design.md §9). ``strict``: positions and slots raise IndexError before any write."""
+    n = slot_mapping.numel()
+    strict = default_strict(slot_mapping) if strict is None else strict
+    if strict:
+        check_positions(positions, n, cos_sin_cache.shape[0], op="rope_store_cache")
+        num_slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
+        check_slots(slot_mapping, num_slots, skip_slot=skip_slot, loc_map=loc_map, op="rope_store_cache")
+    if n == 0:
+        return
+    d = _head_dim(q, k, k_cache, rotary_dim, cos_sin_cache)
+    q3, k3 = _heads(q, d), _heads(k, d)
+    kw = dict(is_neox=is_neox, rotary_dim=rotary_dim, eps=eps)
+    qr = rope_rows(q3[:n], positions, cos_sin_cache, norm_weight=q_norm_weight, **kw)
+    kr = rope_rows(k3[:n], positions, cos_sin_cache, norm_weight=k_norm_weight, **kw)
+    _store_rows(q3 if q_out is None else _heads(q_out, d), qr, q_scale)
+    if k_out is not None:
+        _store_rows(_heads(k_out, d), kr, None)
+    k_src = kr.to(k.dtype) if kv_cache_dtype == "auto" else kr  # fp8 quantizes the float32 result
+    store_cache(k_src, v, k_cache, v_cache, slot_mapping, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+                v_scale=v_scale, loc_map=loc_map, skip_slot=skip_slot, strict=False)
+
+
+def _rows_2d(t):
+    return t.select(1, 0) if t.dim() == 3 else t
+
+
+def rope_set_mla_kv_buffer(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, *, is_neox, q_pe=None, q_nope=None,
+                           q_out=None, q_scale=None, k_pe_out=None, kv_cache_dtype="auto", scale=None, skip_slot=None,
+                           strict=None):
+    """The first n = loc.numel() rows: k_pe rotated, ``[kv_c | rope(k_pe)]`` written as
+    ``set_mla_kv_buffer`` writes it (fp8_ds_mla from rope(k_pe) rounded to k_pe's dtype, the other
+    fp8 formats from the float32 result); q_pe rotated in place, or ``q_out = [q_nope | rope(q_pe)]``;
+    k_pe_out (if given) = rope(k_pe) (docs/design.md §9)."""
+    n = loc.numel()
+    strict = default_strict(loc) if strict is None else strict
+    buf = _rows_2d(kv_buffer)
+    if strict:
+        check_positions(positions, n, cos_sin_cache.shape[0], op="rope_set_mla_kv_buffer")
+        check_slots(loc, buf.shape[0], skip_slot=skip_slot, name="loc", op="rope_set_mla_kv_buffer")
+    if n == 0:
+        return
+    k2 = _rows_2d(k_pe)
+    kr = rope_rows(k2[:n].unsqueeze(1), positions, cos_sin_cache, is_neox=is_neox)[:, 0]
+    if q_pe is not None:
+        qr = rope_rows(q_pe[:n], positions, cos_sin_cache, is_neox=is_neox)
+        if q_out is None:
+            _store_rows(q_pe, qr, None)
+        else:
+            nope = q_nope.shape[-1]
+            _store_rows(q_out[..., :nope], q_nope[:n].float(), q_scale)
+            _store_rows(q_out[..., nope:], qr, q_scale)
+    if k_pe_out is not None:
+        _store_rows(_rows_2d(k_pe_out), kr, None)
+    rope = kr if kv_cache_dtype not in ("auto", "fp8_ds_mla") else kr.to(k_pe.dtype)
+    set_mla_kv_buffer(buf, loc, _rows_2d(kv_c), rope, kv_cache_dtype=kv_cache_dtype, scale=scale, skip_slot=skip_slot,
+                      strict=False)

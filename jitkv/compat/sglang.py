@@ -1,8 +1,10 @@
-"""sglang's KV-cache writers on jitkv: ``store_cache`` and ``set_mla_kv_buffer``.
+"""sglang's KV-cache writers on jitkv: ``store_cache``, ``set_mla_kv_buffer`` and the fused RoPE + KV store
+``apply_rope_with_cos_sin_cache_inplace`` (with ``FusedSetKVBufferArg``).
 
 Same names, signatures (tuning keywords included) and results as sglang's JIT kernels
-``sglang.jit_kernel.kvcache.store_cache`` and ``sglang.jit_kernel.set_mla_kv_buffer.set_mla_kv_buffer``,
-as read in sglang's main branch in 2026, together with how its memory pools call them.
+``sglang.jit_kernel.kvcache.store_cache``, ``sglang.jit_kernel.set_mla_kv_buffer.set_mla_kv_buffer`` and
+``sglang.jit_kernel.rope`` (as read in sglang's main branch in 2026 and in 0.5.10.post1), together with how
+its memory pools call them.
 
 sglang's slot conventions differ from jitkv's (docs/design.md §3), and these shims follow sglang:
 
@@ -23,15 +25,17 @@ slot_mapping; kv_buffer, loc, k_nope, k_rope).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.compiler import is_compiling
 
 from .. import reference
+from .. import rope_store_cache as _rope_store_cache
 from .. import set_mla_kv_buffer as _set_mla_kv_buffer
 from .. import store_cache as _store_cache
 
-__all__ = ["set_mla_kv_buffer", "store_cache"]
+__all__ = ["FusedSetKVBufferArg", "apply_rope_with_cos_sin_cache_inplace", "set_mla_kv_buffer", "store_cache"]
 
 
 def store_cache(k, v, k_cache, v_cache, indices, *, row_bytes=0, num_split=0, size_limit=0):
@@ -92,6 +96,55 @@ def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, k_split=0, num
     loc = _slots(loc, "loc", "set_mla_kv_buffer")
     kv_buffer = _as_rows(kv_buffer, "kv_buffer")
     _set_mla_kv_buffer(kv_buffer, loc, _as_rows(cache_k_nope, "cache_k_nope"), _as_rows(cache_k_rope, "cache_k_rope"))
+
+
+@dataclass
+class FusedSetKVBufferArg:
+    """What ``apply_rope_with_cos_sin_cache_inplace`` also stores, as sglang passes it: ``value``
+    ``[nnz, Hk*D]`` (or ``[nnz, Hk, D]``), ``k_buffer`` / ``v_buffer`` ``[cache_size, Hk*D]`` (or
+    ``[cache_size, Hk, D]``), ``cache_loc`` ``[nnz]`` the row of each token."""
+
+    value: torch.Tensor
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    cache_loc: torch.Tensor
+
+
+def apply_rope_with_cos_sin_cache_inplace(q, k, cos_sin_cache, positions, *, is_neox, rope_dim=0, fused_args=None):
+    """RoPE on q and k in place, and with ``fused_args`` the rotated k and v stored at ``cache_loc``.
+
+    ``q[t], k[t]`` rotated at ``positions[t]`` over their first ``rope_dim`` dims (0: the table's width);
+    with ``fused_args``: ``k_buffer[cache_loc[t]] = rotated k[t]``, ``v_buffer[cache_loc[t]] = value[t]``.
+
+    Args:
+        q: ``[nnz, Hq, D]``; k ``[nnz, Hk, D]``: bf16, fp16 or fp32, rotated in place (every row).
+        cos_sin_cache: ``[max_pos, rope_dim]``, cos half then sin half (sglang passes float32).
+        positions: ``[nnz]`` int32 or int64.
+        is_neox: NeoX halves (True) or GPT-J pairs (False).
+        rope_dim: the rotated dims (even, <= D); 0 means ``cos_sin_cache.shape[-1]``.
+        fused_args: None (RoPE only), or a ``FusedSetKVBufferArg``; the buffers take k's dtype (sglang's
+            fused store writes bf16 caches). Row 0 is written like any other (sglang's padding row).
+
+    Results equal sglang's on what both compute: jitkv rotates in float32 with one rounding per store and
+    no fused multiply-add (docs/design.md §9), where sglang's kernel may contract ``x * cos - y * sin``
+    into an FMA, so a value can differ in its last bit. Without ``fused_args`` jitkv runs the same op
+    with every token marked padding and two one-row scratch caches (nothing of them is written).
+
+    Raises:
+        the TypeError / ValueError of ``jitkv.rope_store_cache`` (named as its arguments: value is ``v``,
+        k_buffer / v_buffer are ``k_cache`` / ``v_cache``, cache_loc is ``slot_mapping``). IndexError: a
+        negative cache_loc (sglang has no padding value) or one past the buffers, and a position past the
+        table, on CPU, and on CUDA with ``JITKV_DEBUG=1``; nothing is written then.
+    """
+    kw = dict(is_neox=is_neox, rotary_dim=rope_dim or None, k_out=k)
+    if fused_args is None:
+        scratch = [k.new_empty(1, *k.shape[1:]) if isinstance(k, torch.Tensor) else None for _ in "kv"]
+        padding = torch.full((len(q),), -1, dtype=positions.dtype, device=positions.device)
+        _rope_store_cache(q, k, k, *scratch, padding, positions, cos_sin_cache, **kw)
+        return
+    loc = _slots(fused_args.cache_loc, "cache_loc", "apply_rope_with_cos_sin_cache_inplace")
+    _rope_store_cache(q, k, fused_args.value, fused_args.k_buffer, fused_args.v_buffer, loc, positions, cos_sin_cache,
+                      **kw)
 
 
 def _check_row_bytes(k, row_bytes):

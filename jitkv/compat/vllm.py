@@ -1,4 +1,5 @@
-"""vLLM's KV-cache writers on jitkv: ``reshape_and_cache_flash`` and ``concat_and_cache_mla``.
+"""vLLM's KV-cache writers on jitkv: ``reshape_and_cache_flash``, ``concat_and_cache_mla`` and the fused
+MLA RoPE + cache write ``concat_and_cache_mla_rope_fused``.
 
 Same names, argument order and results as the CUDA ops vLLM registers under
 ``torch.ops._C_cache_ops`` (and wraps in ``vllm._custom_ops``), as read in vLLM's main branch in
@@ -15,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import set_mla_kv_buffer, store_cache
+from .. import rope_set_mla_kv_buffer, set_mla_kv_buffer, store_cache
 
-__all__ = ["concat_and_cache_mla", "reshape_and_cache_flash"]
+__all__ = ["concat_and_cache_mla", "concat_and_cache_mla_rope_fused", "reshape_and_cache_flash"]
 
 # vLLM's MLA cache formats (concat_and_cache_mla's kv_cache_dtype).
 MLA_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
@@ -128,14 +129,14 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
         set_mla_kv_buffer(rows, slot_mapping, kv_c, k_pe, kv_cache_dtype=fmt, scale=scale)
 
 
-def _paged_rows(kv_cache):
+def _paged_rows(kv_cache, op="concat_and_cache_mla"):
     """``[num_blocks, block_size, W]`` as the ``[num_blocks * block_size, W]`` view jitkv writes:
     slot s is row s."""
     if not isinstance(kv_cache, torch.Tensor):
-        raise TypeError(f"concat_and_cache_mla: kv_cache: expected a torch.Tensor, got {type(kv_cache).__name__}")
+        raise TypeError(f"{op}: kv_cache: expected a torch.Tensor, got {type(kv_cache).__name__}")
     if kv_cache.dim() != 3:
         raise ValueError(
-            "concat_and_cache_mla: kv_cache: expected shape [num_blocks, block_size, kv_lora_rank + pe_dim], "
+            f"{op}: kv_cache: expected shape [num_blocks, block_size, kv_lora_rank + pe_dim], "
             f"got {list(kv_cache.shape)}"
         )
     num_blocks, block_size, width = kv_cache.shape
@@ -143,18 +144,63 @@ def _paged_rows(kv_cache):
         return kv_cache.view(num_blocks * block_size, width)
     except RuntimeError:
         raise ValueError(
-            f"concat_and_cache_mla: kv_cache: blocks must be packed (stride(0) == block_size * stride(1)), "
+            f"{op}: kv_cache: blocks must be packed (stride(0) == block_size * stride(1)), "
             f"got strides {kv_cache.stride()} for shape {list(kv_cache.shape)}"
         ) from None
 
 
-def _require_full_width(rows, kv_c, k_pe):
+def _require_full_width(rows, kv_c, k_pe, op="concat_and_cache_mla"):
     """vLLM writes exactly kv_lora_rank + pe_dim columns and refuses a wider cache row."""
     if not (isinstance(kv_c, torch.Tensor) and isinstance(k_pe, torch.Tensor)):
         return  # set_mla_kv_buffer raises the TypeError
     width = kv_c.shape[-1] + k_pe.shape[-1]
     if rows.shape[1] != width:
         raise ValueError(
-            f"concat_and_cache_mla: kv_cache: expected a row width of kv_lora_rank + pe_dim = {kv_c.shape[-1]} + "
+            f"{op}: kv_cache: expected a row width of kv_lora_rank + pe_dim = {kv_c.shape[-1]} + "
             f"{k_pe.shape[-1]} = {width}, got {rows.shape[1]}"
         )
+
+
+# vLLM's fused MLA RoPE + cache write dispatches on these (its DISPATCH_BY_KV_CACHE_DTYPE).
+ROPE_MLA_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def concat_and_cache_mla_rope_fused(positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
+                                    kv_cache_dtype, kv_cache_scale):
+    """RoPE on q_pe and k_pe in place, then the MLA rows ``[kv_c | rope(k_pe)]`` written into a paged
+    cache, as vLLM's ``concat_and_cache_mla_rope_fused`` (DeepseekScalingRotaryEmbedding + concat_and_cache_mla).
+
+    Args:
+        positions: ``[>= num_tokens]`` int64 (vLLM's type) or int32.
+        q_pe: ``[num_tokens, num_q_heads, rot_dim]``, rotated in place (every token, padding included).
+        k_pe: ``[num_tokens, rot_dim]``, rotated in place; kv_c ``[num_tokens, kv_lora_rank]``; one dtype
+            (bf16, fp16, fp32), any row stride, last dim contiguous.
+        cos_sin_cache: ``[max_position, rot_dim]``, cos half then sin half, in q_pe's dtype (vLLM's) or float32.
+        is_neox: NeoX halves (True) or GPT-J pairs (False: DeepSeek).
+        slot_mapping: ``[num_tokens]`` int64 or int32; a slot < 0 is padding (its row is not written).
+        kv_cache: ``[num_blocks, block_size, kv_lora_rank + rot_dim]``, blocks packed, written in place.
+        kv_cache_dtype: "auto" (the cache in q_pe's dtype), "fp8"/"fp8_e4m3", "fp8_e5m2" (uint8 or float8
+            cache; stored = fp8(satfinite(x / kv_cache_scale))).
+        kv_cache_scale: float32 tensor of one element (or a float), used by the fp8 formats.
+
+    Where vLLM and jitkv differ: vLLM rotates in the model dtype (each product and sum rounded to bf16 /
+    fp16) and quantizes the rounded rope values; jitkv rotates in float32 with one rounding per store and
+    quantizes the float32 result (docs/design.md §9), so rotated values can differ in their last bit. vLLM
+    leaves k_pe of padding tokens unrotated; jitkv rotates every token's k_pe (neither is read).
+
+    Raises:
+        ValueError: another kv_cache_dtype (vLLM's kernel has no fp8_ds_mla), a cache that is not 3-D, not
+            ``kv_lora_rank + rot_dim`` wide or whose blocks are not packed; and the TypeError / ValueError of
+            ``jitkv.rope_set_mla_kv_buffer`` (named as its arguments: kv_cache is ``kv_buffer``,
+            slot_mapping is ``loc``). IndexError: a slot or position out of range, on CPU (CUDA under
+            ``JITKV_DEBUG=1``), before anything is written; vLLM does not check.
+    """
+    if kv_cache_dtype not in ROPE_MLA_DTYPES:
+        raise ValueError(f"concat_and_cache_mla_rope_fused: kv_cache_dtype: expected one of "
+                         f"{', '.join(ROPE_MLA_DTYPES)}, got {kv_cache_dtype!r}")
+    rows = _paged_rows(kv_cache, "concat_and_cache_mla_rope_fused")
+    _require_full_width(rows, kv_c, k_pe, "concat_and_cache_mla_rope_fused")
+    fp8 = kv_cache_dtype != "auto"
+    rope_set_mla_kv_buffer(rows, slot_mapping, kv_c, k_pe, positions, cos_sin_cache, is_neox=is_neox, q_pe=q_pe,
+                           k_pe_out=k_pe, kv_cache_dtype="fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype,
+                           scale=kv_cache_scale if fp8 else None)

@@ -338,7 +338,7 @@ class Op:
             if p.type == "Scale?":
                 parts += [f"Tensor? {p.name}_tensor=None", f"float {p.name}_value={codes.MISSING_SCALE}"]
                 continue
-            typ = f"Tensor({next(alias)}!)" if p.written else p.type
+            typ = f"Tensor({next(alias)}!){'?' if p.type.endswith('?') else ''}" if p.written else p.type
             parts.append(f"{typ} {p.name}" + (f"={p.default}" if p.default is not None else ""))
         return f"({', '.join([*parts, 'str? backend=None'])}) -> ()"
 

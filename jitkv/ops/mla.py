@@ -87,34 +87,42 @@ def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, kv_cache_dt
 def check(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scale, skip_slot):
     """The arguments as the reference and Triton take them: 2-D [rows, width] views, the parsed scale
     (None for "auto" and fp8_ds_mla)."""
-    for name, t in (("kv_buffer", kv_buffer), ("cache_k_nope", cache_k_nope), ("cache_k_rope", cache_k_rope)):
-        checks.tensor(OP, name, t)
-    checks.choice(OP, "kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
-    checks.skip_slot(OP, skip_slot)
+    return check_rows(OP, kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scale, skip_slot)
+
+
+def check_rows(op, kv_buffer, loc, k_nope, k_rope, kv_cache_dtype, scale, skip_slot,
+               names=("cache_k_nope", "cache_k_rope")):
+    """``check`` for op ``op``, whose nope and rope sources are named ``names``: the MLA row write of
+    every op that writes rows as set_mla_kv_buffer does (jitkv/ops/rope.py too)."""
+    nope_name, rope_name = names
+    for name, t in (("kv_buffer", kv_buffer), (nope_name, k_nope), (rope_name, k_rope)):
+        checks.tensor(op, name, t)
+    checks.choice(op, "kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+    checks.skip_slot(op, skip_slot)
     fmt = KV_FORMATS[kv_cache_dtype]
     if fmt == KvFormat.COPY:
-        checks.dtype(OP, "kv_buffer", kv_buffer, checks.COPY_DTYPES)
-        checks.same_dtype(OP, "cache_k_nope", cache_k_nope, kv_buffer.dtype, "kv_buffer")
-        checks.same_dtype(OP, "cache_k_rope", cache_k_rope, kv_buffer.dtype, "kv_buffer")
+        checks.dtype(op, "kv_buffer", kv_buffer, checks.COPY_DTYPES)
+        checks.same_dtype(op, nope_name, k_nope, kv_buffer.dtype, "kv_buffer")
+        checks.same_dtype(op, rope_name, k_rope, kv_buffer.dtype, "kv_buffer")
     else:
-        checks.dtype(OP, "cache_k_nope", cache_k_nope, FP8_SRC_DTYPES, " (fp8 quantize-on-write)")
-        checks.same_dtype(OP, "cache_k_rope", cache_k_rope, cache_k_nope.dtype, "cache_k_nope")
+        checks.dtype(op, nope_name, k_nope, FP8_SRC_DTYPES, " (fp8 quantize-on-write)")
+        checks.same_dtype(op, rope_name, k_rope, k_nope.dtype, nope_name)
         allowed = (torch.uint8,) if fmt == KvFormat.DS_MLA else (torch.uint8, FP8_DTYPES[fmt])
         if kv_buffer.dtype not in allowed:
-            raise ValueError(f"{OP}: kv_buffer: kv_cache_dtype={kv_cache_dtype!r} writes a "
+            raise ValueError(f"{op}: kv_buffer: kv_cache_dtype={kv_cache_dtype!r} writes a "
                              f"{' or '.join(checks.dtype_name(d) for d in allowed)} buffer, got "
                              f"{checks.dtype_name(kv_buffer.dtype)}")
-    buf, nope, rope = _rows(kv_buffer, loc, cache_k_nope, cache_k_rope)
+    buf, nope, rope = _rows(op, names, kv_buffer, loc, k_nope, k_rope)
     if fmt == KvFormat.DS_MLA:
-        _check_ds_mla(buf, nope, rope, scale)
+        _check_ds_mla(op, names, buf, nope, rope, scale)
         scale = None
     else:
         if buf.shape[1] < nope.shape[1] + rope.shape[1]:
-            raise ValueError(f"{OP}: kv_buffer: row width {buf.shape[1]} is smaller than nope + rope = "
+            raise ValueError(f"{op}: kv_buffer: row width {buf.shape[1]} is smaller than nope + rope = "
                              f"{nope.shape[1]} + {rope.shape[1]}")
         if fmt != KvFormat.COPY:
-            scale = checks.scale(OP, "scale", scale, kv_buffer.device, "kv_buffer")
-    checks.written(OP, "kv_buffer", buf)
+            scale = checks.scale(op, "scale", scale, kv_buffer.device, "kv_buffer")
+    checks.written(op, "kv_buffer", buf)
     return buf, loc, nope, rope, kv_cache_dtype, scale, skip_slot
 
 
@@ -125,41 +133,41 @@ def debug_check(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scal
     reference.check_slots(loc, kv_buffer.shape[0], skip_slot=skip_slot, name="loc", op=OP)
 
 
-def _row_view(name, t, width_name):
+def row_view(op, name, t, width_name):
     """[S, W] or [S, 1, W] -> the 2-D [S, W] view."""
     if t.dim() == 3 and t.shape[1] == 1:
         t = t.select(1, 0)
     elif t.dim() != 2:
-        raise ValueError(f"{OP}: {name}: expected shape [rows, {width_name}] or [rows, 1, {width_name}], got "
+        raise ValueError(f"{op}: {name}: expected shape [rows, {width_name}] or [rows, 1, {width_name}], got "
                          f"{list(t.shape)}")
-    checks.last_dim_contiguous(OP, name, t)
+    checks.last_dim_contiguous(op, name, t)
     return t
 
 
-def _rows(kv_buffer, loc, k_nope, k_rope):
+def _rows(op, names, kv_buffer, loc, k_nope, k_rope):
     """The checks every format shares, after the dtypes: loc, one device, 2-D row views, at least
     loc.numel() source rows."""
     dev = kv_buffer.device
-    checks.index(OP, "loc", loc, dev, "kv_buffer")
-    for name, t in (("cache_k_nope", k_nope), ("cache_k_rope", k_rope)):
-        checks.same_device(OP, name, t, dev, "kv_buffer")
-    buf = _row_view("kv_buffer", kv_buffer, "W")
-    nope = _row_view("cache_k_nope", k_nope, "nope")
-    rope = _row_view("cache_k_rope", k_rope, "rope")
-    for name, t in (("cache_k_nope", nope), ("cache_k_rope", rope)):
-        checks.rows_at_least(OP, name, t, loc.numel(), "loc")
+    checks.index(op, "loc", loc, dev, "kv_buffer")
+    for name, t in zip(names, (k_nope, k_rope)):
+        checks.same_device(op, name, t, dev, "kv_buffer")
+    buf = row_view(op, "kv_buffer", kv_buffer, "W")
+    nope = row_view(op, names[0], k_nope, "nope")
+    rope = row_view(op, names[1], k_rope, "rope")
+    for name, t in zip(names, (nope, rope)):
+        checks.rows_at_least(op, name, t, loc.numel(), "loc")
     return buf, nope, rope
 
 
-def _check_ds_mla(buf, nope, rope, scale):
-    for name, t, want in (("cache_k_nope", nope, DsMla.NOPE), ("cache_k_rope", rope, DsMla.ROPE)):
+def _check_ds_mla(op, names, buf, nope, rope, scale):
+    for name, t, want in zip(names, (nope, rope), (DsMla.NOPE, DsMla.ROPE)):
         if t.shape[1] != want:
-            raise ValueError(f"{OP}: {name}: fp8_ds_mla takes rows of {want} values, got {t.shape[1]}")
+            raise ValueError(f"{op}: {name}: fp8_ds_mla takes rows of {want} values, got {t.shape[1]}")
     if buf.shape[1] < DsMla.BYTES:
-        raise ValueError(f"{OP}: kv_buffer: row width {buf.shape[1]} is smaller than the {DsMla.BYTES}-byte "
+        raise ValueError(f"{op}: kv_buffer: row width {buf.shape[1]} is smaller than the {DsMla.BYTES}-byte "
                          "fp8_ds_mla record")
     if scale is not None:
-        raise ValueError(f"{OP}: scale: kv_cache_dtype=\"fp8_ds_mla\" computes one scale per {DsMla.TILE}-value "
+        raise ValueError(f"{op}: scale: kv_cache_dtype=\"fp8_ds_mla\" computes one scale per {DsMla.TILE}-value "
                          f"tile; expected None, got {type(scale).__name__}")
 
 

@@ -86,33 +86,39 @@ def store_cache(
 def check(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot):
     """The arguments as the reference and Triton take them: [n', H, D] sources, [num_blocks,
     block_size, H, D] caches (flat caches get block_size 1), parsed scales."""
+    return check_kv(OP, k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot)
+
+
+def check_kv(op, k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot):
+    """``check`` for op ``op``: the KV-write contract (docs/design.md §3) of every op that writes K and V
+    rows as store_cache does (jitkv/ops/rope.py too); errors name op."""
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        checks.tensor(OP, name, t)
-    checks.choice(OP, "kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+        checks.tensor(op, name, t)
+    checks.choice(op, "kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
     dev = k_cache.device
-    checks.index(OP, "slot_mapping", slot_mapping, dev, "k_cache")
+    checks.index(op, "slot_mapping", slot_mapping, dev, "k_cache")
     if loc_map is not None:
-        checks.index(OP, "loc_map", loc_map, dev, "k_cache")
-    checks.skip_slot(OP, skip_slot)
+        checks.index(op, "loc_map", loc_map, dev, "k_cache")
+    checks.skip_slot(op, skip_slot)
     n = slot_mapping.numel()
-    checks.same_dtype(OP, "v", v, k.dtype, "k")
-    h = _num_heads(((k, False), (k_cache, True), (v, False), (v_cache, True)))
+    checks.same_dtype(op, "v", v, k.dtype, "k")
+    h = _num_heads(op, ((k, False), (k_cache, True), (v, False), (v_cache, True)))
     views = []
     for src_name, src, cache_name, cache in (("k", k, "k_cache", k_cache), ("v", v, "v_cache", v_cache)):
-        checks.same_device(OP, src_name, src, dev, "k_cache")
-        checks.same_device(OP, cache_name, cache, dev, "k_cache")
-        _dtypes(src_name, src, cache_name, cache, kv_cache_dtype)
-        views.append(_pair_views(src_name, src, cache_name, cache, n, h))
+        checks.same_device(op, src_name, src, dev, "k_cache")
+        checks.same_device(op, cache_name, cache, dev, "k_cache")
+        _dtypes(op, src_name, src, cache_name, cache, kv_cache_dtype)
+        views.append(_pair_views(op, src_name, src, cache_name, cache, n, h))
     (kv, kcv), (vv, vcv) = views
-    checks.written(OP, "k_cache", k_cache)
-    checks.written(OP, "v_cache", v_cache)
-    checks.disjoint(OP, "k_cache", k_cache, "v_cache", v_cache)
+    checks.written(op, "k_cache", k_cache)
+    checks.written(op, "v_cache", v_cache)
+    checks.disjoint(op, "k_cache", k_cache, "v_cache", v_cache)
     if kcv.shape[0] * kcv.shape[1] != vcv.shape[0] * vcv.shape[1]:
-        raise ValueError(f"{OP}: v_cache: expected {kcv.shape[0] * kcv.shape[1]} slots (as k_cache), got "
+        raise ValueError(f"{op}: v_cache: expected {kcv.shape[0] * kcv.shape[1]} slots (as k_cache), got "
                          f"{vcv.shape[0] * vcv.shape[1]} (shape {list(v_cache.shape)})")
     if kv_cache_dtype != "auto":
-        k_scale = checks.scale(OP, "k_scale", k_scale, dev, "k_cache", heads=h)
-        v_scale = checks.scale(OP, "v_scale", v_scale, dev, "k_cache", heads=h)
+        k_scale = checks.scale(op, "k_scale", k_scale, dev, "k_cache", heads=h)
+        v_scale = checks.scale(op, "v_scale", v_scale, dev, "k_cache", heads=h)
     return kv, vv, kcv, vcv, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot
 
 
@@ -125,7 +131,7 @@ def debug_check(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v
                           op=OP)
 
 
-def _num_heads(tensors):
+def _num_heads(op, tensors):
     """H from every tensor that has a head dim (3-D sources, 3-D/4-D caches); they must agree."""
     h, first = None, None
     for (t, is_cache), name in zip(tensors, ("k", "k_cache", "v", "v_cache")):
@@ -133,39 +139,39 @@ def _num_heads(tensors):
             if h is None:
                 h, first = t.shape[-2], name
             elif t.shape[-2] != h:
-                raise ValueError(f"{OP}: {name}: expected {h} heads like {first}, got {t.shape[-2]}")
+                raise ValueError(f"{op}: {name}: expected {h} heads like {first}, got {t.shape[-2]}")
     return 1 if h is None else h
 
 
-def _dtypes(src_name, src, cache_name, cache, kv_cache_dtype):
+def _dtypes(op, src_name, src, cache_name, cache, kv_cache_dtype):
     if kv_cache_dtype == "auto":
-        checks.dtype(OP, src_name, src, checks.COPY_DTYPES)
-        checks.same_dtype(OP, cache_name, cache, src.dtype, src_name + ", kv_cache_dtype='auto' copies")
+        checks.dtype(op, src_name, src, checks.COPY_DTYPES)
+        checks.same_dtype(op, cache_name, cache, src.dtype, src_name + ", kv_cache_dtype='auto' copies")
         return
     want = FP8_DTYPES[KV_FORMATS[kv_cache_dtype]]
-    checks.dtype(OP, src_name, src, tuple(SRC_DTYPES), " (fp8 quantize-on-write)")
+    checks.dtype(op, src_name, src, tuple(SRC_DTYPES), " (fp8 quantize-on-write)")
     if cache.dtype in FP8_MAX and cache.dtype != want:
-        raise ValueError(f"{OP}: {cache_name}: dtype {checks.dtype_name(cache.dtype)} does not match "
+        raise ValueError(f"{op}: {cache_name}: dtype {checks.dtype_name(cache.dtype)} does not match "
                          f"kv_cache_dtype={kv_cache_dtype!r}")
     if cache.dtype not in (want, torch.uint8):
-        raise ValueError(f"{OP}: kv_cache_dtype: {kv_cache_dtype!r} needs a {checks.dtype_name(want)} or uint8 "
+        raise ValueError(f"{op}: kv_cache_dtype: {kv_cache_dtype!r} needs a {checks.dtype_name(want)} or uint8 "
                          f"{cache_name}, got {checks.dtype_name(cache.dtype)}")
 
 
-def _pair_views(src_name, src, cache_name, cache, n, h):
+def _pair_views(op, src_name, src, cache_name, cache, n, h):
     """Bring a (source, cache) pair to [n', H, D] and [num_blocks, block_size, H, D] views."""
     if src.dim() not in (2, 3):
-        raise ValueError(f"{OP}: {src_name}: expected shape [tokens, H, D] or [tokens, H*D], got {list(src.shape)}")
+        raise ValueError(f"{op}: {src_name}: expected shape [tokens, H, D] or [tokens, H*D], got {list(src.shape)}")
     if cache.dim() not in (2, 3, 4):
-        raise ValueError(f"{OP}: {cache_name}: expected shape [slots, H, D], [slots, H*D] or [num_blocks, "
+        raise ValueError(f"{op}: {cache_name}: expected shape [slots, H, D], [slots, H*D] or [num_blocks, "
                          f"block_size, H, D], got {list(cache.shape)}")
-    checks.last_dim_contiguous(OP, src_name, src)
-    checks.last_dim_contiguous(OP, cache_name, cache)
-    checks.rows_at_least(OP, src_name, src, n, "slot_mapping")
+    checks.last_dim_contiguous(op, src_name, src)
+    checks.last_dim_contiguous(op, cache_name, cache)
+    checks.rows_at_least(op, src_name, src, n, "slot_mapping")
     src_row = math.prod(src.shape[1:])
     cache_row = math.prod(cache.shape[-2:]) if cache.dim() >= 3 else cache.shape[1]
     if src_row != cache_row or src_row % h:
-        raise ValueError(f"{OP}: {cache_name}: row of {cache_row} elements does not match {src_name}'s {src_row} "
+        raise ValueError(f"{op}: {cache_name}: row of {cache_row} elements does not match {src_name}'s {src_row} "
                          f"({h} heads)")
     d = src_row // h
     src_v = src if src.dim() == 3 else src.view(src.shape[0], h, d)

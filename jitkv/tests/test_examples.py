@@ -20,8 +20,9 @@ if not (EXAMPLES / "paged_common.py").is_file():
 
 # (example module, engine class, the jitkv op it writes with)
 CASES = [
-    ("llama_paged_decode", "LlamaPagedEngine", "store_cache"),
-    ("mla_paged_decode", "MlaPagedEngine", "set_mla_kv_buffer"),
+    ("llama_paged_decode", "LlamaPagedEngine", "rope_store_cache"),
+    ("qwen3_paged_decode", "Qwen3PagedEngine", "rope_store_cache"),
+    ("mla_paged_decode", "MlaPagedEngine", "rope_set_mla_kv_buffer"),
 ]
 DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
 PROMPT_LENS = [5, 12, 3, 9]  # crosses block boundaries at block size 4

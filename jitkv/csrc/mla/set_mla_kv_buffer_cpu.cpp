@@ -10,14 +10,11 @@
 // per tile: abs_max, scale = max(amax / 448, FLT_MIN) (a true division), then quantize_seg by it.
 #include <tvm/ffi/function.h>
 
-#include <algorithm>
-#include <cfloat>
-#include <cstring>
-
 #include "jitkv/cpu/fp8.h"
 #include "jitkv/cpu/isa.h"
 #include "jitkv/cpu/row_copy.h"
 #include "jitkv/cpu/scatter.h"
+#include "mla/ds_mla_cpu.h"
 #include "mla/parse.h"
 
 namespace jitkv {
@@ -40,20 +37,6 @@ void write_rows(const mla::MlaParams& a, const cpu::RowSlot* rows, int64_t m) {
   });
 }
 
-// One fp8_ds_mla record: per tile the scale and its e4m3 values, then the scales, then the rope bytes.
-void write_ds_mla(char* dst, cpu::SrcKind kind, const char* nope, const char* rope, bool nt) {
-  using mla::DsMla;
-  float scales[DsMla::kTiles];
-  for (int t = 0; t < DsMla::kTiles; ++t) {
-    const char* x = nope + 2 * t * DsMla::kTile;
-    scales[t] = std::max(cpu::abs_max(kind, x, DsMla::kTile) / DsMla::kFP8Max, FLT_MIN);
-    cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst) + t * DsMla::kTile, kind, x, DsMla::kTile, scales[t],
-                      cpu::kFp8E4M3, nt && DsMla::kTile % 64 == 0);
-  }
-  std::memcpy(dst + DsMla::kScaleOffset, scales, sizeof(scales));
-  cpu::copy_seg(dst + DsMla::kRopeOffset, rope, 2 * DsMla::kRope, false);
-}
-
 void write_fp8_rows(const mla::MlaParams& a, const cpu::RowSlot* rows, int64_t m) {
   const auto format = static_cast<mla::KvFormat>(a.kv_format);
   const cpu::SrcKind kind = a.dtype.code == kDLBfloat ? cpu::SrcKind::kBF16 : cpu::SrcKind::kF16;
@@ -70,7 +53,7 @@ void write_fp8_rows(const mla::MlaParams& a, const cpu::RowSlot* rows, int64_t m
       const char* nope_row = a.nope + rows[i].row * a.nope_row_stride;
       const char* rope_row = a.rope + rows[i].row * a.rope_row_stride;
       if (format == mla::KvFormat::kDsMla) {
-        write_ds_mla(dst, kind, nope_row, rope_row, nt);
+        mla::write_ds_mla(dst, kind, nope_row, rope_row, nt);
       } else {
         cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst), kind, nope_row, nope, scale, fmt, nt);
         cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst) + nope, kind, rope_row, rope, scale, fmt,

@@ -243,3 +243,54 @@ def test_set_mla_kv_buffer_bad_input(device):
     with pytest.raises(ValueError, match=r"set_mla_kv_buffer: kv_buffer: row width 560 is smaller"):
         sglang.set_mla_kv_buffer(buf[:, :560], loc, k_nope, k_rope)
     assert_bitwise(buf, before)
+
+
+# -------------------------------------------------------------- apply_rope_with_cos_sin_cache_inplace
+
+
+def _rope_case(device, n=21, hq=4, hk=2, d=64, dtype=torch.bfloat16, size=64):
+    q, k, v = (rand((n, h, d), dtype, device) for h in (hq, hk, hk))
+    k_buffer, v_buffer = _pool_buffers(size, hk, d, dtype, device)
+    return q, k, v.view(n, hk * d), k_buffer, v_buffer, torch.randint(0, 500, (n,), device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rope_dim", [0, 32])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_apply_rope_with_cos_sin_cache_inplace(device, is_neox, rope_dim, fused, idx_dtype):
+    """sglang's rule: q and k rotated in place over rope_dim (0: the table's width) dims at their
+    positions; with fused_args, k_buffer[cache_loc] = rotated k, v_buffer[cache_loc] = value (row 0 a real
+    row); nothing else written."""
+    from jitkv.tests.compat.rope_rule import rotate, table  # noqa: PLC0415
+
+    q, k, v, k_buffer, v_buffer, positions = _rope_case(device)
+    positions = positions.to(idx_dtype)
+    cs = table(500, rope_dim or 64).to(device)
+    loc = _rows_with_zero(k_buffer.shape[0], q.shape[0], idx_dtype, device)
+    want_q, want_k, want_kb, want_vb = q.clone(), k.clone(), k_buffer.clone(), v_buffer.clone()
+    for t in range(q.shape[0]):
+        want_q[t] = rotate(q[t], positions[t], cs, is_neox, rope_dim or None).to(q.dtype)
+        want_k[t] = rotate(k[t], positions[t], cs, is_neox, rope_dim or None).to(k.dtype)
+        if fused:
+            _bits(want_kb)[loc[t]] = _bits(want_k[t]).reshape(-1)
+            _bits(want_vb)[loc[t]] = _bits(v[t])
+    args = sglang.FusedSetKVBufferArg(v, k_buffer, v_buffer, loc) if fused else None
+    sglang.apply_rope_with_cos_sin_cache_inplace(q, k, cs, positions, is_neox=is_neox, rope_dim=rope_dim,
+                                                 fused_args=args)
+    for got, want in ((q, want_q), (k, want_k), (k_buffer, want_kb), (v_buffer, want_vb)):
+        assert_bitwise(got, want)
+
+
+def test_apply_rope_negative_cache_loc_raises_first():
+    q, k, v, k_buffer, v_buffer, positions = _rope_case("cpu")
+    cs = torch.randn(500, 64)
+    loc = slots(k_buffer.shape[0], q.shape[0])
+    loc[3] = -1
+    before = [t.clone() for t in (q, k, k_buffer, v_buffer)]
+    with pytest.raises(IndexError, match=r"apply_rope_with_cos_sin_cache_inplace: cache_loc: position 3 has slot -1"):
+        sglang.apply_rope_with_cos_sin_cache_inplace(q, k, cs, positions, is_neox=True,
+                                                     fused_args=sglang.FusedSetKVBufferArg(v, k_buffer, v_buffer, loc))
+    for got, want in zip((q, k, k_buffer, v_buffer), before):
+        assert_bitwise(got, want)

@@ -339,3 +339,59 @@ def test_concat_and_cache_mla_out_of_range_raises_cpu():
     with pytest.raises(IndexError, match="position 2 has slot 64"):
         vllm.concat_and_cache_mla(*args)
     assert_bitwise(args[2], before)
+
+
+# ---------------------------------------------------------------- concat_and_cache_mla_rope_fused
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("is_neox", [False, True])
+@pytest.mark.parametrize("table_dtype", [torch.bfloat16, torch.float32])
+def test_concat_and_cache_mla_rope_fused(device, kv_cache_dtype, is_neox, table_dtype):
+    """vLLM's rule: q_pe and k_pe rotated in place; kv_cache[slot] = [kv_c | rotated k_pe] (copied, or
+    fp8(satfinite(x / scale)) of the rotated value), slot < 0 skipped. Rotations in float32 with one
+    rounding (jitkv's arithmetic; vLLM's own rounds in the model dtype, see the shim's docstring)."""
+    from jitkv.tests.compat.rope_rule import rotate, table  # noqa: PLC0415
+
+    n, h, rank, rot, bs = 19, 4, 128, 32, 8
+    bf16 = torch.bfloat16
+    latent = rand((n, rank + rot), bf16, device)  # kv_c and k_pe: column views of one projection output
+    kv_c, k_pe = latent.split([rank, rot], dim=1)
+    q_pe = rand((n, 3 * h, rot), bf16, device)[:, ::3]  # a strided head view
+    cs = table(300, rot, table_dtype).to(device)
+    positions = torch.randint(0, 300, (n + 4,), device=device)
+    fp8 = FORMATS.get(kv_cache_dtype)
+    cache = rand((10, bs, rank + rot), fp8 or bf16, device)
+    sm = slots(10 * bs, n, torch.int64, device)
+    sm[::5] = -1
+    scale = torch.tensor([0.25], device=device)
+    want_q, want_k, want_cache = q_pe.clone(), k_pe.clone(), cache.clone()
+    for t in range(n):
+        want_q[t] = rotate(q_pe[t], positions[t], cs, is_neox).to(bf16)
+        k_rot = rotate(k_pe[t], positions[t], cs, is_neox)
+        want_k[t] = k_rot.to(bf16)
+        s = int(sm[t])
+        if s < 0:
+            continue
+        row = want_cache.view(-1, rank + rot)[s]
+        if fp8 is None:
+            row.copy_(torch.cat([kv_c[t], k_rot.to(bf16)]))
+        else:
+            m = FP8_MAX[fp8]
+            vals = torch.cat([kv_c[t].float(), k_rot]) / scale
+            _bits(row).copy_(_bits(vals.clamp(-m, m).to(fp8)))
+    vllm.concat_and_cache_mla_rope_fused(positions, q_pe, k_pe, kv_c, cs, is_neox, sm, cache, kv_cache_dtype, scale)
+    assert_bitwise(q_pe, want_q)
+    assert_bitwise(k_pe, want_k)
+    assert_bitwise(cache, want_cache)
+
+
+def test_concat_and_cache_mla_rope_fused_refuses_ds_mla_and_wide_rows():
+    kv_c, k_pe, q_pe = rand((4, 512), torch.bfloat16, "cpu"), rand((4, 64), torch.bfloat16, "cpu"), \
+        rand((4, 2, 64), torch.bfloat16, "cpu")
+    args = (torch.arange(4), q_pe, k_pe, kv_c, torch.randn(16, 64).bfloat16(), False, torch.arange(4))
+    with pytest.raises(ValueError, match=r"^concat_and_cache_mla_rope_fused: kv_cache_dtype: expected one of auto"):
+        vllm.concat_and_cache_mla_rope_fused(*args, rand((2, 4, 656), torch.uint8, "cpu"), "fp8_ds_mla", None)
+    with pytest.raises(ValueError, match=r"^concat_and_cache_mla_rope_fused: kv_cache: expected a row width of"):
+        vllm.concat_and_cache_mla_rope_fused(*args, rand((2, 4, 600), torch.bfloat16, "cpu"), "auto", None)

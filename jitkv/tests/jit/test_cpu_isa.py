@@ -1,5 +1,5 @@
 """The CPU kernels' vector paths (jitkv/cpu/isa.h): for every path this host runs (AVX-512, AVX2,
-scalar), a child process with ``JITKV_CPU_ISA`` set and its own cache builds the four CPU modules,
+scalar), a child process with ``JITKV_CPU_ISA`` set and its own cache builds the five CPU modules,
 checks that each reports that path, and runs every CPU op against the torch reference over the whole
 destination, poisoned first with random bytes: row lengths that end in each vector tail, strided
 sources, flat / paged NHD / paged HND caches, streamed (non-temporal) writes, fp8 conversion of every
@@ -17,7 +17,7 @@ import torch
 
 import jitkv
 from jitkv.jit import ensure_built, get_function, toolchain
-from jitkv.layouts import DS_MLA_NOPE, DS_MLA_RECORD_BYTES, DS_MLA_ROPE, DS_MLA_ROPE_OFFSET, DS_MLA_SCALE_OFFSET
+from jitkv.codes import DsMla
 from jitkv.tests.conftest import assert_bitwise, every_16_bit_value, rand, slots
 from jitkv.tests.jit.conftest import run_py
 
@@ -56,8 +56,9 @@ def test_cpu_isa_env(monkeypatch):
 
 
 def test_isa_flags_are_part_of_the_key(monkeypatch):
-    from jitkv.ops import store_cache  # noqa: PLC0415
+    import importlib  # noqa: PLC0415
 
+    store_cache = importlib.import_module("jitkv.ops.store_cache")
     keys = set()
     for isa in ISAS:
         monkeypatch.setenv("JITKV_CPU_ISA", isa)
@@ -74,11 +75,13 @@ def check_isa(isa: str) -> None:
     seed = torch.seed()
     print(f"seed {seed}", flush=True)
     torch.set_num_threads(min(torch.get_num_threads(), 2))  # bounds the streamed cases' payload (2 threads' L2)
-    from jitkv.ops import indexer, mla, mla_gather, store_cache  # noqa: PLC0415
+    import importlib  # noqa: PLC0415
 
     assert toolchain.cpu_isa() == isa, toolchain.cpu_isa()
-    specs = [family.cpu_spec() for family in (store_cache, mla, mla_gather, indexer)]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # the four builds side by side
+    # The family modules by name: jitkv.ops.store_cache is the op (jitkv.ops exports each family's names).
+    families = ("store_cache", "mla", "mla_gather", "indexer", "rope")
+    specs = [importlib.import_module(f"jitkv.ops.{name}").cpu_spec() for name in families]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # the builds side by side
         list(pool.map(ensure_built, specs))
     for spec in specs:
         got = get_function(spec, "cpu_isa")()
@@ -253,10 +256,10 @@ def check_mla_fp8():
         _mla_case("streamed", 512, 64, 576, _streamed_rows(576), kv=kv, scale=1.5)
         _mla_case("streamed", 500, 40, 576, _streamed_rows(576), kv=kv, scale=1.5)
     for src_dtype in (torch.bfloat16, torch.float16):
-        _mla_case("", DS_MLA_NOPE, DS_MLA_ROPE, DS_MLA_RECORD_BYTES + 5, 29, src_dtype=src_dtype, kv="fp8_ds_mla")
-        _mla_case("every value", DS_MLA_NOPE, DS_MLA_ROPE, DS_MLA_RECORD_BYTES, 128, src_dtype=src_dtype,
-                  kv="fp8_ds_mla", k_nope=every_16_bit_value(src_dtype, DS_MLA_NOPE))
-    _mla_case("streamed", DS_MLA_NOPE, DS_MLA_ROPE, 704, _streamed_rows(704), kv="fp8_ds_mla")
+        _mla_case("", DsMla.NOPE, DsMla.ROPE, DsMla.BYTES + 5, 29, src_dtype=src_dtype, kv="fp8_ds_mla")
+        _mla_case("every value", DsMla.NOPE, DsMla.ROPE, DsMla.BYTES, 128, src_dtype=src_dtype,
+                  kv="fp8_ds_mla", k_nope=every_16_bit_value(src_dtype, DsMla.NOPE))
+    _mla_case("streamed", DsMla.NOPE, DsMla.ROPE, 704, _streamed_rows(704), kv="fp8_ds_mla")
 
 
 # gather_mla_cache -------------------------------------------------------------------------------------
@@ -289,11 +292,11 @@ def check_mla_gather():
             every = min(256, 16 * width)  # every fp8 byte in each block (the first `every` of a narrow one)
             cache.view(8, -1)[:, :every] = torch.arange(every, dtype=torch.uint8)
             _gather_case(fmt, cache.view(fp8) if width == 576 else cache, width, lens)
-    cache = rand((8, 16, DS_MLA_RECORD_BYTES), torch.uint8)
+    cache = rand((8, 16, DsMla.BYTES), torch.uint8)
     scales = (torch.rand(8, 16, 4) + 1e-3) * torch.exp2(torch.randint(-12, 4, (8, 16, 4)).float())
-    cache[..., DS_MLA_SCALE_OFFSET:DS_MLA_ROPE_OFFSET] = scales.view(torch.uint8)
+    cache[..., DsMla.SCALE_OFFSET:DsMla.ROPE_OFFSET] = scales.view(torch.uint8)
     cache[:, 0, :256] = torch.arange(256, dtype=torch.uint8)
-    _gather_case("fp8_ds_mla", cache, DS_MLA_NOPE + DS_MLA_ROPE, lens)
+    _gather_case("fp8_ds_mla", cache, DsMla.NOPE + DsMla.ROPE, lens)
 
 
 # indexer ------------------------------------------------------------------------------------------------
@@ -323,5 +326,48 @@ def check_indexer():
     _agree("gather_indexer_k_quant_cache", (torch.empty(95, 128, dtype=torch.uint8), torch.empty(95)), gather)
 
 
+# rope ---------------------------------------------------------------------------------------------
+
+
+def check_rope() -> None:
+    """rope_store_cache and rope_set_mla_kv_buffer on head dims ending in each vector tail (8, 40, 72,
+    136), partial rotary, NeoX and GPT-J, the fixed-order norm, every source dtype, fp8 and bf16 outputs."""
+    from jitkv.ops.rope import cos_sin_table  # noqa: PLC0415
+
+    for d, rot, neox, dtype in ((8, 8, True, torch.bfloat16), (40, 24, False, torch.float16), (72, 72, True,
+                                torch.float32), (136, 40, False, torch.bfloat16), (128, 128, True, torch.float16)):
+        n, hq, hk = 37, 3, 2
+        q, k, v = rand((n, hq, d), dtype), rand((n, hk, d), dtype), rand((n, hk, d), dtype)
+        cs, pos, sm = cos_sin_table(64, rot), torch.randint(0, 64, (n,)), _with_padding(n, 96)
+        weights = dict(q_norm_weight=rand((d,), dtype), k_norm_weight=rand((d,), dtype))
+        for kv, cache_dtype, q_dtype in (("auto", dtype, dtype), ("fp8_e4m3", torch.float8_e4m3fn, torch.float8_e5m2)):
+            fp8 = dict(k_scale=0.3, v_scale=1.7) if kv != "auto" else {}
+            q_scale = dict(q_scale=0.05) if q_dtype != dtype else {}
+
+            def call(backend, q_out, k_out, kc, vc):
+                jitkv.rope_store_cache(q, k, v, kc, vc, sm, pos, cs, is_neox=neox, rotary_dim=rot, q_out=q_out,
+                                       k_out=k_out, kv_cache_dtype=kv, backend=backend, **weights, **fp8, **q_scale)
+
+            _agree(f"rope_store_cache D{d} rot{rot} {kv}", (torch.empty(n, hq, d, dtype=q_dtype),
+                   torch.empty(n, hk, d, dtype=dtype), torch.empty(96, hk, d, dtype=cache_dtype),
+                   torch.empty(96, hk, d, dtype=cache_dtype)), call)
+    for kv, nope, r in (("auto", 40, 24), ("fp8_e4m3", 100, 56), ("fp8_ds_mla", DsMla.NOPE, DsMla.ROPE)):
+        n, h = 29, 3
+        kv_c, k_pe, q_pe, q_nope = rand((n, nope), torch.bfloat16), rand((n, r), torch.bfloat16), \
+            rand((n, h, r), torch.bfloat16), rand((n, h, nope), torch.bfloat16)
+        cs, pos, loc = cos_sin_table(64, r), torch.randint(0, 64, (n,)), _with_padding(n, 64)
+        width = DsMla.BYTES if kv == "fp8_ds_mla" else nope + r
+        buf_dtype = torch.bfloat16 if kv == "auto" else torch.uint8
+
+        def call_mla(backend, buf, q_out, k_pe_out):
+            jitkv.rope_set_mla_kv_buffer(buf, loc, kv_c, k_pe, pos, cs, is_neox=kv != "auto", q_pe=q_pe,
+                                         q_nope=q_nope, q_out=q_out, q_scale=0.5, k_pe_out=k_pe_out, kv_cache_dtype=kv,
+                                         scale=0.7 if kv == "fp8_e4m3" else None, backend=backend)
+
+        _agree(f"rope_set_mla_kv_buffer {kv}", (torch.empty(64, width, dtype=buf_dtype),
+               torch.empty(n, h, nope + r, dtype=torch.float8_e4m3fn), torch.empty(n, r, dtype=torch.bfloat16)),
+               call_mla)
+
+
 CHECKS = (check_store_cache_copy, check_store_cache_fp8, check_fp8_every_16_bit_value, check_fp8_fp32_specials,
-          check_mla_copy, check_mla_fp8, check_mla_gather, check_indexer)
+          check_mla_copy, check_mla_fp8, check_mla_gather, check_indexer, check_rope)

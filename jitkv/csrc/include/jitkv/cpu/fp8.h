@@ -10,7 +10,7 @@
 // AVX-512: 16 lanes per conversion, 64 bytes per stored line, masked lanes for the tail. AVX2: 8 lanes
 // per conversion, 64 bytes per stored line as two halves, then 32- and 8-byte steps; the last < 8
 // values are staged through a zeroed stack buffer (no byte masks). The loops are instantiated per
-// source kind (quantize_seg_k, abs_max_k). The scalar functions are the path of builds without
+// source kind (with_kind). The scalar functions are the path of builds without
 // either (and the reference the vector code is tested against: jitkv/tests/jit/test_cpu_isa.py
 // feeds every bf16 and fp16 value and fp32 specials through each path).
 #pragma once
@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "jitkv/cpu/row_copy.h"
 
@@ -80,6 +81,17 @@ inline float load_f32(SrcKind k, const void* p, int64_t i) {
     case SrcKind::kBF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
     case SrcKind::kF16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
     default: return static_cast<const float*>(p)[i];
+  }
+}
+
+// f(std::integral_constant<SrcKind, k>{}): the vector loops are instantiated per source kind, so the
+// kind is decided once per segment, not per vector.
+template <class F>
+inline auto with_kind(SrcKind k, F&& f) {
+  switch (k) {
+    case SrcKind::kBF16: return f(std::integral_constant<SrcKind, SrcKind::kBF16>{});
+    case SrcKind::kF16: return f(std::integral_constant<SrcKind, SrcKind::kF16>{});
+    default: return f(std::integral_constant<SrcKind, SrcKind::kF32>{});
   }
 }
 
@@ -267,11 +279,7 @@ inline void quantize_seg_k(uint8_t* dst, const void* src, int64_t n, const Fp8Ve
 #if defined(JITKV_CPU_AVX512) || defined(JITKV_CPU_AVX2)
 // The largest |x| of n source values, NaN left out (fmaxf's rule), inf kept.
 inline float abs_max(SrcKind k, const void* src, int64_t n) {
-  switch (k) {
-    case SrcKind::kBF16: return abs_max_k<SrcKind::kBF16>(src, n);
-    case SrcKind::kF16: return abs_max_k<SrcKind::kF16>(src, n);
-    default: return abs_max_k<SrcKind::kF32>(src, n);
-  }
+  return with_kind(k, [&](auto kind) { return abs_max_k<decltype(kind)::value>(src, n); });
 }
 
 // dst[i] = fp8(clamp(src[i] / scale)) for i < n. nt streams whole 64-byte lines (dst 64-byte aligned);
@@ -279,11 +287,7 @@ inline float abs_max(SrcKind k, const void* src, int64_t n) {
 inline void quantize_seg(uint8_t* dst, SrcKind k, const void* src, int64_t n, float scale, const Fp8Format& fmt,
                          bool nt) {
   const Fp8Vec F(fmt, scale);
-  switch (k) {
-    case SrcKind::kBF16: return quantize_seg_k<SrcKind::kBF16>(dst, src, n, F, nt);
-    case SrcKind::kF16: return quantize_seg_k<SrcKind::kF16>(dst, src, n, F, nt);
-    default: return quantize_seg_k<SrcKind::kF32>(dst, src, n, F, nt);
-  }
+  with_kind(k, [&](auto kind) { quantize_seg_k<decltype(kind)::value>(dst, src, n, F, nt); });
 }
 #else
 // The largest |x| of n source values, NaN left out (fmaxf's rule), inf kept.

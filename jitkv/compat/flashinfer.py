@@ -1,0 +1,211 @@
+"""FlashInfer's paged-cache append and fused RoPE + FP8 + append on jitkv: ``append_paged_kv_cache``,
+``append_paged_mla_kv_cache`` and ``rope_quantize_fp8_append_paged_kv_cache``.
+
+Same names, argument order and results as ``flashinfer.page`` and ``flashinfer.rope`` (flashinfer-python
+0.7.2.post1), run on ``jitkv.store_cache`` / ``jitkv.rope_store_cache``.
+
+FlashInfer's page table: token i of the batch belongs to request ``b = batch_indices[i]`` (b < 0: a
+padding token, not written) at ``positions[i]`` of it; its page is ``kv_indices[kv_indptr[b] +
+positions[i] // page_size]``, its row ``positions[i] % page_size``. The shims turn this into jitkv's
+slots (``page * page_size + row``) with a few torch index ops on the device: no host sync, graph-safe. A
+page past ``kv_indices`` is clamped into it (FlashInfer reads past the table; nothing of jitkv writes
+outside the caches).
+
+FlashInfer's FP8 scales multiply: stored = fp8(satfinite(x * quant_scale)). jitkv divides (docs/design.md
+§4), so the shims pass ``1 / quant_scale``: the bytes are FlashInfer's whenever quant_scale is a power of
+two (1.0 included); otherwise x / fp32(1 / quant_scale) can differ from x * quant_scale in the last bit
+of the float32 quotient, which changes an fp8 code only where that bit decides a rounding tie.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import reference, rope_store_cache, store_cache
+
+__all__ = ["append_paged_kv_cache", "append_paged_mla_kv_cache", "page_slots",
+           "rope_quantize_fp8_append_paged_kv_cache"]
+
+LAYOUTS = ("NHD", "HND")
+_FORMATS = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+
+
+def page_slots(batch_indices, positions, kv_indices, kv_indptr, page_size):
+    """jitkv slots ``[n]`` (int64; -1 for padding tokens) of FlashInfer's page-table indexing (the
+    module docstring), computed on the indices' device without a host sync."""
+    b = batch_indices.long()
+    pos = positions.long()
+    if kv_indices.numel() == 0:
+        return torch.full_like(b, -1)
+    entry = kv_indptr.long().index_select(0, b.clamp(min=0)) + torch.div(pos, page_size, rounding_mode="floor")
+    page = kv_indices.long().index_select(0, entry.clamp(0, kv_indices.numel() - 1))
+    return torch.where(b >= 0, page * page_size + pos.remainder(page_size), -1)
+
+
+def _nhd(cache, layout):
+    """A paged cache as jitkv's logical [pages, page_size, H, D] view (HND given as stored)."""
+    return cache.transpose(1, 2) if layout == "HND" else cache
+
+
+def _unpack(paged_kv_cache, layout):
+    """(k_cache, v_cache) of a (k, v) pair or one 5-D [pages, 2, ...] tensor, as logical NHD views."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"append_paged_kv_cache: kv_layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if isinstance(paged_kv_cache, torch.Tensor):
+        if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
+            raise ValueError(f"append_paged_kv_cache: paged_kv_cache: expected a (k_cache, v_cache) pair or a "
+                             f"[pages, 2, ...] tensor, got shape {list(paged_kv_cache.shape)}")
+        paged_kv_cache = paged_kv_cache.unbind(1)
+    k_cache, v_cache = paged_kv_cache
+    return _nhd(k_cache, layout), _nhd(v_cache, layout)
+
+
+def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices, kv_indptr,
+                          kv_last_page_len, kv_layout="NHD"):
+    """Append K/V rows to a paged cache: token i to row ``positions[i] % page_size`` of page
+    ``kv_indices[kv_indptr[batch_indices[i]] + positions[i] // page_size]`` (batch_indices < 0: not written).
+
+    Args:
+        append_key, append_value: ``[nnz, H, D]``, the caches' dtype (a bitwise copy).
+        batch_indices, positions: ``[nnz]`` int32 (FlashInfer's) or int64.
+        paged_kv_cache: ``(k_cache, v_cache)``, each ``[pages, page_size, H, D]`` (NHD) or ``[pages, H,
+            page_size, D]`` (HND), or one ``[pages, 2, ...]`` tensor.
+        kv_indices, kv_indptr: the page table (int32 / int64); kv_last_page_len: accepted, not needed to
+            address a row.
+        kv_layout: "NHD" or "HND".
+
+    Raises:
+        ValueError: an unknown kv_layout or a cache that is neither a pair nor 5-D; and the errors of
+        ``jitkv.store_cache`` (k, v, k_cache, v_cache, slot_mapping: the slots made from the page table).
+        IndexError: a slot past the cache (CPU; CUDA under JITKV_DEBUG=1).
+    """
+    k_cache, v_cache = _unpack(paged_kv_cache, kv_layout)
+    slots = page_slots(batch_indices, positions, kv_indices, kv_indptr, k_cache.shape[1])
+    store_cache(append_key, append_value, k_cache, v_cache, slots)
+
+
+def append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, ckv_cache, kpe_cache, kv_indices,
+                              kv_indptr, kv_last_page_len):
+    """Append MLA rows: ``ckv_cache[page, row] = append_ckv[i]``, ``kpe_cache[page, row] = append_kpe[i]``
+    with page and row from the page table as ``append_paged_kv_cache``.
+
+    Args:
+        append_ckv: ``[nnz, ckv_dim]``; append_kpe ``[nnz, kpe_dim]``; the caches' dtype.
+        ckv_cache: ``[pages, page_size, ckv_dim]``; kpe_cache ``[pages, page_size, kpe_dim]`` (separate
+            tensors, or column views of one buffer).
+
+    Raises:
+        the errors of ``jitkv.store_cache`` (the latent and rope parts are its k and v, one head each).
+    """
+    slots = page_slots(batch_indices, positions, kv_indices, kv_indptr, ckv_cache.shape[1])
+    store_cache(append_ckv.unsqueeze(1), append_kpe.unsqueeze(1), ckv_cache.unsqueeze(2), kpe_cache.unsqueeze(2), slots)
+
+
+def _joined(a, b):
+    """[..., wa + wb] view of two tensors when b's columns follow a's in memory (``x[..., :r]``,
+    ``x[..., r:]`` of one tensor), else None."""
+    if b.shape[-1] == 0:
+        return a
+    if (a.dtype != b.dtype or a.shape[:-1] != b.shape[:-1] or a.stride() != b.stride()
+            or b.data_ptr() != a.data_ptr() + a.shape[-1] * a.element_size()):
+        return None
+    return a.as_strided((*a.shape[:-1], a.shape[-1] + b.shape[-1]), a.stride(), a.storage_offset())
+
+
+def _join(a, b):
+    """a and b as one [..., wa + wb] tensor: a view when they are adjacent, else a copy."""
+    joined = _joined(a, b)
+    return joined if joined is not None else torch.cat([a, b], dim=-1)
+
+
+def _q_outputs(q_rope, q_nope, q_rope_out, q_nope_out, dtype):
+    """(q_out [nnz, H, rope + nope] the op writes, the (q_rope_out, q_nope_out) returned, whether they
+    are copies of q_out's columns to write back)."""
+    r = q_rope.shape[-1]
+    if q_rope_out is None and q_nope_out is None:
+        q_out = torch.empty(*q_rope.shape[:-1], r + q_nope.shape[-1], dtype=dtype, device=q_rope.device)
+        return q_out, (q_out[..., :r], q_out[..., r:]), False
+    q_rope_out = q_rope_out if q_rope_out is not None else torch.empty_like(q_rope, dtype=dtype)
+    q_nope_out = q_nope_out if q_nope_out is not None else torch.empty_like(q_nope, dtype=dtype)
+    joined = _joined(q_rope_out, q_nope_out)
+    if joined is not None:
+        return joined, (q_rope_out, q_nope_out), False
+    q_out = torch.empty(*q_rope.shape[:-1], r + q_nope.shape[-1], dtype=dtype, device=q_rope.device)
+    return q_out, (q_rope_out, q_nope_out), True
+
+
+def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
+                                            paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions,
+                                            is_neox=True, quantize_dtype=None, quant_scale_q=1.0, quant_scale_kv=1.0,
+                                            page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None,
+                                            enable_pdl=False):
+    """RoPE on the rope parts of q and k, FP8 quantization of Q, K (and V), and K/V appended to a paged
+    FP8 cache, as FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache``. Returns ``(q_rope_out,
+    q_nope_out)``.
+
+    MHA / GQA (k_rope 3-D): a K head is ``[rope(k_rope) | k_nope]`` (rotated dims first), V ``[nnz, Hk,
+    rope + nope]``; ``paged_kv_cache = (k_cache, v_cache)`` in NHD or HND. MLA (k_rope 2-D ``[nnz, rope]``,
+    k_nope ``[nnz, nope]``, v None): ``paged_kv_cache = (ckv_cache [pages, page_size, nope], kpe_cache
+    [pages, page_size, rope])``.
+
+    Args:
+        q_rope ``[nnz, Hq, rope]``, q_nope ``[nnz, Hq, nope]`` (None: no nope dims), k_rope, k_nope, v: bf16
+            or fp16 (one dtype).
+        cos_sin_cache: ``[max_pos, rope]`` float32, cos half then sin half; pos_ids ``[nnz]`` its rows.
+        kv_indices, kv_indptr, batch_indices, positions: the page table (module docstring).
+        is_neox: NeoX halves (True) or GPT-J pairs (False).
+        quantize_dtype: float8_e4m3fn or float8_e5m2 (None: q_rope_out's, q_nope_out's, else e4m3).
+        quant_scale_q, quant_scale_kv: FlashInfer's multiplying scales (floats; module docstring).
+        page_size: rows per page; kv_layout: "NHD" or "HND" (MHA only).
+        q_rope_out, q_nope_out: outputs (allocated when None); enable_pdl: accepted, not used.
+
+    Written: each token's Q (both parts) as fp8(satfinite(q * quant_scale_q)) after RoPE; K and V rows of
+    tokens with ``batch_indices >= 0``. Each value is rotated in float32 with one rounding and no fused
+    multiply-add (docs/design.md §9); FlashInfer's kernel may contract the rotation into an FMA.
+
+    Raises:
+        ValueError: a cos_sin_cache that is not float32, a quantize_dtype that is not fp8, caches of another
+        dtype or rank, V given for MLA or missing for MHA; and the errors of ``jitkv.rope_store_cache``.
+        IndexError: a position or slot out of range (CPU; CUDA under JITKV_DEBUG=1).
+    """
+    op = "rope_quantize_fp8_append_paged_kv_cache"
+    if cos_sin_cache.dtype != torch.float32:
+        raise ValueError(f"{op}: cos_sin_cache: expected float32 (FlashInfer's), got {cos_sin_cache.dtype}")
+    if quantize_dtype is None:
+        given = q_rope_out if q_rope_out is not None else q_nope_out
+        quantize_dtype = given.dtype if given is not None else torch.float8_e4m3fn
+    if quantize_dtype not in _FORMATS:
+        raise ValueError(f"{op}: quantize_dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got "
+                         f"{quantize_dtype}")
+    mla = k_rope.dim() == 2
+    if q_nope is None:
+        q_nope = q_rope.new_empty(*q_rope.shape[:-1], 0)
+    if k_nope is None:
+        k_nope = k_rope.new_empty(*k_rope.shape[:-1], 0)
+    k_cache, v_cache = paged_kv_cache
+    for name, cache in (("paged_kv_cache[0]", k_cache), ("paged_kv_cache[1]", v_cache)):
+        if cache.dtype != quantize_dtype or cache.dim() != (3 if mla else 4):
+            raise ValueError(f"{op}: {name}: expected a {3 if mla else 4}-D {quantize_dtype} cache, got "
+                             f"{cache.dtype} {list(cache.shape)}")
+    if mla == (v is not None):
+        raise ValueError(f"{op}: v: " + ("MLA takes no V (pass None)" if mla else "GQA/MHA needs V, got None"))
+    slots = page_slots(batch_indices, positions, kv_indices, kv_indptr, page_size)
+    fmt, q_scale, kv_scale = _FORMATS[quantize_dtype], 1.0 / quant_scale_q, 1.0 / quant_scale_kv
+    q_out, returned, copy_back = _q_outputs(q_rope, q_nope, q_rope_out, q_nope_out, quantize_dtype)
+    kw = dict(is_neox=is_neox, rotary_dim=q_rope.shape[-1], q_scale=q_scale, kv_cache_dtype=fmt, k_scale=kv_scale,
+              v_scale=kv_scale)
+    if mla:
+        # The latent rides as a one-head V beside the one-head rope K; the caches are separate tensors.
+        r = q_rope.shape[-1]
+        ckv_cache, kpe_cache = k_cache, v_cache
+        rope_store_cache(q_rope, k_rope.unsqueeze(1), k_nope.unsqueeze(1), kpe_cache.unsqueeze(2),
+                         ckv_cache.unsqueeze(2), slots, pos_ids, cos_sin_cache, q_out=q_out[..., :r], **kw)
+        q_out[..., r:].copy_(reference.quantize_fp8(q_nope, quantize_dtype, q_scale))
+    else:
+        rope_store_cache(_join(q_rope, q_nope), _join(k_rope, k_nope), v, _nhd(k_cache, kv_layout),
+                         _nhd(v_cache, kv_layout), slots, pos_ids, cos_sin_cache, q_out=q_out, **kw)
+    if copy_back:
+        r = q_rope.shape[-1]
+        returned[0].copy_(q_out[..., :r])
+        returned[1].copy_(q_out[..., r:])
+    return returned

@@ -1,0 +1,416 @@
+// rope on CPU: rope_store_cache (MHA/GQA) and rope_set_mla_kv_buffer (MLA), docs/design.md §9.
+//
+// Algorithm: parse (parse.h); check every position, then resolve every slot (skip rules, loc_map,
+// IndexError before any write); then one pass over the tokens. Per token: its cos/sin row, expanded to
+// rot values (NeoX: [c | c] and [-s | s]; GPT-J: c and -s, s per pair), so that a rotation is
+// out = x * C + swap(x) * S, each product rounded before the sum (the module is built with
+// -ffp-contract=off). Per head: load into float32, RMSNorm in the fixed order (groups of 8 folded by
+// halves in registers, the group sums by halves), rotate, then store every destination from the float32
+// result: round to nearest even (bf16, fp16), or fp8 by fp8.h's exact conversion. V and the MLA kv_c are
+// copied or quantized from their sources as store_cache / set_mla_kv_buffer do. Vectors: AVX-512 or
+// AVX2 (jitkv/cpu/isa.h), scalar otherwise; OpenMP above a payload threshold (scatter.h).
+#include <tvm/ffi/function.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "jitkv/cpu/fp8.h"
+#include "jitkv/cpu/isa.h"
+#include "jitkv/cpu/row_copy.h"
+#include "jitkv/cpu/scatter.h"
+#include "mla/ds_mla_cpu.h"
+#include "rope/f32_cpu.h"
+#include "rope/parse.h"
+
+namespace jitkv {
+namespace {
+
+using cpu::SrcKind;
+using rope::load_row;
+using rope::RopeQ;
+using rope::Rows;
+using rope::store_row;
+
+constexpr const char* kOp = "rope_store_cache";
+constexpr const char* kMlaOp = "rope_set_mla_kv_buffer";
+
+// Rotating, norming and converting cost more per byte than a copy: weigh the payload so threads start
+// earlier (the same rule as store_cache's fp8 weight).
+constexpr int64_t kRopeWeight = 4;
+
+SrcKind kind_of(DLDataType d) {
+  return d.code == kDLBfloat ? SrcKind::kBF16 : d.bits == 16 ? SrcKind::kF16 : SrcKind::kF32;
+}
+
+SrcKind kind_of(codes::SrcDtype d) {
+  return d == codes::SrcDtype::kBF16 ? SrcKind::kBF16 : d == codes::SrcDtype::kF16 ? SrcKind::kF16 : SrcKind::kF32;
+}
+
+// ---------------------------------------------------------------------------- norm and rotation
+
+// Sum of s[0, 8): ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)).
+inline float fold8(const float* s) {
+  const float a0 = s[0] + s[4], a1 = s[1] + s[5], a2 = s[2] + s[6], a3 = s[3] + s[7];
+  return (a0 + a2) + (a1 + a3);
+}
+
+inline int64_t pow2_at_least(int64_t n) {
+  int64_t p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
+// g[0, count) summed by halves, padded with zeros to a power of two (adding +0 is exact); g is scratch of
+// pow2_at_least(count) values.
+inline float fold_by_halves(float* g, int64_t count) {
+  int64_t width = pow2_at_least(count);
+  for (int64_t i = count; i < width; ++i) g[i] = 0.0f;
+  for (; width > 1; width /= 2) {
+    for (int64_t j = 0; j < width / 2; ++j) g[j] = g[j] + g[j + width / 2];
+  }
+  return g[0];
+}
+
+// The group sums of x[0, d) squared into g[0, d / 8).
+inline void group_squares(const float* x, int64_t d, float* g) {
+  int64_t i = 0;
+#if defined(JITKV_CPU_AVX512)
+  // Two groups per vector: add lanes j ^ 4, then j ^ 2, then j ^ 1 (each lane's partner in its group);
+  // lanes 0 and 8 then hold fold8 of their groups (IEEE addition commutes, so both orders agree).
+  for (; i + 16 <= d; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    __m512 s = _mm512_mul_ps(v, v);
+    s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, s);
+    g[i / 8] = lanes[0];
+    g[i / 8 + 1] = lanes[8];
+  }
+#elif defined(JITKV_CPU_AVX2)
+  for (; i + 8 <= d; i += 8) {  // one group per vector: lanes j ^ 4, j ^ 2, j ^ 1
+    const __m256 v = _mm256_loadu_ps(x + i);
+    __m256 s = _mm256_mul_ps(v, v);
+    s = _mm256_add_ps(s, _mm256_permute2f128_ps(s, s, 1));
+    s = _mm256_add_ps(s, _mm256_permute_ps(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm256_add_ps(s, _mm256_permute_ps(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    g[i / 8] = _mm256_cvtss_f32(s);
+  }
+#endif
+  for (; i < d; i += 8) {
+    float s[8];
+    for (int j = 0; j < 8; ++j) s[j] = x[i + j] * x[i + j];
+    g[i / 8] = fold8(s);
+  }
+}
+
+// x[0, rot) rotated in place: out = x * C + partner(x) * S, each product rounded before the sum; the
+// partner of i is i +- h (NeoX) or i ^ 1 (GPT-J). Both halves of a NeoX pair are loaded before either is
+// stored, so no copy of x is needed.
+inline void rotate(float* x, const float* C, const float* S, int64_t rot, bool neox) {
+  const int64_t h = rot / 2;
+  int64_t i = 0;
+  if (neox) {
+#if defined(JITKV_CPU_AVX512)
+    for (; i + 16 <= h; i += 16) {
+      const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + h + i);
+      const __m512 c = _mm512_loadu_ps(C + i), s = _mm512_loadu_ps(S + h + i);  // S: [-s | s]
+      _mm512_storeu_ps(x + i, _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(b, s)));
+      _mm512_storeu_ps(x + h + i, _mm512_add_ps(_mm512_mul_ps(b, c), _mm512_mul_ps(a, s)));
+    }
+#elif defined(JITKV_CPU_AVX2)
+    for (; i + 8 <= h; i += 8) {
+      const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + h + i);
+      const __m256 c = _mm256_loadu_ps(C + i), s = _mm256_loadu_ps(S + h + i);
+      _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_mul_ps(a, c), _mm256_mul_ps(b, s)));
+      _mm256_storeu_ps(x + h + i, _mm256_add_ps(_mm256_mul_ps(b, c), _mm256_mul_ps(a, s)));
+    }
+#endif
+    for (; i < h; ++i) {
+      const float a = x[i], b = x[h + i];
+      x[i] = a * C[i] - b * S[h + i];
+      x[h + i] = b * C[i] + a * S[h + i];
+    }
+    return;
+  }
+#if defined(JITKV_CPU_AVX512)
+  for (; i + 16 <= rot; i += 16) {  // 8 pairs: the partner vector swaps adjacent lanes
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m512 a = _mm512_mul_ps(v, _mm512_loadu_ps(C + i));
+    const __m512 b = _mm512_mul_ps(_mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)), _mm512_loadu_ps(S + i));
+    _mm512_storeu_ps(x + i, _mm512_add_ps(a, b));
+  }
+#elif defined(JITKV_CPU_AVX2)
+  for (; i + 8 <= rot; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 a = _mm256_mul_ps(v, _mm256_loadu_ps(C + i));
+    const __m256 b = _mm256_mul_ps(_mm256_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)), _mm256_loadu_ps(S + i));
+    _mm256_storeu_ps(x + i, _mm256_add_ps(a, b));
+  }
+#endif
+  for (; i < rot; i += 2) {
+    const float a = x[i], b = x[i + 1];
+    x[i] = a * C[i] + b * S[i];
+    x[i + 1] = b * C[i + 1] + a * S[i + 1];
+  }
+}
+
+// Per-thread scratch: one head, the norm's group sums, the token's cos/sin row and its expanded form
+// (C, S), and a rounded head (MLA's fp8_ds_mla rope).
+struct Scratch {
+  std::vector<float> x, g, cs, C, S;
+  std::vector<uint16_t> half;
+  explicit Scratch(int64_t width, int64_t rot)
+      : x(width), g(pow2_at_least(width / 8)), cs(rot), C(rot), S(rot), half(width) {}
+};
+
+int64_t position_at(const rope::Rotation& r, int64_t t) {
+  return r.pos_i64 ? static_cast<const int64_t*>(r.positions)[t] : static_cast<const int32_t*>(r.positions)[t];
+}
+
+// The token's expanded cos/sin row (see the top of this file).
+void expand_cos_sin(const rope::Rotation& r, int64_t t, Scratch& s) {
+  const char* row = r.cos_sin + position_at(r, t) * r.cs_stride;
+  const SrcKind k = kind_of(r.cs_dtype);
+  const int64_t h = r.rot / 2;
+  float* c = s.cs.data();  // cos then sin
+  load_row(c, k, row, r.rot);
+  for (int64_t i = 0; i < h; ++i) {
+    const float cv = c[i], sv = c[h + i];
+    if (r.neox) {
+      s.C[i] = s.C[h + i] = cv;
+      s.S[i] = -sv;
+      s.S[h + i] = sv;
+    } else {
+      s.C[2 * i] = s.C[2 * i + 1] = cv;
+      s.S[2 * i] = -sv;
+      s.S[2 * i + 1] = sv;
+    }
+  }
+}
+
+// One head, loaded into s.x: normed with w (float32, nullptr: none), its first rot dims rotated.
+void transform_head(const rope::Rotation& r, const float* w, float eps, int64_t d, Scratch& s) {
+  float* x = s.x.data();
+  if (w != nullptr) {
+    group_squares(x, d, s.g.data());
+    const float mean = fold_by_halves(s.g.data(), d / 8) / static_cast<float>(d);
+    const float inv = 1.0f / std::sqrt(mean + eps);
+    for (int64_t i = 0; i < d; ++i) x[i] = (x[i] * inv) * w[i];
+  }
+  rotate(x, s.C.data(), s.S.data(), r.rot, r.neox);
+}
+
+const cpu::Fp8Format& fp8_of(RopeQ m) { return m == RopeQ::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3; }
+
+// s.x (n values) into a destination of kind k, or quantized (fp8: scale > 0).
+inline void store_head(char* dst, SrcKind k, const float* x, int64_t n, const cpu::Fp8Format* fp8, float scale) {
+  if (fp8 != nullptr) {
+    cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst), SrcKind::kF32, x, n, scale, *fp8, false);
+  } else {
+    store_row(dst, k, x, n);
+  }
+}
+
+inline char* row_of(const Rows& r, int64_t t, int64_t h) { return r.ptr + t * r.stride_token + h * r.stride_head; }
+
+
+// IndexError at the first of positions[0, n) outside [0, max_pos), before anything is written.
+void check_positions(const char* op, const rope::Rotation& r, int64_t n) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t p = position_at(r, t);
+    if (p < 0 || p >= r.max_pos) {
+      TVM_FFI_THROW(IndexError) << op << ": positions: position " << t << " has value " << p
+                                << ", out of range for a cos_sin_cache of " << r.max_pos << " positions";
+    }
+  }
+}
+
+// dest[t] = the slot token t writes, or -1 (padding); IndexError first for an out-of-range slot.
+template <class IdxT>
+std::vector<int64_t> destinations(const char* op, const char* name, const IdxT* idx, int64_t n, int64_t skip_slot,
+                                  const void* map, bool map_i64, int64_t map_size, int64_t num_slots) {
+  cpu::RowSlotBuffer kept(n);
+  const int64_t m = cpu::resolve_slots(op, name, idx, n, skip_slot, map, map_i64, map_size, num_slots, kept.data());
+  std::vector<int64_t> dest(n, -1);
+  for (int64_t i = 0; i < m; ++i) dest[kept.data()[i].row] = kept.data()[i].slot;
+  return dest;
+}
+
+std::vector<float> weight_f32(const void* w, codes::SrcDtype dt, int64_t d) {
+  std::vector<float> out;
+  if (w != nullptr) {
+    out.resize(d);
+    load_row(out.data(), kind_of(dt), static_cast<const char*>(w), d);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------- MHA / GQA
+
+inline char* slot_row(const store_cache::Side& s, int64_t slot) {
+  return s.dst + (slot / s.block_size) * s.dst_stride_block + (slot % s.block_size) * s.dst_stride_token;
+}
+
+inline float side_scale(const store_cache::Side& s, int64_t h) {
+  return s.scale_stride != 0 ? s.scale_ptr[h * s.scale_stride] : s.scale_ptr ? *s.scale_ptr : s.scale;
+}
+
+void store_token(const rope::StoreParams& p, const float* qw, const float* kw, int64_t t, int64_t slot, Scratch& s) {
+  const auto& kv = p.kv;
+  const int64_t d = kv.k_head_dim, src_es = elem_bytes(kv.src_dtype);
+  const SrcKind src = kind_of(kv.src_dtype);
+  const bool fp8_kv = kv.kv_dtype != codes::KvFormat::kCopy;
+  const cpu::Fp8Format& kv_fmt = kv.kv_dtype == codes::KvFormat::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3;
+  expand_cos_sin(p.rot, t, s);
+  const bool q_fp8 = rope::q_is_fp8(p.q.mode);
+  const float q_scale = p.q.scale_ptr ? *p.q.scale_ptr : p.q.scale;
+  for (int64_t h = 0; h < p.q.heads; ++h) {
+    load_row(s.x.data(), src, row_of(p.q.src, t, h), d);
+    transform_head(p.rot, qw, p.eps, d, s);
+    store_head(row_of(p.q.dst, t, h), src, s.x.data(), d, q_fp8 ? &fp8_of(p.q.mode) : nullptr, q_scale);
+  }
+  for (int64_t h = 0; h < kv.num_heads; ++h) {
+    load_row(s.x.data(), src, kv.k.src + t * kv.k.src_stride_token + h * kv.k.src_stride_head, d);
+    transform_head(p.rot, kw, p.eps, d, s);
+    if (p.k_out.ptr != nullptr) store_row(row_of(p.k_out, t, h), src, s.x.data(), d);
+    if (slot >= 0) {
+      store_head(slot_row(kv.k, slot) + h * kv.k.dst_stride_head, src, s.x.data(), d, fp8_kv ? &kv_fmt : nullptr,
+                 fp8_kv ? side_scale(kv.k, h) : 1.0f);
+    }
+  }
+  if (slot < 0) return;
+  for (int64_t h = 0; h < kv.num_heads; ++h) {
+    const char* v = kv.v.src + t * kv.v.src_stride_token + h * kv.v.src_stride_head;
+    char* dst = slot_row(kv.v, slot) + h * kv.v.dst_stride_head;
+    if (fp8_kv) {
+      cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst), src, v, kv.v_head_dim, side_scale(kv.v, h), kv_fmt, false);
+    } else {
+      cpu::copy_seg(dst, v, kv.v_head_dim * src_es, false);
+    }
+  }
+}
+
+template <class IdxT>
+std::vector<int64_t> store_destinations(const rope::StoreParams& p) {
+  const auto& kv = p.kv;
+  return destinations(kOp, "slot_mapping", static_cast<const IdxT*>(kv.slots), kv.n, kv.skip_slot, kv.loc_map,
+                      kv.loc_i64, kv.loc_map_size, kv.k.num_slots);
+}
+
+void rope_store_cache_cpu(TensorView q, TensorView k, TensorView v, TensorView k_cache, TensorView v_cache,
+                          TensorView slot_mapping, TensorView positions, TensorView cos_sin_cache, bool is_neox,
+                          int64_t rotary_dim, Optional<TensorView> q_norm_weight, Optional<TensorView> k_norm_weight,
+                          double eps, TensorView q_dst, int64_t q_mode, Optional<TensorView> q_scale,
+                          double q_scale_value, Optional<TensorView> k_out, Optional<TensorView> loc_map,
+                          int64_t skip_slot, int64_t kv_format, Optional<TensorView> k_scale,
+                          Optional<TensorView> v_scale, double k_scale_value, double v_scale_value) {
+  if (k_cache.device().device_type != kDLCPU) {
+    TVM_FFI_THROW(ValueError) << kOp << ": k_cache: expected a CPU tensor for the CPU kernel";
+  }
+  const rope::StoreParams p = rope::parse_store(
+      kOp, q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, rotary_dim, q_norm_weight,
+      k_norm_weight, eps, q_dst, q_mode, q_scale, q_scale_value, k_out, loc_map, skip_slot, kv_format, k_scale,
+      v_scale, k_scale_value, v_scale_value);
+  const int64_t n = p.kv.n, d = p.kv.k_head_dim;
+  if (n == 0) return;
+  check_positions(kOp, p.rot, n);
+  const std::vector<int64_t> dest = p.kv.slot_i64 ? store_destinations<int64_t>(p) : store_destinations<int32_t>(p);
+  const std::vector<float> qw = weight_f32(p.q_norm, p.norm_dtype, d), kw = weight_f32(p.k_norm, p.norm_dtype, d);
+  const int64_t payload = n * ((p.q.heads + p.kv.num_heads) * d + p.kv.num_heads * p.kv.v_head_dim) *
+                          elem_bytes(p.kv.src_dtype);
+  cpu::for_rows(n, cpu::threads_for(kRopeWeight * payload), [&](int64_t begin, int64_t end) {
+    Scratch s(std::max(d, p.kv.v_head_dim), p.rot.rot);
+    for (int64_t t = begin; t < end; ++t) {
+      store_token(p, qw.empty() ? nullptr : qw.data(), kw.empty() ? nullptr : kw.data(), t, dest[t], s);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------- MLA
+
+void mla_token(const rope::MlaParams& p, int64_t t, int64_t slot, Scratch& s) {
+  const auto& kv = p.kv;
+  const int64_t es = elem_bytes(kv.dtype), r = p.rot.rot, nope = kv.nope_bytes / es;
+  const SrcKind src = kind_of(kv.dtype);
+  const codes::KvFormat format = kv.kv_format;
+  expand_cos_sin(p.rot, t, s);
+  if (p.q.mode != RopeQ::kNone) {
+    const bool q_fp8 = rope::q_is_fp8(p.q.mode), in_place = p.q.mode == RopeQ::kInPlace;
+    const float q_scale = p.q.scale_ptr ? *p.q.scale_ptr : p.q.scale;
+    const cpu::Fp8Format* fmt = q_fp8 ? &fp8_of(p.q.mode) : nullptr;
+    const int64_t dst_es = q_fp8 ? 1 : es;
+    for (int64_t h = 0; h < p.q.heads; ++h) {
+      char* dst = row_of(p.q.dst, t, h);
+      if (!in_place) {
+        const char* qn = row_of(p.q_nope, t, h);
+        if (q_fp8) {
+          cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst), src, qn, p.nope_q, q_scale, *fmt, false);
+        } else {
+          cpu::copy_seg(dst, qn, p.nope_q * es, false);
+        }
+        dst += p.nope_q * dst_es;
+      }
+      load_row(s.x.data(), src, row_of(p.q.src, t, h), r);
+      transform_head(p.rot, nullptr, 0.0f, r, s);
+      store_head(dst, src, s.x.data(), r, fmt, q_scale);
+    }
+  }
+  load_row(s.x.data(), src, kv.rope + t * kv.rope_row_stride, r);
+  transform_head(p.rot, nullptr, 0.0f, r, s);
+  if (p.k_pe_out.ptr != nullptr) store_row(row_of(p.k_pe_out, t, 0), src, s.x.data(), r);
+  if (slot < 0) return;
+  char* dst = kv.dst + slot * kv.dst_row_stride;
+  const char* kv_c = kv.nope + t * kv.nope_row_stride;
+  if (format == codes::KvFormat::kCopy) {
+    cpu::copy_seg(dst, kv_c, kv.nope_bytes, false);
+    store_row(dst + kv.nope_bytes, src, s.x.data(), r);
+  } else if (format == codes::KvFormat::kDsMla) {
+    store_row(reinterpret_cast<char*>(s.half.data()), src, s.x.data(), r);
+    mla::write_ds_mla(dst, src, kv_c, reinterpret_cast<const char*>(s.half.data()), false);
+  } else {
+    const cpu::Fp8Format& fmt = format == codes::KvFormat::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3;
+    const float scale = kv.scale_ptr ? *kv.scale_ptr : kv.scale;
+    cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst), src, kv_c, nope, scale, fmt, false);
+    cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst) + nope, SrcKind::kF32, s.x.data(), r, scale, fmt, false);
+  }
+}
+
+void rope_set_mla_kv_buffer_cpu(TensorView kv_buffer, TensorView loc, TensorView kv_c, TensorView k_pe,
+                                TensorView positions, TensorView cos_sin_cache, bool is_neox,
+                                Optional<TensorView> q_pe, Optional<TensorView> q_nope, Optional<TensorView> q_out,
+                                int64_t q_mode, Optional<TensorView> q_scale, double q_scale_value,
+                                Optional<TensorView> k_pe_out, int64_t skip_slot, int64_t kv_format,
+                                Optional<TensorView> scale, double scale_value) {
+  if (kv_buffer.device().device_type != kDLCPU) {
+    TVM_FFI_THROW(ValueError) << kMlaOp << ": kv_buffer: expected a CPU tensor for the CPU kernel";
+  }
+  const rope::MlaParams p =
+      rope::parse_mla(kMlaOp, kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out,
+                      q_mode, q_scale, q_scale_value, k_pe_out, skip_slot, kv_format, scale, scale_value);
+  const int64_t n = p.kv.n;
+  if (n == 0) return;
+  check_positions(kMlaOp, p.rot, n);
+  const std::vector<int64_t> dest =
+      p.kv.loc_i64 ? destinations(kMlaOp, "loc", static_cast<const int64_t*>(p.kv.loc), n, p.kv.skip_slot, nullptr,
+                                  false, 0, p.kv.num_slots)
+                   : destinations(kMlaOp, "loc", static_cast<const int32_t*>(p.kv.loc), n, p.kv.skip_slot, nullptr,
+                                  false, 0, p.kv.num_slots);
+  const int64_t es = elem_bytes(p.kv.dtype);
+  const int64_t payload = n * (p.kv.nope_bytes + p.kv.rope_bytes + p.q.heads * (p.nope_q + p.rot.rot) * es);
+  const int64_t width = std::max<int64_t>(p.rot.rot, 1);
+  cpu::for_rows(n, cpu::threads_for(kRopeWeight * payload), [&](int64_t begin, int64_t end) {
+    Scratch s(width, p.rot.rot);
+    for (int64_t t = begin; t < end; ++t) mla_token(p, t, dest[t], s);
+  });
+}
+
+}  // namespace
+}  // namespace jitkv
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(rope_store_cache, jitkv::rope_store_cache_cpu);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(rope_set_mla_kv_buffer, jitkv::rope_set_mla_kv_buffer_cpu);
+JITKV_CPU_EXPORT_ISA();

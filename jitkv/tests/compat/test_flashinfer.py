@@ -1,0 +1,184 @@
+"""jitkv.compat.flashinfer: each shim against FlashInfer's documented rule written out per token (page
+table walked in Python, RoPE in float32, stored = fp8(satfinite(x * quant_scale))), bitwise over whole
+poisoned caches and outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jitkv.compat import flashinfer
+from jitkv.tests.compat.rope_rule import rotate, table
+from jitkv.tests.conftest import assert_bitwise, gpu, rand
+
+DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
+
+
+def _page_table(lens, page_size, num_pages, device):
+    """FlashInfer's page table for requests of ``lens`` tokens (pages in random order), and per appended
+    token its request and position: the last ``min(len, 3)`` tokens of each request are appended, then a
+    padding token (batch index -1)."""
+    order = torch.randperm(num_pages)
+    indptr, indices, batch, pos = [0], [], [], []
+    for b, length in enumerate(lens):
+        pages = -(-length // page_size)
+        indices += order[indptr[-1] : indptr[-1] + pages].tolist()
+        indptr.append(indptr[-1] + pages)
+        for p in range(max(0, length - 3), length):
+            batch.append(b)
+            pos.append(p)
+    batch.append(-1)
+    pos.append(0)
+    as_t = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    return as_t(indices), as_t(indptr), as_t(batch), as_t(pos)
+
+
+def _slot(i, indices, indptr, batch, pos, page_size):
+    """The (page, row) of appended token i, FlashInfer's rule, or None for padding."""
+    b = int(batch[i])
+    if b < 0:
+        return None
+    p = int(pos[i])
+    return int(indices[int(indptr[b]) + p // page_size]), p % page_size
+
+
+def _quant(x, scale, fp8):
+    m = FP8_MAX[fp8]
+    return (x.float() * scale).clamp(-m, m).to(fp8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("one_tensor", [False, True])
+def test_append_paged_kv_cache(device, layout, one_tensor):
+    ps, pages, h, d = 4, 12, 2, 32
+    indices, indptr, batch, pos = _page_table([5, 9, 2], ps, pages, device)
+    n = batch.numel()
+    key, value = rand((n, h, d), BF16, device), rand((n, h, d), BF16, device)
+    inner = (h, ps) if layout == "HND" else (ps, h)
+    cache = rand((pages, 2, *inner, d), BF16, device)
+    want = cache.clone()
+    for i in range(n):
+        at = _slot(i, indices, indptr, batch, pos, ps)
+        if at is None:
+            continue
+        for side, src in ((0, key), (1, value)):
+            dst = want[at[0], side]
+            (dst[:, at[1]] if layout == "HND" else dst[at[1]]).copy_(src[i])
+    paged = cache if one_tensor else (cache[:, 0], cache[:, 1])
+    flashinfer.append_paged_kv_cache(key, value, batch, pos, paged, indices, indptr, None, kv_layout=layout)
+    assert_bitwise(cache, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_append_paged_mla_kv_cache(device):
+    ps, pages = 4, 10
+    indices, indptr, batch, pos = _page_table([6, 3, 7], ps, pages, device)
+    n = batch.numel()
+    ckv, kpe = rand((n, 512), BF16, device), rand((n, 64), BF16, device)
+    ckv_cache, kpe_cache = rand((pages, ps, 512), BF16, device), rand((pages, ps, 64), BF16, device)
+    want_c, want_k = ckv_cache.clone(), kpe_cache.clone()
+    for i in range(n):
+        at = _slot(i, indices, indptr, batch, pos, ps)
+        if at is not None:
+            want_c[at], want_k[at] = ckv[i], kpe[i]
+    flashinfer.append_paged_mla_kv_cache(ckv, kpe, batch, pos, ckv_cache, kpe_cache, indices, indptr, None)
+    assert_bitwise(ckv_cache, want_c)
+    assert_bitwise(kpe_cache, want_k)
+
+
+def _rope_inputs(device, n, hq, hk, rope, nope, mla):
+    q_rope, q_nope = rand((n, hq, rope), BF16, device), rand((n, hq, nope), BF16, device)
+    if mla:
+        return q_rope, q_nope, rand((n, rope), BF16, device), rand((n, nope), BF16, device), None
+    return q_rope, q_nope, rand((n, hk, rope), BF16, device), rand((n, hk, nope), BF16, device), \
+        rand((n, hk, rope + nope), BF16, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("outputs", ["allocated", "given apart", "given adjacent"])
+def test_rope_quantize_fp8_append_paged_kv_cache(device, mla, layout, is_neox, outputs):
+    """FlashInfer's rule: RoPE on q_rope / k_rope at pos_ids, every Q value fp8(q * quant_scale_q), K as
+    [rope | nope] and V quantized with quant_scale_kv into the pages (MLA: ckv / kpe caches); scales that
+    are powers of two (the module docstring: then the bytes are FlashInfer's)."""
+    if mla and layout == "HND":
+        pytest.skip("kv_layout applies to GQA/MHA only")
+    ps, pages, hq, hk, rope, nope = 4, 12, 4, 2, 32, 48
+    indices, indptr, batch, pos = _page_table([5, 9, 2], ps, pages, device)
+    n = batch.numel()
+    q_rope, q_nope, k_rope, k_nope, v = _rope_inputs(device, n, hq, hk, rope, nope, mla)
+    cs, pos_ids = table(64, rope).to(device), torch.randint(0, 64, (n,), device=device)
+    sq, skv = 0.5, 4.0
+    if mla:
+        caches = (rand((pages, ps, nope), E4M3, device), rand((pages, ps, rope), E4M3, device))
+    else:
+        shape = (pages, hk, ps, rope + nope) if layout == "HND" else (pages, ps, hk, rope + nope)
+        caches = (rand(shape, E4M3, device), rand(shape, E4M3, device))
+    want = [c.clone() for c in caches]
+    want_qr, want_qn = torch.empty_like(q_rope, dtype=E4M3), _quant(q_nope, sq, E4M3)
+    for i in range(n):
+        want_qr[i] = _quant(rotate(q_rope[i], pos_ids[i], cs, is_neox), sq, E4M3)
+        at = _slot(i, indices, indptr, batch, pos, ps)
+        if at is None:
+            continue
+        k = _quant(torch.cat([rotate(k_rope[i], pos_ids[i], cs, is_neox), k_nope[i].float()], -1), skv, E4M3)
+        if mla:
+            want[0][at] = k[rope:]
+            want[1][at] = k[:rope]
+            continue
+        for c, vals in zip(want, (k, _quant(v[i], skv, E4M3))):
+            (c[at[0], :, at[1]] if layout == "HND" else c[at]).view(torch.uint8).copy_(vals.view(torch.uint8))
+    kw = {}
+    if outputs == "given apart":
+        kw = dict(q_rope_out=rand(q_rope.shape, E4M3, device), q_nope_out=rand(q_nope.shape, E4M3, device))
+    elif outputs == "given adjacent":
+        both = rand((n, hq, rope + nope), E4M3, device)
+        kw = dict(q_rope_out=both[..., :rope], q_nope_out=both[..., rope:])
+    got_qr, got_qn = flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+        q_rope, k_rope, q_nope, k_nope, v, cs, pos_ids, caches, indices, indptr, batch, pos, is_neox=is_neox,
+        quant_scale_q=sq, quant_scale_kv=skv, page_size=ps, kv_layout=layout, **kw)
+    assert_bitwise(got_qr, want_qr)
+    assert_bitwise(got_qn, want_qn)
+    if kw:
+        assert got_qr.data_ptr() == kw["q_rope_out"].data_ptr() and got_qn.data_ptr() == kw["q_nope_out"].data_ptr()
+    for got, w in zip(caches, want):
+        assert_bitwise(got, w)
+
+
+def test_other_scales_differ_from_multiplying_only_at_ties():
+    """A scale that is no power of two: x / fp32(1 / s) against x * s, at most one fp8 step apart and
+    equal almost everywhere (the module docstring)."""
+    ps, pages, hq, hk, rope = 4, 12, 4, 2, 64
+    indices, indptr, batch, pos = _page_table([9, 9, 9], ps, pages, "cpu")
+    n = batch.numel()
+    q_rope, _, k_rope, _, v = _rope_inputs("cpu", n, hq, hk, rope, 0, False)
+    caches = (torch.zeros(pages, ps, hk, rope, dtype=E4M3), torch.zeros(pages, ps, hk, rope, dtype=E4M3))
+    cs, pos_ids = table(64, rope), torch.randint(0, 64, (n,))
+    got_q, _ = flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+        q_rope, k_rope, None, None, v, cs, pos_ids, caches, indices, indptr, batch, pos, quant_scale_q=0.37,
+        quant_scale_kv=0.37, page_size=ps)
+    want_q = torch.stack([_quant(rotate(q_rope[i], pos_ids[i], cs, True), 0.37, E4M3) for i in range(n)])
+    step = (got_q.view(torch.uint8).int() - want_q.view(torch.uint8).int()).abs()
+    assert int(step.max()) <= 1 and float((step != 0).float().mean()) < 0.01
+
+
+def test_bad_input():
+    indices, indptr, batch, pos = _page_table([3], 4, 4, "cpu")
+    q, qn, k, kn, v = _rope_inputs("cpu", batch.numel(), 2, 2, 16, 0, False)
+    caches = (rand((4, 4, 2, 16), E4M3, "cpu"), rand((4, 4, 2, 16), E4M3, "cpu"))
+    args = (q, k, qn, kn, v, table(8, 16), torch.zeros(batch.numel(), dtype=torch.int64), caches, indices, indptr,
+            batch, pos)
+    op = "rope_quantize_fp8_append_paged_kv_cache"
+    with pytest.raises(ValueError, match=rf"^{op}: cos_sin_cache: expected float32"):
+        flashinfer.rope_quantize_fp8_append_paged_kv_cache(*args[:5], table(8, 16).half(), *args[6:], page_size=4)
+    with pytest.raises(ValueError, match=rf"^{op}: v: GQA/MHA needs V, got None"):
+        flashinfer.rope_quantize_fp8_append_paged_kv_cache(*args[:4], None, *args[5:], page_size=4)
+    with pytest.raises(ValueError, match=rf"^{op}: paged_kv_cache\[0\]: expected a 4-D torch.float8_e5m2 cache"):
+        flashinfer.rope_quantize_fp8_append_paged_kv_cache(*args, quantize_dtype=torch.float8_e5m2, page_size=4)
+    with pytest.raises(ValueError, match=r"^append_paged_kv_cache: kv_layout: expected one of NHD, HND"):
+        flashinfer.append_paged_kv_cache(k, v, batch, pos, caches, indices, indptr, None, kv_layout="NDH")
