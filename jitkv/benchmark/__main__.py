@@ -130,12 +130,13 @@ def _gpu(families, report, quick=False):
     from . import gpu  # noqa: PLC0415
 
     bw = gpu.copy_gbps()
-    floor, rows = gpu.floor_rows(bw, gpu.empty_kernel_us())
-    report["copy_gbps"], report["floor_us"] = bw, floor
+    floors, rows = gpu.floor_rows(bw, gpu.empty_kernel_us())
+    floor = floors["copy"]
+    report["copy_gbps"], report["floor_us"], report["rope_floor_us"] = bw, floor, floors["rope"]
     print(f"# jitkv GPU benchmark ({torch.cuda.get_device_name()}, torch {torch.__version__})")
     print(f"device-to-device copy: {bw:.0f} GB/s (read + write); latency floor under graph replay: {floor:.2f} µs")
     print_table("floor (CUDA graph, 8 layers)", rows)
-    harness = gpu.Harness(bw, floor, quick=quick)
+    harness = gpu.Harness(bw, floors, quick=quick)
     for family, bench in _sections(families, "gpu"):
         part = bench(harness)
         print_table(f"{family} (CUDA graph, 8 layers, caches >> L2)", part)

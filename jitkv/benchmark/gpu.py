@@ -79,7 +79,7 @@ def latency_floor_spec(arch: str):
     from jitkv.jit import JitSpec  # noqa: PLC0415
 
     return JitSpec("latency_floor_cuda", ("benchmark/latency_floor_cuda.cu",), target=arch,
-                   exports=("latency_floor", "latency_floor_e4m3", "latency_floor_ds_mla"))
+                   exports=("latency_floor", "latency_floor_e4m3", "latency_floor_ds_mla", "latency_floor_rope"))
 
 
 def latency_floor_us(bufs, kernel="latency_floor", args=(), repeats=3) -> float:
@@ -116,13 +116,11 @@ def _timed_rows(op, case, n, moved, cases, bw, floor_us, *, eager=()) -> list[Ro
     ``moved`` (a reference write of another format); the first case is the torch baseline. Names in
     ``eager`` are timed per call with events instead of graph replay (they sync on the host).
     ``x_floor``: µs over the latency floor's of the same run."""
-    from jitkv.ops._dispatch import BackendUnavailable  # noqa: PLC0415
-
     rows, base = [], None
     for name, step, *case_moved in cases:
         try:
             us = eager_us(step) if name in eager else graph_us(step)
-        except (BackendUnavailable, RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError) as e:  # BackendUnavailable is a RuntimeError
             print(f"  skipped {name} at n={n}: {str(e)[:200]}")
             continue
         base = us if base is None else base
@@ -161,9 +159,13 @@ def with_ceiling(cases, moved: int):
     return cases + [(CEILING, lambda i: dst[i].copy_(src[i]))]
 
 
-def floor_rows(bw: float, empty_us: float) -> tuple[float, list[Row]]:
-    """The latency floor (µs) and its rows, measured into 8 layers of 2^19-row caches, with the fp8
-    floors beside it (their "x floor" is over the copy's: what a conversion adds at the least)."""
+ROPE_FLOOR = "rope: PDL wait -> position + slot + 16 B -> trigger -> cos/sin -> rotate -> store, 1 thread"
+
+
+def floor_rows(bw: float, empty_us: float) -> tuple[dict, list[Row]]:
+    """The latency floors (µs: "copy", and "rope" for the fused prologue) and their rows, measured into 8
+    layers of 2^19-row caches, with the fp8 floors beside the copy's (their "x floor" is over the copy's:
+    what a conversion, or RoPE's dependent cos/sin load, adds at the least)."""
     bufs = [torch.empty(1 << 19, 576, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
     floor_us = latency_floor_us(bufs)
     rows = [
@@ -184,7 +186,13 @@ def floor_rows(bw: float, empty_us: float) -> tuple[float, list[Row]]:
         us = latency_floor_us(bufs, kernel, args)
         rows.append(Row("latency floor", label, 1, "jit", us, 0, None, bw, {"x_floor": round(us / floor_us, 2)}))
         del bufs
-    return floor_us, rows
+    bufs = [torch.empty(1 << 19, 576, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+    positions = torch.randint(0, 4096, (1,), device="cuda")
+    cos_sin = torch.randn(4096, 128, device="cuda")
+    rope_us = latency_floor_us(bufs, "latency_floor_rope", (positions, cos_sin))
+    rows.append(Row("latency floor", ROPE_FLOOR, 1, "jit", rope_us, 0, None, bw, {"x_floor": round(rope_us / floor_us,
+                                                                                                      2)}))
+    return {"copy": floor_us, "rope": rope_us}, rows
 
 
 class Harness:
@@ -193,18 +201,19 @@ class Harness:
 
     layers = LAYERS
 
-    def __init__(self, bw: float, floor_us: float, *, quick: bool = False):
-        self.bw, self.floor_us, self.quick = bw, floor_us, quick
+    def __init__(self, bw: float, floors: dict, *, quick: bool = False):
+        self.bw, self.floors, self.quick = bw, floors, quick
 
     def sizes(self, ns):
         """``ns``, or its first size in a quick run (``--quick``: a smoke run)."""
         return ns[:1] if self.quick else ns
 
-    def rows(self, op, case, n, moved, cases, *, eager=()) -> list[Row]:
+    def rows(self, op, case, n, moved, cases, *, eager=(), floor="copy") -> list[Row]:
         """One row per (name, step_for_layer[, bytes]) of ``cases``, the first the baseline ("vs
         torch"); for large ops also the contiguous copy of the same bytes (``with_ceiling``). Names in
-        ``eager`` are timed per call with events (they sync on the host)."""
-        return _timed_rows(op, case, n, moved, with_ceiling(cases, moved), self.bw, self.floor_us,
+        ``eager`` are timed per call with events (they sync on the host). ``floor``: the latency floor
+        "x floor" is over ("copy", or "rope" for the fused prologue)."""
+        return _timed_rows(op, case, n, moved, with_ceiling(cases, moved), self.bw, self.floors[floor],
                            eager=(*eager, CEILING))
 
     def contiguous_copies(self, moved: int, e4m3_rows: int = 0) -> list:

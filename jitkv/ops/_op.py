@@ -172,11 +172,12 @@ class Op:
                 raise
             try:
                 again = fn(*args)
-            except (TypeError, ValueError, RuntimeError):
-                # tvm-ffi's type errors name an argument by position, a DLPack refusal (meta) none, and
-                # an array that is no torch.Tensor (numpy) reaches a binding's dtype or device checks:
-                # raise the op's check, which names the argument as every backend does; what it accepts
-                # (a module's own limits, a launch failure) is the binding's to report.
+            except (AttributeError, IndexError, TypeError, ValueError, RuntimeError):
+                # tvm-ffi's type errors name an argument by position, a DLPack refusal (meta) none, an
+                # array that is no torch.Tensor (numpy) reaches a binding's dtype or device checks, and
+                # a runner reading shapes meets arguments that have none: raise the op's check, which
+                # names the argument as every backend does; what it accepts (a slot or position out of
+                # range, a module's own limits, a launch failure) is the binding's to report.
                 check(*args)
                 raise
             if again is not None:

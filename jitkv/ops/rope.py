@@ -4,14 +4,14 @@ quantization, and the K/V (or MLA row) cache write (docs/design.md §2, §3, §4
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, replace
 
 import torch
 
 from .. import checks, reference
-from ..codes import FP8_DTYPES, FP8_MAX, KV_FORMATS, NO_SLOT, SRC_DTYPES, KvFormat, RopeQ, SrcDtype
-from ..jit import JitSpec
-from ._op import Op, jit_function, scale_args
+from ..codes import FP8_MAX, KV_FORMATS, NO_SLOT, SRC_DTYPES, DsMla, KvFormat, RopeQ, SrcDtype
+from ..jit import JitSpec, cuda_arch
+from ._op import BackendUnavailable, Op, jit_function, scale_args
 from ._samples import rand, slots
 from .mla import check_rows, row_view, set_mla_kv_buffer
 from .store_cache import check_kv, store_cache
@@ -415,6 +415,7 @@ class Variant:
     norm_dtype: SrcDtype
     q_mode: RopeQ
     kv_format: KvFormat
+    aligned: bool = True  # False: a call whose views the CUDA kernel refused (rope_store_cache_cuda.cu)
 
 
 def _q_mode(q_out) -> RopeQ:
@@ -434,7 +435,7 @@ def variant(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, i
         return (d, dv, cos_sin_cache.shape[1] if rotary_dim is None else rotary_dim, is_neox,
                 q_norm_weight is not None, k_norm_weight is not None, SRC_DTYPES[q.dtype],
                 SRC_DTYPES[cos_sin_cache.dtype], SrcDtype.NONE if weight is None else SRC_DTYPES[weight.dtype],
-                _q_mode(q_out), KV_FORMATS[kv_cache_dtype])
+                _q_mode(q_out), KV_FORMATS[kv_cache_dtype], True)
     except (AttributeError, IndexError, KeyError, TypeError, ValueError, ZeroDivisionError):
         check(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, rotary_dim, q_norm_weight,
               k_norm_weight, eps, q_out, q_scale, k_out, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot)
@@ -453,6 +454,7 @@ class MlaVariant:
     cos_sin_dtype: SrcDtype
     q_mode: RopeQ
     kv_format: KvFormat
+    aligned: bool = True  # False: a call whose views the CUDA kernel refused
 
 
 def variant_mla(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out, q_scale, k_pe_out,
@@ -460,7 +462,7 @@ def variant_mla(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q
     """The fields of the CUDA MlaVariant, read on every CUDA call; refused arguments raise here."""
     try:
         return (kv_c.shape[-1], k_pe.shape[-1], is_neox, SRC_DTYPES[k_pe.dtype], SRC_DTYPES[cos_sin_cache.dtype],
-                RopeQ.NONE if q_pe is None else _q_mode(q_out), KV_FORMATS[kv_cache_dtype])
+                RopeQ.NONE if q_pe is None else _q_mode(q_out), KV_FORMATS[kv_cache_dtype], True)
     except (AttributeError, IndexError, KeyError, TypeError):
         check_mla(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out, q_scale,
                   k_pe_out, kv_cache_dtype, scale, skip_slot)
@@ -476,8 +478,71 @@ def cpu_spec() -> JitSpec:
     return JitSpec("rope_cpu", ("rope/rope_cpu.cpp",), cflags=("-ffp-contract=off",), exports=(OP, MLA_OP))
 
 
+def cuda_spec(arch: str, v: Variant, *, pdl: bool = True) -> JitSpec:
+    """rope_store_cache's CUDA module for a Variant (rope/rope_store_cache_cuda.cu): NeoX or GPT-J, the
+    norms and the cos/sin and weight dtypes are read per call, so variants that differ only there share
+    a module."""
+    return JitSpec("rope_store_cache_cuda", ("rope/rope_store_cache_cuda.cu",), args=(
+        ("head_dim", v.head_dim), ("v_head_dim", v.v_head_dim), ("rotary_dim", v.rotary_dim),
+        ("src_dtype", int(v.src_dtype)), ("q_mode", int(v.q_mode)), ("kv_dtype", int(v.kv_format)),
+        ("pdl", int(pdl))), target=arch, exports=(OP,))
+
+
+def cuda_mla_spec(arch: str, v: MlaVariant, *, pdl: bool = True) -> JitSpec:
+    """rope_set_mla_kv_buffer's CUDA module for an MlaVariant (rope/rope_set_mla_kv_buffer_cuda.cu); NeoX
+    or GPT-J and the cos/sin dtype are read per call."""
+    return JitSpec("rope_set_mla_kv_buffer_cuda", ("rope/rope_set_mla_kv_buffer_cuda.cu",), args=(
+        ("nope", v.nope_dim), ("rope", v.rope_dim), ("src_dtype", int(v.src_dtype)), ("q_mode", int(v.q_mode)),
+        ("kv_dtype", int(v.kv_format)), ("pdl", int(pdl))), target=arch, exports=(MLA_OP,))
+
+
+LANE_BYTES = 16  # a CUDA lane holds 16 source bytes; a head's lanes are one group of at most a warp
+
+
+def _lane_refusal(head_dim: int, rotary_dim: int, is_neox: bool, src_dtype: SrcDtype, other_dim: int):
+    per_lane = LANE_BYTES // (4 if src_dtype == SrcDtype.F32 else 2)
+    if head_dim % per_lane or other_dim % per_lane or not 0 < head_dim // per_lane <= 32:
+        return f"widths {head_dim}/{other_dim} are not 1-32 lanes of {per_lane} values"
+    if rotary_dim % per_lane or (is_neox and rotary_dim // 2 % per_lane):
+        return f"rotary_dim {rotary_dim} does not rotate whole lanes of {per_lane} values"
+    return None
+
+
+def cuda_refusal(v: Variant):
+    """Why rope_store_cache's CUDA kernel cannot take a variant (None: it can): heads of 1-32 lanes of
+    16 source bytes, rotated dims in whole lanes, NeoX halves of whole lanes (the partner lane holds the
+    other half), views it can address (Variant.aligned). Decided before building; the op runs Triton for
+    the rest."""
+    if not v.aligned:
+        return "the call's views are not aligned to the kernel's 16-byte lanes"
+    if (v.q_norm or v.k_norm) and v.head_dim % NORM_GROUP:
+        return f"the norm sums groups of {NORM_GROUP} dims; head_dim is {v.head_dim}"
+    return _lane_refusal(v.head_dim, v.rotary_dim, v.is_neox, v.src_dtype, v.v_head_dim)
+
+
+def cuda_mla_refusal(v: MlaVariant):
+    """As cuda_refusal, for rope_set_mla_kv_buffer: k_pe in 1-32 lanes, kv_c in whole lanes, fp8_ds_mla
+    rows of 512 + 64 16-bit values."""
+    if not v.aligned:
+        return "the call's views are not aligned to the kernel's 16-byte lanes"
+    if v.kv_format == KvFormat.DS_MLA and (v.nope_dim, v.rope_dim, v.src_dtype) not in (
+            (DsMla.NOPE, DsMla.ROPE, SrcDtype.BF16), (DsMla.NOPE, DsMla.ROPE, SrcDtype.F16)):
+        return "fp8_ds_mla rows are 512 + 64 bf16 or fp16 values"
+    return _lane_refusal(v.rope_dim, v.rope_dim, v.is_neox, v.src_dtype, v.nope_dim)
+
+
+# Prebuilt CUDA modules: head_dim 128 (Llama-3, Qwen3: with or without the norm, NeoX or GPT-J) bf16 with q
+# in place or into an e4m3 q_out, bf16 or e4m3 caches; DeepSeek MLA 512 + 64 bf16, e4m3 and fp8_ds_mla rows.
+CUDA_PREBUILD = tuple(Variant(128, 128, 128, True, False, False, SrcDtype.BF16, SrcDtype.F32, SrcDtype.NONE, q_mode, kv)
+                      for q_mode, kv in ((RopeQ.IN_PLACE, KvFormat.COPY), (RopeQ.E4M3, KvFormat.E4M3)))
+CUDA_MLA_PREBUILD = tuple(MlaVariant(512, 64, False, SrcDtype.BF16, SrcDtype.F32, RopeQ.IN_PLACE, kv)
+                          for kv in (KvFormat.COPY, KvFormat.E4M3, KvFormat.DS_MLA))
+
+
 def specs(target: str) -> list[JitSpec]:
-    return [cpu_spec()] if target == "cpu" else []
+    if target == "cpu":
+        return [cpu_spec()]
+    return [cuda_spec(target, v) for v in CUDA_PREBUILD] + [cuda_mla_spec(target, v) for v in CUDA_MLA_PREBUILD]
 
 
 def _q_dest(q3, q_out):
@@ -485,39 +550,78 @@ def _q_dest(q3, q_out):
     return (q3, int(RopeQ.IN_PLACE)) if q_out is None else (q_out, int(_q_mode(q_out)))
 
 
-def _jit(device, variant):
-    """The CPU module's runner (the ops declare no CUDA jit backend yet)."""
-    fn, info = jit_function(cpu_spec(), OP)
+def _as_heads(t, d):
+    """A [n', H*d] view as [n', H, d] (3-D passes; a view torch cannot make raises RuntimeError, and
+    the op then runs its check)."""
+    return t if t is None or t.dim() != 2 else t.view(t.shape[0], -1, d)
 
-    def run(*args):
-        """The checks name every argument; the binding re-checks what its memory accesses rely on."""
-        (q, k, v, kc, vc, sm, positions, cs, is_neox, rot, qw, kw, eps, q_out, q_scale, k_out, kv_dtype, k_scale,
-         v_scale, loc_map, skip_slot) = check(*args)
-        q_dst, q_mode = _q_dest(q, q_out)
+
+def _jit(device, variant):
+    """The CPU module, or the CUDA module of this variant (BackendUnavailable for one the kernel cannot
+    take). The runner hands the binding [n', H, D] views; the binding checks the rest and the op's
+    check names what it refuses."""
+    if device.type == "cuda":
+        why = cuda_refusal(variant)
+        if why:
+            raise BackendUnavailable(f"the CUDA kernel cannot take this call: {why}")
+        spec, retry = cuda_spec(cuda_arch(device), variant), astuple(replace(variant, aligned=False))
+    else:
+        spec, retry = cpu_spec(), None
+    fn, info = jit_function(spec, OP)
+
+    def run(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, rotary_dim, q_norm_weight,
+            k_norm_weight, eps, q_out, q_scale, k_out, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot):
+        _flag(OP, "is_neox", is_neox)  # tvm-ffi would take 0 / 1 for a bool
+        d = _head_dim(q, k, k_cache)
+        q3, k3 = _as_heads(q, d), _as_heads(k, d)
+        v3 = _as_heads(v, _v_head_dim(v, k3.shape[1]))
+        q_dst, q_mode = _q_dest(q3, _as_heads(q_out, d))
         qs, qs_value = scale_args(OP, "q_scale", q_scale)
         ks, ks_value = scale_args(OP, "k_scale", k_scale)
         vs, vs_value = scale_args(OP, "v_scale", v_scale)
-        fn(q, k, v, kc, vc, sm, positions, cs, is_neox, rot, qw, kw, eps, q_dst, q_mode, qs, qs_value, k_out, loc_map,
-           NO_SLOT if skip_slot is None else skip_slot, int(KV_FORMATS[kv_dtype]), ks, vs, ks_value, vs_value)
+        status = fn(q3, k3, v3, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox,
+                    cos_sin_cache.shape[1] if rotary_dim is None else rotary_dim, q_norm_weight, k_norm_weight, eps,
+                    q_dst, q_mode, qs, qs_value, _as_heads(k_out, d), loc_map,
+                    NO_SLOT if skip_slot is None else skip_slot, _kv_format(OP, kv_cache_dtype), ks, vs, ks_value,
+                    vs_value)
+        return retry if status else None
 
-    return run, info
+    return ROPE_STORE_CACHE.with_debug_checks(device, run), info
+
+
+def _kv_format(op, kv_cache_dtype) -> int:
+    """The KvFormat code of kv_cache_dtype (ValueError naming the choices for any other value)."""
+    fmt = KV_FORMATS.get(kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
+    if fmt is None:
+        checks.choice(op, "kv_cache_dtype", kv_cache_dtype, tuple(KV_FORMATS))
+    return int(fmt)
 
 
 def _jit_mla(device, variant):
-    """The CPU module's runner (the ops declare no CUDA jit backend yet)."""
-    fn, info = jit_function(cpu_spec(), MLA_OP)
+    """As _jit, for rope_set_mla_kv_buffer."""
+    if device.type == "cuda":
+        why = cuda_mla_refusal(variant)
+        if why:
+            raise BackendUnavailable(f"the CUDA kernel cannot take this call: {why}")
+        spec, retry = cuda_mla_spec(cuda_arch(device), variant), astuple(replace(variant, aligned=False))
+    else:
+        spec, retry = cpu_spec(), None
+    fn, info = jit_function(spec, MLA_OP)
 
-    def run(*args):
-        """The checks name every argument; the binding re-checks what its memory accesses rely on."""
-        (buf, loc, kv_c, k_pe, positions, cs, is_neox, q_pe, q_nope, q_out, q_scale, k_pe_out, kv_dtype, scale,
-         skip_slot) = check_mla(*args)
-        q_mode = int(RopeQ.NONE) if q_pe is None else _q_dest(q_pe, q_out)[1]
+    def run(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out, q_scale, k_pe_out,
+            kv_cache_dtype, scale, skip_slot):
+        _flag(MLA_OP, "is_neox", is_neox)
+        q_mode = int(RopeQ.NONE) if q_pe is None else int(_q_mode(q_out))
+        if q_out is not None and q_out.dim() == 2 and q_pe is not None and q_nope is not None:
+            q_out = q_out.view(q_out.shape[0], q_pe.shape[1], -1)
         qs, qs_value = scale_args(MLA_OP, "q_scale", q_scale)
         s, s_value = scale_args(MLA_OP, "scale", scale)
-        fn(buf, loc, kv_c, k_pe, positions, cs, is_neox, q_pe, q_nope, q_out, q_mode, qs, qs_value, k_pe_out,
-           NO_SLOT if skip_slot is None else skip_slot, int(KV_FORMATS[kv_dtype]), s, s_value)
+        status = fn(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out, q_mode, qs,
+                    qs_value, k_pe_out, NO_SLOT if skip_slot is None else skip_slot,
+                    _kv_format(MLA_OP, kv_cache_dtype), s, s_value)
+        return retry if status else None
 
-    return run, info
+    return ROPE_SET_MLA_KV_BUFFER.with_debug_checks(device, run), info
 
 
 # ------------------------------------------------------------------------------ sample and bench
@@ -603,7 +707,13 @@ MLA_HEADS = 128  # DeepSeek-V3: 128 query heads over one 512 + 64 latent row
 
 def _mha_args(hq, hk, d, norm, n, num_slots, kv, device="cpu", slot_mapping=None, caches=None):
     bf16 = torch.bfloat16
-    a = dict(q=rand((n, hq, d), bf16, device), k=rand((n, hk, d), bf16, device), v=rand((n, hk, d), bf16, device),
+    # Qwen3 (norm): q, k and v as views of one packed qkv projection, as engines pass them.
+    qkv = rand((n, (hq + 2 * hk) * d), bf16, device) if norm else None
+    q, k, v = (qkv.split([hq * d, hk * d, hk * d], dim=1) if norm else
+               (rand((n, h, d), bf16, device) for h in (hq, hk, hk)))
+    if norm:
+        q, k, v = q.view(n, hq, d), k.view(n, hk, d), v.view(n, hk, d)
+    a = dict(q=q, k=k, v=v,
              slot_mapping=slots(num_slots, n, device=device) if slot_mapping is None else slot_mapping,
              positions=torch.randint(0, 4096, (n,), device=device), cos_sin_cache=cos_sin_table(4096, d,
              device=device), is_neox=True)
@@ -671,8 +781,8 @@ ROPE_NS = (1, 8, 32, 128, 512, 2048, 16384)
 
 def _bench_gpu(h, ns=ROPE_NS) -> list:
     """The CPU cases on CUDA under graph replay, per layer its own caches (2^16 slots) and sources: the
-    unfused composition (torch RoPE, then jitkv's writer), then the op on each backend it has (Triton
-    and torch until the CUDA kernel lands)."""
+    unfused composition (torch RoPE, then jitkv's writer), jitkv's writer alone (no RoPE), then the op
+    on its CUDA kernel and on Triton; "x floor" is over the fused-prologue floor of the same run."""
     rows, slots_per_layer = [], 1 << 16
     for case, hq, hk, d, norm in MHA_MODELS:
         for kv in ("auto", "fp8_e4m3"):
@@ -682,11 +792,12 @@ def _bench_gpu(h, ns=ROPE_NS) -> list:
             for n in h.sizes(ns):
                 args = [_mha_args(hq, hk, d, norm, n, slots_per_layer, kv, "cuda", caches=caches[i])
                         for i in range(h.layers)]
-                cases = [("torch unfused + jitkv store_cache", lambda i: _mha_unfused(args[i]))]
+                cases = [("torch unfused + jitkv store_cache", lambda i: _mha_unfused(args[i])),
+                         ("jitkv store_cache alone (no RoPE)", lambda i: _write_only(args[i]))]
                 cases += [(f"jitkv {b}", lambda i, b=b: rope_store_cache(**args[i], backend=b))
-                          for b in ROPE_STORE_CACHE.order["cuda"]]
+                          for b in ROPE_STORE_CACHE.order["cuda"] if b != "torch"]
                 rows += h.rows(OP, f"{case} bf16 -> {'bf16' if kv == 'auto' else 'e4m3'}", n, _mha_bytes(args[0]),
-                               cases)
+                               cases, floor="rope")
                 del args
             del caches
     for kv in ("auto", "fp8_e4m3"):
@@ -696,11 +807,18 @@ def _bench_gpu(h, ns=ROPE_NS) -> list:
             args = [_mla_args(n, slots_per_layer, kv, "cuda", buf=bufs[i]) for i in range(h.layers)]
             cases = [("torch unfused + jitkv set_mla_kv_buffer", lambda i: _mla_unfused(args[i]))]
             cases += [(f"jitkv {b}", lambda i, b=b: rope_set_mla_kv_buffer(**args[i], backend=b))
-                      for b in ROPE_SET_MLA_KV_BUFFER.order["cuda"]]
-            rows += h.rows(MLA_OP, f"DeepSeek H{MLA_HEADS} 512+64 bf16 -> {kv}", n, _mla_bytes(args[0]), cases)
+                      for b in ROPE_SET_MLA_KV_BUFFER.order["cuda"] if b != "torch"]
+            rows += h.rows(MLA_OP, f"DeepSeek H{MLA_HEADS} 512+64 bf16 -> {kv}", n, _mla_bytes(args[0]), cases,
+                           floor="rope")
             del args
         del bufs
     return rows
+
+
+def _write_only(a):
+    """jitkv.store_cache of the unrotated k and v: the write the fused op adds RoPE to."""
+    scales = {name: a[name] for name in ("kv_cache_dtype", "k_scale", "v_scale") if name in a}
+    store_cache(a["k"], a["v"], a["k_cache"], a["v_cache"], a["slot_mapping"], **scales)
 
 
 ROPE_STORE_CACHE = Op(rope_store_cache, schema=(
@@ -711,7 +829,7 @@ ROPE_STORE_CACHE = Op(rope_store_cache, schema=(
     "Tensor? loc_map=None, int? skip_slot=None)"),
     home="k_cache", check=check, debug_check=debug_check, variant=variant, variant_type=Variant, specs=specs,
     reference=reference.rope_store_cache, triton="rope_store_cache_triton", sample=sample, bench_cpu=_bench_cpu,
-    bench_gpu=_bench_gpu, backends={"cuda": ("triton", "torch")})  # the benchmark cases of both ops
+    bench_gpu=_bench_gpu)  # the benchmark cases of both ops
 ROPE_STORE_CACHE.backend("jit")(_jit)
 
 ROPE_SET_MLA_KV_BUFFER = Op(rope_set_mla_kv_buffer, schema=(
@@ -720,5 +838,5 @@ ROPE_SET_MLA_KV_BUFFER = Op(rope_set_mla_kv_buffer, schema=(
     "Tensor(d!)? k_pe_out=None, str kv_cache_dtype=\"auto\", Scale? scale=None, int? skip_slot=None)"),
     home="kv_buffer", check=check_mla, debug_check=debug_check_mla, variant=variant_mla, variant_type=MlaVariant,
     specs=specs, reference=reference.rope_set_mla_kv_buffer, triton="rope_set_mla_kv_buffer_triton",
-    sample=sample_mla, backends={"cuda": ("triton", "torch")})
+    sample=sample_mla)
 ROPE_SET_MLA_KV_BUFFER.backend("jit")(_jit_mla)

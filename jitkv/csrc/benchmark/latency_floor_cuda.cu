@@ -13,8 +13,14 @@
 //    redux.sync max per tile, the tile scale amax / 448, the division, the 8-byte stores and lane 0's
 //    two scales. `exact` as the MLA writer (jitkv/cuda/fp8.cuh amax_scale, quantize8 with Divider);
 //    otherwise amax * (1 / 448) and x * rcp.approx(scale): less than any writer of the record must do.
-// Each fp8 floor does no more than the contract demands of its write, so a jitkv kernel cannot run
-// below it, and a target under it is beyond the hardware.
+//  - latency_floor_rope: the fused prologue's least (rope_store_cache, rope_set_mla_kv_buffer at n = 1):
+//    one thread waits (PDL), loads loc[0], positions[0] and 8 bf16 source values together, lets the
+//    next kernel launch, clamps the position into the table, loads that position's 4 cos and 4 sin
+//    float32 values (a second, dependent round trip a plain write does not have), rotates the 4 GPT-J
+//    pairs (each product rounded, as docs/design.md §9), rounds to bf16 and stores 16 bytes at the slot.
+// Each floor does no more than the contract demands of its write, so a jitkv kernel cannot run below
+// it, and a target under it is beyond the hardware.
+#include <cuda_bf16.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
@@ -112,6 +118,33 @@ __global__ void latency_floor_ds_mla_kernel(const int64_t* loc, const uint4* src
   if (lane == 0) *reinterpret_cast<float2*>(row + scale_offset) = make_float2(s0, s1);
 }
 
+__global__ void latency_floor_rope_kernel(const int64_t* loc, const int64_t* positions, const uint4* src,
+                                          const float* cos_sin, int64_t cs_stride, int64_t max_pos, char* dst,
+                                          int64_t row_bytes, int64_t num_rows) {
+  if (threadIdx.x != 0) return;
+  jitkv::cuda::pdl_wait();
+  const int64_t slot = load(loc);
+  const int64_t p = load(positions);
+  const uint4 v = load(src);
+  jitkv::cuda::pdl_launch_dependents();
+  const float* row = cos_sin + (p < 0 ? 0 : p >= max_pos ? max_pos - 1 : p) * cs_stride;
+  const float4 c = load(reinterpret_cast<const float4*>(row));
+  const float4 s = load(reinterpret_cast<const float4*>(row + cs_stride / 2));
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  const float cs[4] = {c.x, c.y, c.z, c.w}, sn[4] = {s.x, s.y, s.z, s.w};
+  uint32_t out[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const float a = __uint_as_float(w[m] << 16), b = __uint_as_float(w[m] & 0xffff0000u);
+    const float lo = __fsub_rn(__fmul_rn(a, cs[m]), __fmul_rn(b, sn[m]));
+    const float hi = __fadd_rn(__fmul_rn(b, cs[m]), __fmul_rn(a, sn[m]));
+    out[m] = __bfloat16_as_ushort(__float2bfloat16_rn(lo)) | (uint32_t{__bfloat16_as_ushort(__float2bfloat16_rn(hi))} << 16);
+  }
+  if (slot >= 0 && slot < num_rows) {
+    *reinterpret_cast<uint4*>(dst + slot * row_bytes) = make_uint4(out[0], out[1], out[2], out[3]);
+  }
+}
+
 bool on_cuda(const TensorView& t) { return t.device().device_type == kDLCUDA; }
 int64_t nbytes(const TensorView& t) { return t.numel() * jitkv::elem_bytes(t.dtype()); }
 
@@ -174,8 +207,28 @@ void latency_floor_ds_mla(TensorView dst, TensorView loc, TensorView src, int64_
                ptr_of<uint4>(src), data_ptr(dst), row_bytes, dst.size(0), scale_offset);
 }
 
+// positions int64 [>= 1]; cos_sin_cache float32 [max_pos, rotary_dim >= 8], contiguous rows of a multiple
+// of 16 bytes.
+void latency_floor_rope(TensorView dst, TensorView loc, TensorView src, TensorView positions,
+                        TensorView cos_sin_cache) {
+  const int64_t row_bytes = check_floor_args("latency_floor_rope", dst, loc, src, 16, 16, 16);
+  const TensorView& cs = cos_sin_cache;
+  const bool pos_ok = on_cuda(positions) && positions.dtype().code == kDLInt && positions.dtype().bits == 64 &&
+                      positions.numel() >= 1;
+  const bool cs_ok = on_cuda(cs) && cs.dtype().code == kDLFloat && cs.dtype().bits == 32 && cs.ndim() == 2 &&
+                     cs.size(1) >= 8 && cs.size(1) % 8 == 0 && cs.stride(1) == 1 && cs.stride(0) % 4 == 0 &&
+                     jitkv::aligned16(data_ptr(cs));
+  if (!pos_ok || !cs_ok) {
+    TVM_FFI_THROW(ValueError) << "latency_floor_rope: expected CUDA positions int64 [>= 1] and a float32 "
+                              << "cos_sin_cache [max_pos, rotary_dim >= 8] with 16-byte aligned rows";
+  }
+  launch_floor("latency_floor_rope", dst, latency_floor_rope_kernel, ptr_of<int64_t>(loc), ptr_of<int64_t>(positions),
+               ptr_of<uint4>(src), ptr_of<float>(cs), cs.stride(0), cs.size(0), data_ptr(dst), row_bytes, dst.size(0));
+}
+
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(latency_floor, latency_floor);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(latency_floor_rope, latency_floor_rope);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(latency_floor_e4m3, latency_floor_e4m3);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(latency_floor_ds_mla, latency_floor_ds_mla);

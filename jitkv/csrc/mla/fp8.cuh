@@ -35,30 +35,6 @@ static_assert(DsMla::kNope % DsMla::kTile == 0 && DsMla::kScaleOffset >= DsMla::
                   DsMla::kBytes >= DsMla::kRopeOffset + 2 * DsMla::kRope,
               "fp8_ds_mla record parts overlap");
 
-// Largest magnitude of a vector's values leaving NaN out (fmaxf's rule), one by one.
-template <SrcDtype kSrc>
-__device__ __forceinline__ uint32_t max_mag_no_nan(const uint4& v) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  uint32_t best = 0;
-  for (int k = 0; k < 8; ++k) {
-    const uint32_t m = (w[k / 2] >> (16 * (k % 2))) & 0x7fffu;
-    if (m <= cuda::SrcTraits<kSrc>::kNanAbove && m > best) best = m;
-  }
-  return best;
-}
-
-// Largest magnitude (a 16-bit pattern without its sign) of a 16-byte vector's 8 values, NaN left out
-// (fmaxf's rule): packed 16-bit max; a vector whose largest half is a NaN pattern (the carry of
-// adding 0x7fff - inf reaches the half's top bit) takes max_mag_no_nan.
-template <SrcDtype kSrc>
-__device__ __forceinline__ uint32_t vec_amax_no_nan(const uint4& v) {
-  constexpr uint32_t kNanCarry = (0x7fffu - cuda::SrcTraits<kSrc>::kInf) * 0x10001u;
-  const uint32_t a = v.x & 0x7fff7fffu, b = v.y & 0x7fff7fffu, c = v.z & 0x7fff7fffu, d = v.w & 0x7fff7fffu;
-  const uint32_t mx = __vmaxu2(__vmaxu2(a, b), __vmaxu2(c, d));
-  if ((mx + kNanCarry) & 0x80008000u) return max_mag_no_nan<kSrc>(v);
-  return max(mx >> 16, mx & 0xffffu);
-}
-
 // A row as the fast fp8 kernel sees it: 16-byte source vectors of 8 values, kNopeBytes / 16 of k_nope
 // then kRopeBytes / 16 of k_rope, taken by kRowWarps warps: warp w takes the w-th share of each part, its
 // lane l the vectors l, l + 32, ... of that share.
@@ -161,7 +137,7 @@ __global__ void __launch_bounds__(32 * 8)
     uint32_t part[kWarpTiles];
 #pragma unroll
     for (int i = 0; i < R::kNopeIters; ++i) {
-      const uint32_t a = vec_amax_no_nan<kSrc>(vn[i]);
+      const uint32_t a = cuda::vec_amax_no_nan<kSrc>(vn[i]);
 #pragma unroll
       for (int h = 0; h < kTilesPerReg; ++h) part[i * kTilesPerReg + h] = tile_in_reg == h ? a : 0u;
     }

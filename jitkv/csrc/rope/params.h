@@ -39,4 +39,43 @@ struct Queries {
   float scale;
 };
 
+// rope_store_cache's CUDA block. Cache rows: slot s of a side at cache + s * token + (s / block_size) *
+// block_adj (jitkv/cuda/paged.cuh), head h at + h * head.
+struct StoreArgs {
+  const char *q_src, *k_src, *v_src;
+  char *q_dst, *k_out, *k_cache, *v_cache;  // k_out nullptr: none
+  const void *slots, *loc_map, *positions;  // loc_map nullptr: no translation
+  const char* cos_sin;
+  const char *q_norm, *k_norm;  // nullptr: no norm (the kernel's template says which it reads)
+  const float *q_scale_ptr, *k_scale_ptr, *v_scale_ptr;  // fp8: device scales, or nullptr: the values
+  int64_t q_src_token, q_src_head, q_dst_token, q_dst_head, k_src_token, k_src_head, v_src_token, v_src_head;
+  int64_t k_out_token, k_out_head;
+  int64_t k_token, k_block_adj, k_head, v_token, v_block_adj, v_head;
+  int64_t cs_stride, n, max_pos, k_num_slots, v_num_slots, skip_slot, loc_map_size;
+  uint32_t k_magic, v_magic;
+  int32_t k_shift, v_shift;
+  float q_scale, k_scale, v_scale, eps;
+  int32_t k_scale_stride, v_scale_stride;  // elements from one head's scale to the next (0: one scale)
+  int32_t q_heads, kv_heads;
+  int32_t slot_i64, loc_i64, pos_i64;
+  int32_t neox, cs_f32, norm_f32;  // NeoX halves (else GPT-J pairs); float32 cos/sin table, norm weights
+};
+
+// rope_set_mla_kv_buffer's CUDA block.
+struct MlaArgs {
+  char* dst;
+  const char *kv_c, *k_pe, *q_pe, *q_nope;
+  char *k_pe_out, *q_dst;  // k_pe_out nullptr: none; q_dst: q_pe (in place) or q_out
+  const void *loc, *positions;
+  const char* cos_sin;
+  const float *scale_ptr, *q_scale_ptr;
+  int64_t dst_stride, kv_c_stride, k_pe_stride, k_pe_out_stride;
+  int64_t q_pe_token, q_pe_head, q_nope_token, q_nope_head, q_dst_token, q_dst_head;
+  int64_t cs_stride, n, max_pos, num_slots, skip_slot;
+  float scale, q_scale;
+  int32_t q_heads, nope_q_lanes;  // q_out: lanes of kV values in a head's q_nope (0 in place)
+  int32_t loc_i64, pos_i64;
+  int32_t neox, cs_f32;
+};
+
 }  // namespace jitkv::rope

@@ -3,12 +3,14 @@
 // rotated K with V (rope_store_cache), or the MLA row [kv_c | rope(k_pe)] (rope_set_mla_kv_buffer),
 // written as store_cache / set_mla_kv_buffer write them.
 //
-// The argument parser, shared by the CPU binding (rope_cpu.cpp) and the CUDA binding to come (the
-// parameter blocks: params.h). The Python check (jitkv/ops/rope.py) names every argument first and hands over the
-// normalized views: q, q_out, k, k_out [n', H, D]; v [n', Hk, Dv]; caches [num_blocks, block_size, Hk,
-// D]; MLA rows 2-D; q_pe, q_nope, q_out [n', H, width]. This parser re-checks what the kernels' memory
-// accesses rely on (ranks, sizes, dtypes, devices, contiguous last dims), reusing the store_cache and
-// set_mla_kv_buffer parsers for the cache writes; all strides are kept in bytes.
+// The argument parser, shared by the CPU binding (rope_cpu.cpp) and the CUDA bindings
+// (rope_store_cache_cuda.cu, rope_set_mla_kv_buffer_cuda.cu; the parameter blocks: params.h). The
+// runners (jitkv/ops/rope.py) hand over q, q_out, k, k_out and v as [n', H, D] views, q_pe, q_nope and
+// q_out as [n', H, width], the caches and the MLA rows as the caller gave them; this parser checks what
+// the kernels' memory accesses rely on (ranks, sizes, dtypes, devices, contiguous last dims, written
+// tensors without stride 0, destinations that share no memory), reusing the store_cache and
+// set_mla_kv_buffer parsers for the cache writes; all strides are kept in bytes. A refusal raises, and
+// the op then runs its Python check, which names the argument as every backend does.
 //
 // Queries (codes::RopeQ): NONE (MLA without q_pe), IN_PLACE (q rotated in place), COPY (q_out in q's
 // dtype), E4M3 / E5M2 (q_out quantized by q_scale: a 1-element float32 tensor, or q_scale_value when
@@ -17,6 +19,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 #include "jitkv/check.h"
 #include "jitkv/codes.h"
@@ -137,7 +140,10 @@ inline void parse_q_scale(const char* op, RopeQ m, const Optional<TensorView>& s
                           const char* dev_from, Queries& q) {
   q.scale_ptr = nullptr;
   q.scale = 1.0f;
-  if (!q_is_fp8(m)) return;
+  if (!q_is_fp8(m)) {
+    require(!scale.has_value() && value == codes::kMissingScale, op, "q_scale", "only an fp8 q_out takes a scale");
+    return;
+  }
   if (scale.has_value()) {
     const TensorView& s = scale.value();
     check_device(op, "q_scale", s, dev, dev_from);
@@ -196,7 +202,16 @@ inline StoreParams parse_store(const char* op, const TensorView& q, const Tensor
     p.norm_dtype = src_dtype(t.dtype());
     *out = data_ptr(t);
   }
+  require(std::isfinite(eps) && eps >= 0.0, op, "eps", "expected a finite float >= 0");
   p.eps = static_cast<float>(eps);
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{p.q.mode == RopeQ::kInPlace ? nullptr : "q_out",
+                                                                        &q_dst},
+                                std::pair<const char*, const TensorView*>{"k_out", k_out.has_value() ? &k_out.value()
+                                                                                                      : nullptr}}) {
+    if (name == nullptr || t == nullptr) continue;
+    check_disjoint(op, name, *t, "k_cache", k_cache);
+    check_disjoint(op, name, *t, "v_cache", v_cache);
+  }
   return p;
 }
 
@@ -225,6 +240,7 @@ inline MlaParams parse_mla(const char* op, const TensorView& kv_buffer, const Te
     p.q.src = rows3(op, "q_pe", q_pe.value(), p.q.heads, r, n, src, dev, "kv_buffer");
     p.q.dst = p.q.src;
   }
+  require(q_nope.has_value() == q_out.has_value(), op, "q_nope", "q_out = [q_nope | rope(q_pe)] takes both or neither");
   if (p.q.mode != RopeQ::kNone && p.q.mode != RopeQ::kInPlace) {
     require(q_nope.has_value() && q_out.has_value(), op, "q_out", "expected q_out and q_nope");
     p.nope_q = q_nope.value().ndim() == 3 ? q_nope.value().size(2) : 0;
@@ -238,6 +254,11 @@ inline MlaParams parse_mla(const char* op, const TensorView& kv_buffer, const Te
   if (k_pe_out.has_value()) {
     p.k_pe_out = rows2(op, "k_pe_out", k_pe_out.value(), r, n, src, dev, "kv_buffer");
     check_written(op, "k_pe_out", k_pe_out.value());
+    check_disjoint(op, "k_pe_out", k_pe_out.value(), "kv_buffer", kv_buffer);
+  }
+  if (p.q.mode == RopeQ::kInPlace) check_disjoint(op, "q_pe", q_pe.value(), "kv_buffer", kv_buffer);
+  if (p.q.mode != RopeQ::kNone && p.q.mode != RopeQ::kInPlace) {
+    check_disjoint(op, "q_out", q_out.value(), "kv_buffer", kv_buffer);
   }
   return p;
 }

@@ -5,11 +5,14 @@ input named; the Triton kernels under the interpreter."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import jitkv
 from jitkv import reference
+from jitkv.ops import OPS, rope
 from jitkv.ops.rope import cos_sin_table
 from jitkv.tests.conftest import BACKENDS, DEV_BACKENDS, assert_bitwise, gpu, rand, slots
 from jitkv.tests.triton.interpreter import run_under_interpreter
@@ -17,6 +20,7 @@ from jitkv.tests.triton.interpreter import run_under_interpreter
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
 NUM_SLOTS = 256
 MAX_POS = 300
+CUDA_BACKENDS = ("jit", "triton", "torch")
 
 
 def _cache(layout, num_slots, h, d, dtype, device, block_size=8):
@@ -69,7 +73,26 @@ def _clone(t):
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
+def _cuda_jit_refuses(op_name, backend, kw):
+    """On CUDA with the jit backend forced: the reason the CUDA kernel refuses this call's variant
+    (checked: the call raises BackendUnavailable naming it), else None."""
+    if backend != "jit" or kw[OPS[op_name].home].device.type != "cuda":
+        return None
+    op = OPS[op_name]
+    v = op.variant_type(*op.variant(*op.args_of(kw)))
+    why = rope.cuda_refusal(v) if op_name == "rope_store_cache" else rope.cuda_mla_refusal(v)
+    if why is not None:
+        fn = jitkv.rope_store_cache if op_name == "rope_store_cache" else jitkv.rope_set_mla_kv_buffer
+        with pytest.raises(jitkv.BackendUnavailable, match="the CUDA kernel cannot take this call"):
+            fn(**kw, backend=backend)
+    return why
+
+
 def _run_mha(backend, kw):
+    """The op against the reference, every destination bitwise; None where the forced CUDA jit
+    backend refuses the variant (and raised for it)."""
+    if _cuda_jit_refuses("rope_store_cache", backend, kw):
+        return None
     got = {**kw, **{d: _clone(kw[d]) for d in MHA_DESTINATIONS if d in kw}}
     want = {**kw, **{d: _clone(kw[d]) for d in MHA_DESTINATIONS if d in kw}}
     jitkv.rope_store_cache(**got, backend=backend)
@@ -92,7 +115,7 @@ def test_matrix(device, backend, is_neox, rot, norm, cs_dtype, q_out, kv, per_he
     kw["is_neox"] = is_neox
     kw["slot_mapping"][::5] = -1  # padding: K/V not written, q still rotated
     got = _run_mha(backend, kw)
-    if q_out is not None:
+    if got is not None and q_out is not None:
         assert_bitwise(got["q"], kw["q"])  # q is never written with q_out
 
 
@@ -214,6 +237,8 @@ def _mla(device, *, n=33, extra=2, h=4, nope=512, rope=64, src=BF16, kv="auto", 
 
 
 def _run_mla(backend, kw):
+    if _cuda_jit_refuses("rope_set_mla_kv_buffer", backend, kw):
+        return None
     got = {**kw, **{d: kw[d].clone() for d in MLA_DESTINATIONS if d in kw}}
     want = {**kw, **{d: kw[d].clone() for d in MLA_DESTINATIONS if d in kw}}
     jitkv.rope_set_mla_kv_buffer(**got, backend=backend)
@@ -239,7 +264,7 @@ def test_mla_formats(device, backend, kv, src, buf_dtype, q, is_neox):
     kw["is_neox"] = is_neox
     kw["loc"][::4] = -1
     got = _run_mla(backend, kw)
-    if "q_out" in kw:
+    if got is not None and "q_out" in kw:
         assert_bitwise(got["q_pe"], kw["q_pe"])
 
 
@@ -467,10 +492,10 @@ def test_cuda_variants():
     kw = _mha("cpu", d=128, rot=64, norm=True, q_out=E4M3, kv="fp8_e4m3", dv=64)
     got = Variant(*variant(*OPS["rope_store_cache"].args_of(kw)))
     assert got == Variant(128, 64, 64, True, True, True, SrcDtype.BF16, SrcDtype.F32, SrcDtype.BF16, RopeQ.E4M3,
-                          KvFormat.E4M3)
+                          KvFormat.E4M3, True)
     kw = _mla("cpu", kv="fp8_ds_mla", q="none")
     got = MlaVariant(*variant_mla(*OPS["rope_set_mla_kv_buffer"].args_of(kw)))
-    assert got == MlaVariant(512, 64, False, SrcDtype.BF16, SrcDtype.F32, RopeQ.NONE, KvFormat.DS_MLA)
+    assert got == MlaVariant(512, 64, False, SrcDtype.BF16, SrcDtype.F32, RopeQ.NONE, KvFormat.DS_MLA, True)
 
 
 # ------------------------------------------------------------------------------ GPU-only cases
@@ -484,16 +509,14 @@ def test_every_cuda_backend_same_bytes(kv, n):
               per_head=True)
     kw["slot_mapping"] = slots(NUM_SLOTS * 16, n, torch.int64, "cuda")
     kw["k_cache"], kw["v_cache"] = (_cache("nhd", NUM_SLOTS * 16, 8, 128, kw["k_cache"].dtype, "cuda") for _ in "kv")
-    outs = []
-    for backend in ("triton", "torch"):
-        outs.append(_run_mha(backend, kw))
+    outs = [_run_mha(backend, kw) for backend in CUDA_BACKENDS]
     for d in MHA_DESTINATIONS:
         if d in kw:
             assert_bitwise(outs[0][d], outs[1][d])
 
 
 @gpu
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
 def test_cuda_graph_replay(backend):
     """A captured rope_store_cache replays with new sources, positions, slots and device scales."""
     kw = _mha("cuda", n=64, norm=True, q_out=E4M3, kv="fp8_e4m3", per_head=True)
@@ -515,7 +538,7 @@ def test_cuda_graph_replay(backend):
 
 
 @gpu
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
 def test_out_of_range_gpu_clamped_or_raises_under_debug(backend, monkeypatch):
     """CUDA clamps a position outside the table into it (the reference's non-strict rule) and skips an
     out-of-range slot; JITKV_DEBUG=1 raises IndexError on the host first."""
@@ -536,10 +559,39 @@ def test_out_of_range_gpu_clamped_or_raises_under_debug(backend, monkeypatch):
 @pytest.mark.parametrize("kv,src,buf_dtype", MLA_FORMATS)
 def test_mla_every_cuda_backend_same_bytes(kv, src, buf_dtype):
     kw = _mla("cuda", n=200, h=16, kv=kv, src=src, buf_dtype=buf_dtype, q=E4M3)
-    outs = [_run_mla(backend, kw) for backend in ("triton", "torch")]
+    outs = [_run_mla(backend, kw) for backend in CUDA_BACKENDS]
     for d in MLA_DESTINATIONS:
         if d in kw:
             assert_bitwise(outs[0][d], outs[1][d])
+
+
+@gpu
+def test_cuda_kernel_runs_by_default_and_unaligned_views_take_triton():
+    """auto picks the CUDA kernel for an aligned Llama-shaped call; a q view 2 bytes off 16 runs Triton
+    (the kernel answered NEEDS_ANY_ALIGNMENT before launching), same bytes either way."""
+    jitkv.ops.reset()
+    kw = _mha("cuda", n=20, hq=8, hk=2, d=128, norm=True)
+    _run_mha(None, kw)
+    assert jitkv.backend_info("rope_store_cache")["cuda:0"]["backend"] == "jit"
+    packed = rand((20 + 3, 8 * 128 + 1), BF16, "cuda")
+    kw["q"] = packed[:, 1:].view(23, 8, 128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jitkv.JitkvFallbackWarning)  # warned once per process and reason
+        _run_mha(None, kw)
+    info = jitkv.backend_info("rope_store_cache")["cuda:0"]
+    assert info["backend"] == "triton" and "not aligned" in info["reason"]
+    jitkv.ops.reset()
+
+
+@gpu
+def test_mla_deepseek_shape_every_format():
+    """128 query heads, q_out = [q_nope | rope(q_pe)] in e4m3, every row format, on the CUDA kernel."""
+    for kv, src, buf_dtype in MLA_FORMATS:
+        if src == torch.float32:
+            continue
+        kw = _mla("cuda", n=70, h=128, kv=kv, src=src, buf_dtype=buf_dtype, q=E4M3)
+        kw["loc"][::3] = -1
+        assert _run_mla("jit", kw) is not None
 
 
 # --------------------------------------------------------------------- Triton under the interpreter

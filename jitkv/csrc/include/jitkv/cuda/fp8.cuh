@@ -9,7 +9,8 @@
 //      records (ue8m0_inverse, ue8m0_scale, ue8m0_ceil);
 //  - fp8x2 / fp8x4 / fp8_byte: the conversion; quantize / quantize8: N source values (cuda/src.cuh) ->
 //    N bytes, in the order (QuantizeOrder) each writer was tuned with;
-//  - amax_scale: a tile's scale max(amax / fp8_max, FLT_MIN) from its amax, exact and branch-free.
+//  - vec_amax_no_nan: a 16-byte vector's largest 16-bit magnitude, NaN left out; amax_scale: a tile's
+//    scale max(amax / fp8_max, FLT_MIN) from its amax, exact and branch-free.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -221,6 +222,30 @@ __device__ __forceinline__ uint2 quantize8(const uint4& v, const Div& div) {
   uint32_t q[2];
   quantize<kSrc, kFmt, 8, kOrder>(w, q, div);
   return make_uint2(q[0], q[1]);
+}
+
+// Largest magnitude of a vector's values leaving NaN out (fmaxf's rule), one by one.
+template <codes::SrcDtype kSrc>
+__device__ __forceinline__ uint32_t max_mag_no_nan(const uint4& v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  uint32_t best = 0;
+  for (int k = 0; k < 8; ++k) {
+    const uint32_t m = (w[k / 2] >> (16 * (k % 2))) & 0x7fffu;
+    if (m <= SrcTraits<kSrc>::kNanAbove && m > best) best = m;
+  }
+  return best;
+}
+
+// Largest magnitude (a 16-bit pattern without its sign) of a 16-byte vector's 8 values, NaN left out
+// (fmaxf's rule): packed 16-bit max; a vector whose largest half is a NaN pattern (the carry of
+// adding 0x7fff - inf reaches the half's top bit) takes max_mag_no_nan.
+template <codes::SrcDtype kSrc>
+__device__ __forceinline__ uint32_t vec_amax_no_nan(const uint4& v) {
+  constexpr uint32_t kNanCarry = (0x7fffu - SrcTraits<kSrc>::kInf) * 0x10001u;
+  const uint32_t a = v.x & 0x7fff7fffu, b = v.y & 0x7fff7fffu, c = v.z & 0x7fff7fffu, d = v.w & 0x7fff7fffu;
+  const uint32_t mx = __vmaxu2(__vmaxu2(a, b), __vmaxu2(c, d));
+  if ((mx + kNanCarry) & 0x80008000u) return max_mag_no_nan<kSrc>(v);
+  return max(mx >> 16, mx & 0xffffu);
 }
 
 // A tile's scale max(amax / fp8_max, FLT_MIN) from its amax (a 16-bit magnitude of kSrc, not NaN),

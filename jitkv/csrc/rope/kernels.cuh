@@ -1,0 +1,361 @@
+// rope's CUDA kernels (docs/design.md §9): one thread per 16 source bytes, a head's lanes in a group
+// of G (lanes.cuh). A token's threads are pieces of G lanes, warp-aligned from the token's first thread
+// (grid.x: tokens, grid.y: blocks of the token's threads):
+//  - rope_store_cache_kernel: q heads, then k heads, then v heads (a v head in as many pieces as its
+//    Dv / kV lanes take);
+//  - rope_set_mla_kv_buffer_kernel: kv_c's lanes (the fp8_ds_mla tiles: 16 lanes each, the first 64
+//    threads), k_pe's piece, then per query head its q_nope pieces (q_out) and its q_pe piece.
+// Each thread: addresses, the PDL wait, its loads (index, position, source, norm weights, scale), the
+// trigger for the next kernel, the cos/sin loads (they wait for the position), then the arithmetic and
+// the stores. A position outside the
+// table is clamped into it; a slot < 0, == skip_slot, outside loc_map or mapped outside the cache is not
+// written (q, k_out, k_pe_out are written for every token).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "jitkv/codes.h"
+#include "jitkv/cuda/fp8.cuh"
+#include "jitkv/cuda/launch.cuh"
+#include "jitkv/cuda/paged.cuh"
+#include "jitkv/cuda/vec.cuh"
+#include "rope/lanes.cuh"
+#include "rope/params.h"
+
+namespace jitkv::rope {
+
+using codes::DsMla;
+
+constexpr int kBlockThreads = 128;  // threads per block (a token's threads span grid.y blocks)
+
+// The cache format the queries are stored in.
+constexpr KvFormat q_format(RopeQ q) {
+  return q == RopeQ::kE4M3 ? KvFormat::kE4M3 : q == RopeQ::kE5M2 ? KvFormat::kE5M2 : KvFormat::kCopy;
+}
+
+template <bool kNeox>
+using NeoxTag = std::integral_constant<bool, kNeox>;
+template <SrcDtype kCs>
+using CsTag = std::integral_constant<SrcDtype, kCs>;
+
+// f(NeoxTag, CsTag) with the block's rotation (p.neox) and cos/sin dtype (p.cs_f32, else the sources'
+// kSrc): a NeoX build exists where its halves are whole lanes (the op sends no other call here).
+template <int kRot, SrcDtype kSrc, class Args, class F>
+__device__ __forceinline__ void with_rotation(const Args& p, F&& f) {
+  constexpr bool kNeoxOk = LaneRotation<kRot, true, lane_values<kSrc>()>::kOk;
+  if (p.cs_f32 || kSrc == SrcDtype::kF32) {
+    if constexpr (kNeoxOk) {
+      if (p.neox) return f(NeoxTag<true>{}, CsTag<SrcDtype::kF32>{});
+    }
+    f(NeoxTag<false>{}, CsTag<SrcDtype::kF32>{});
+  } else {
+    if constexpr (kNeoxOk) {
+      if (p.neox) return f(NeoxTag<true>{}, CsTag<kSrc>{});
+    }
+    f(NeoxTag<false>{}, CsTag<kSrc>{});
+  }
+}
+
+// rope_store_cache's build: q/k head dim, v head dim, rotary dim, the sources' dtype, the queries'
+// destination and the caches' format. NeoX or GPT-J, the norms and the dtypes of the cos/sin table and
+// the norm weights are read from the block (one branch per thread, the same in every thread), so that
+// one build serves them all.
+template <int kD_, int kDv_, int kRot_, SrcDtype kSrc_, RopeQ kQ_, KvFormat kFmt_>
+struct StoreShape {
+  static constexpr int kD = kD_, kDv = kDv_, kRot = kRot_;
+  static constexpr SrcDtype kSrc = kSrc_;
+  static constexpr RopeQ kQ = kQ_;
+  static constexpr KvFormat kFmt = kFmt_;
+  static constexpr int kV = lane_values<kSrc>();
+  static constexpr int kLanes = kD / kV;  // of a q or k head
+  static constexpr int kG = pow2_at_least(kLanes);
+  static constexpr int kVLanes = kDv / kV;
+  static constexpr int kVPieces = (kVLanes + kG - 1) / kG;
+  static_assert(kD % kV == 0 && kDv % kV == 0 && kG <= 32, "heads of whole lanes, at most a warp");
+  static_assert(LaneRotation<kRot, false, kV>::kOk, "rotated dims in whole lanes");
+
+  // Threads of one token (whole warps).
+  static int64_t token_threads(int64_t q_heads, int64_t kv_heads) {
+    return ((q_heads + kv_heads * (1 + kVPieces)) * kG + 31) / 32 * 32;
+  }
+};
+
+__device__ __forceinline__ int64_t kept_slot(const StoreArgs& p, int64_t t, int64_t num_slots) {
+  int64_t s = load_index(p.slots, p.slot_i64, t);
+  if (s < 0 || s == p.skip_slot) return -1;
+  if (p.loc_map != nullptr) {
+    if (s >= p.loc_map_size) return -1;
+    s = load_index(p.loc_map, p.loc_i64, s);
+  }
+  return uint64_t(s) < uint64_t(num_slots) ? s : -1;
+}
+
+__device__ __forceinline__ float load_scale(const float* ptr, int64_t at, float value) {
+  return ptr != nullptr ? cuda::load(ptr + at) : value;
+}
+
+// A q head (kIsK false) or a k head with the rotation kNeox and a cos/sin table of dtype kCs: loads,
+// the trigger, norm, rotation and the stores.
+template <class S, bool kIsK, bool kNeox, SrcDtype kCs>
+__device__ __forceinline__ void rope_head(const StoreArgs& p, int64_t t, int h, int j) {
+  constexpr int kV = S::kV;
+  constexpr KvFormat kOut = kIsK ? S::kFmt : q_format(S::kQ);
+  constexpr int kCsN = LaneRotation<S::kRot, kNeox, kV>::kCs;
+  const unsigned mask = group_mask<S::kG>();
+  const bool inside = j < S::kLanes;
+  const char* src = kIsK ? p.k_src + t * p.k_src_token + h * p.k_src_head
+                         : p.q_src + t * p.q_src_token + h * p.q_src_head;
+  const char* norm = kIsK ? p.k_norm : p.q_norm;
+  const int64_t pos = clamp_position(load_index(p.positions, p.pos_i64, t), p.max_pos);
+  const int64_t slot = kIsK ? kept_slot(p, t, p.k_num_slots) : -1;
+  cuda::Pack<16> v = {};
+  if (inside) v = cuda::load_pack<16>(src + j * 16);
+  float w[kV];
+  if (norm != nullptr) {
+    if (p.norm_f32) {
+      load_weights<kV, SrcDtype::kF32>(norm, j, inside, w);
+    } else {
+      load_weights<kV, S::kSrc>(norm, j, inside, w);
+    }
+  }
+  float scale = 1.0f;
+  if constexpr (kOut != KvFormat::kCopy) {
+    scale = kIsK ? load_scale(p.k_scale_ptr, int64_t{h} * p.k_scale_stride, p.k_scale)
+                 : load_scale(p.q_scale_ptr, 0, p.q_scale);
+  }
+  cuda::pdl_launch_dependents();  // before the cos/sin loads, which wait for the position
+  float c[kCsN] = {}, s[kCsN] = {};
+  load_cos_sin<S::kRot, kNeox, kV, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
+  float y[kV];
+  to_floats<S::kSrc>(v, y);
+  if (norm != nullptr) rms_norm<S::kD, kV, S::kG>(y, w, p.eps, mask);
+  rotate<S::kRot, kNeox, kV, S::kG>(y, j, c, s, mask);
+  if (!inside) return;
+  const cuda::Divider div(scale);
+  if constexpr (kIsK) {
+    if (p.k_out != nullptr) {
+      store_floats<S::kSrc, KvFormat::kCopy>(p.k_out + t * p.k_out_token + h * p.k_out_head + j * 16, y, div);
+    }
+    if (slot < 0) return;
+    const int64_t blk = int64_t(cuda::block_of(slot, p.k_magic, p.k_shift));
+    char* row = p.k_cache + slot * p.k_token + blk * p.k_block_adj + h * p.k_head;
+    store_floats<S::kSrc, kOut>(row + j * dst_lane_bytes<S::kSrc, kOut>(), y, div);
+  } else {
+    char* row = p.q_dst + t * p.q_dst_token + h * p.q_dst_head;
+    store_floats<S::kSrc, kOut>(row + j * dst_lane_bytes<S::kSrc, kOut>(), y, div);
+  }
+}
+
+// Lanes c of v head h: copied or quantized into v_cache.
+template <class S>
+__device__ __forceinline__ void store_v(const StoreArgs& p, int64_t t, int h, int c) {
+  const bool inside = c < S::kVLanes;
+  const int64_t slot = kept_slot(p, t, p.v_num_slots);
+  cuda::Pack<16> v = {};
+  if (inside) v = cuda::load_pack<16>(p.v_src + t * p.v_src_token + h * p.v_src_head + c * 16);
+  float scale = 1.0f;
+  if constexpr (S::kFmt != KvFormat::kCopy) {
+    scale = load_scale(p.v_scale_ptr, int64_t{h} * p.v_scale_stride, p.v_scale);
+  }
+  cuda::pdl_launch_dependents();
+  if (!inside || slot < 0) return;
+  const int64_t blk = int64_t(cuda::block_of(slot, p.v_magic, p.v_shift));
+  char* row = p.v_cache + slot * p.v_token + blk * p.v_block_adj + h * p.v_head;
+  store_source<S::kSrc, S::kFmt>(row + c * dst_lane_bytes<S::kSrc, S::kFmt>(), v, cuda::Divider(scale));
+}
+
+template <class S>
+__global__ void __launch_bounds__(kBlockThreads) rope_store_cache_kernel(const __grid_constant__ StoreArgs p) {
+  cuda::warm_params(p, p.n);
+  const int64_t t = blockIdx.x;
+  const int r = int(blockIdx.y * blockDim.x + threadIdx.x);
+  const int piece = r / S::kG, j = r % S::kG;
+  const int k_end = p.q_heads + p.kv_heads;
+  if (piece >= k_end + p.kv_heads * S::kVPieces) return;  // the token's last warp: whole groups leave
+  cuda::pdl_wait();
+  if (piece < k_end) {
+    const bool is_k = piece >= p.q_heads;
+    const int h = is_k ? piece - p.q_heads : piece;
+    with_rotation<S::kRot, S::kSrc>(p, [&](auto neox, auto cs) {
+      constexpr bool kNeox = decltype(neox)::value;
+      constexpr SrcDtype kCs = decltype(cs)::value;
+      if (is_k) {
+        rope_head<S, true, kNeox, kCs>(p, t, h, j);
+      } else {
+        rope_head<S, false, kNeox, kCs>(p, t, h, j);
+      }
+    });
+  } else {
+    const int v = piece - k_end;
+    store_v<S>(p, t, v / S::kVPieces, (v % S::kVPieces) * S::kG + j);
+  }
+}
+
+// rope_set_mla_kv_buffer's build: kv_c and k_pe widths (values), the source dtype, the queries'
+// destination and the row format; NeoX or GPT-J and the cos/sin dtype from the block.
+template <int kNope_, int kRope_, SrcDtype kSrc_, RopeQ kQ_, KvFormat kFmt_>
+struct MlaShape {
+  static constexpr int kNope = kNope_, kRope = kRope_;
+  static constexpr SrcDtype kSrc = kSrc_;
+  static constexpr RopeQ kQ = kQ_;
+  static constexpr KvFormat kFmt = kFmt_;
+  static constexpr int kV = lane_values<kSrc>();
+  static constexpr int kRopeLanes = kRope / kV;
+  static constexpr int kG = pow2_at_least(kRopeLanes);
+  static constexpr int kNopeLanes = kNope / kV;
+  static constexpr int kNopePieces = (kNopeLanes + kG - 1) / kG;
+  static constexpr int kKvPieces = kNopePieces + 1;
+  static constexpr bool kDs = kFmt == KvFormat::kDsMla;
+  static constexpr bool kWithQ = kQ != RopeQ::kNone;
+  static_assert(kNope % kV == 0 && kRope % kV == 0 && kG <= 32, "rows of whole lanes, k_pe in a warp");
+  static_assert(LaneRotation<kRope, false, kV>::kOk, "rotated dims in whole lanes");
+  static_assert(!kDs || (kNope == DsMla::kNope && kRope == DsMla::kRope && kV == 8 && kNopePieces * kG == 64),
+                "fp8_ds_mla: 512 + 64 16-bit values, the tiles in the token's first two warps");
+
+  // Pieces of one query head: its q_nope's (q_out) and its q_pe's.
+  __host__ __device__ static int q_pieces(int nope_q_lanes) { return (nope_q_lanes + kG - 1) / kG + 1; }
+
+  static int64_t token_threads(int64_t q_heads, int nope_q_lanes) {
+    return ((kKvPieces + (kWithQ ? q_heads * q_pieces(nope_q_lanes) : 0)) * kG + 31) / 32 * 32;
+  }
+};
+
+__device__ __forceinline__ int64_t kept_slot(const MlaArgs& p, int64_t t) {
+  const int64_t s = load_index(p.loc, p.loc_i64, t);
+  return s < 0 || s == p.skip_slot || s >= p.num_slots ? -1 : s;
+}
+
+// Lane c of kv_c: copied, quantized by the per-tensor scale, or into an fp8_ds_mla tile (the tile's
+// amax over its 16 lanes: the first two warps of the token hold the four tiles).
+template <class S>
+__device__ __forceinline__ void store_kv_c(const MlaArgs& p, int64_t t, int c) {
+  const bool inside = c < S::kNopeLanes;
+  const int64_t slot = kept_slot(p, t);
+  cuda::Pack<16> v = {};
+  if (inside) v = cuda::load_pack<16>(p.kv_c + t * p.kv_c_stride + c * 16);
+  float scale = 1.0f;
+  if constexpr (S::kFmt == KvFormat::kE4M3 || S::kFmt == KvFormat::kE5M2) {
+    scale = load_scale(p.scale_ptr, 0, p.scale);
+  }
+  cuda::pdl_launch_dependents();
+  if constexpr (S::kDs) {
+    uint32_t amax = cuda::vec_amax_no_nan<S::kSrc>(make_uint4(v.w[0], v.w[1], v.w[2], v.w[3]));
+#pragma unroll
+    for (int off = 8; off >= 1; off /= 2) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    scale = cuda::amax_scale<S::kSrc>(amax, DsMla::kFP8Max);
+  }
+  if (!inside || slot < 0) return;
+  char* row = p.dst + slot * p.dst_stride;
+  if constexpr (S::kDs) {
+    store_source<S::kSrc, KvFormat::kE4M3>(row + c * 8, v, cuda::Divider(scale));
+    if (c % 16 == 0) *reinterpret_cast<float*>(row + DsMla::kScaleOffset + 4 * (c / 16)) = scale;
+  } else {
+    store_source<S::kSrc, S::kFmt>(row + c * dst_lane_bytes<S::kSrc, S::kFmt>(), v, cuda::Divider(scale));
+  }
+}
+
+// Lane j of k_pe: rotated, into k_pe_out and the row's rope part.
+template <class S, bool kNeox, SrcDtype kCs>
+__device__ __forceinline__ void rope_k_pe(const MlaArgs& p, int64_t t, int j) {
+  constexpr int kV = S::kV;
+  constexpr int kCsN = LaneRotation<S::kRope, kNeox, kV>::kCs;
+  const unsigned mask = group_mask<S::kG>();
+  const bool inside = j < S::kRopeLanes;
+  const int64_t pos = clamp_position(load_index(p.positions, p.pos_i64, t), p.max_pos);
+  const int64_t slot = kept_slot(p, t);
+  cuda::Pack<16> v = {};
+  if (inside) v = cuda::load_pack<16>(p.k_pe + t * p.k_pe_stride + j * 16);
+  float scale = 1.0f;
+  if constexpr (S::kFmt == KvFormat::kE4M3 || S::kFmt == KvFormat::kE5M2) {
+    scale = load_scale(p.scale_ptr, 0, p.scale);
+  }
+  cuda::pdl_launch_dependents();
+  float c[kCsN] = {}, s[kCsN] = {};
+  load_cos_sin<S::kRope, kNeox, kV, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
+  float y[kV];
+  to_floats<S::kSrc>(v, y);
+  rotate<S::kRope, kNeox, kV, S::kG>(y, j, c, s, mask);
+  if (!inside) return;
+  const cuda::Divider div(scale);
+  if (p.k_pe_out != nullptr) store_floats<S::kSrc, KvFormat::kCopy>(p.k_pe_out + t * p.k_pe_out_stride + j * 16, y, div);
+  if (slot < 0) return;
+  char* row = p.dst + slot * p.dst_stride;
+  if constexpr (S::kDs) {
+    store_floats<S::kSrc, KvFormat::kCopy>(row + DsMla::kRopeOffset + j * 16, y, div);
+  } else {
+    constexpr int kLane = dst_lane_bytes<S::kSrc, S::kFmt>();
+    store_floats<S::kSrc, S::kFmt>(row + S::kNopeLanes * kLane + j * kLane, y, div);
+  }
+}
+
+// Lane c of query head h's q_nope: copied or quantized into q_out.
+template <class S>
+__device__ __forceinline__ void store_q_nope(const MlaArgs& p, int64_t t, int h, int c) {
+  constexpr KvFormat kOut = q_format(S::kQ);
+  const bool inside = c < p.nope_q_lanes;
+  cuda::Pack<16> v = {};
+  if (inside) v = cuda::load_pack<16>(p.q_nope + t * p.q_nope_token + h * p.q_nope_head + c * 16);
+  float scale = 1.0f;
+  if constexpr (kOut != KvFormat::kCopy) scale = load_scale(p.q_scale_ptr, 0, p.q_scale);
+  cuda::pdl_launch_dependents();
+  if (!inside) return;
+  char* row = p.q_dst + t * p.q_dst_token + h * p.q_dst_head;
+  store_source<S::kSrc, kOut>(row + c * dst_lane_bytes<S::kSrc, kOut>(), v, cuda::Divider(scale));
+}
+
+// Lane j of query head h's q_pe: rotated, in place or after q_nope in q_out.
+template <class S, bool kNeox, SrcDtype kCs>
+__device__ __forceinline__ void rope_q_pe(const MlaArgs& p, int64_t t, int h, int j) {
+  constexpr int kV = S::kV;
+  constexpr int kCsN = LaneRotation<S::kRope, kNeox, kV>::kCs;
+  constexpr KvFormat kOut = q_format(S::kQ);
+  constexpr int kLane = dst_lane_bytes<S::kSrc, kOut>();
+  const unsigned mask = group_mask<S::kG>();
+  const bool inside = j < S::kRopeLanes;
+  const int64_t pos = clamp_position(load_index(p.positions, p.pos_i64, t), p.max_pos);
+  cuda::Pack<16> v = {};
+  if (inside) v = cuda::load_pack<16>(p.q_pe + t * p.q_pe_token + h * p.q_pe_head + j * 16);
+  float scale = 1.0f;
+  if constexpr (kOut != KvFormat::kCopy) scale = load_scale(p.q_scale_ptr, 0, p.q_scale);
+  cuda::pdl_launch_dependents();
+  float c[kCsN] = {}, s[kCsN] = {};
+  load_cos_sin<S::kRope, kNeox, kV, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
+  float y[kV];
+  to_floats<S::kSrc>(v, y);
+  rotate<S::kRope, kNeox, kV, S::kG>(y, j, c, s, mask);
+  if (!inside) return;
+  char* row = p.q_dst + t * p.q_dst_token + h * p.q_dst_head + int64_t{p.nope_q_lanes} * kLane;
+  store_floats<S::kSrc, kOut>(row + j * kLane, y, cuda::Divider(scale));
+}
+
+template <class S>
+__global__ void __launch_bounds__(kBlockThreads) rope_set_mla_kv_buffer_kernel(const __grid_constant__ MlaArgs p) {
+  cuda::warm_params(p, p.n);
+  const int64_t t = blockIdx.x;
+  const int r = int(blockIdx.y * blockDim.x + threadIdx.x);
+  const int piece = r / S::kG, j = r % S::kG;
+  const int per_head = S::q_pieces(p.nope_q_lanes);
+  if (piece >= S::kKvPieces + (S::kWithQ ? p.q_heads * per_head : 0)) return;  // whole groups leave
+  cuda::pdl_wait();
+  if (piece < S::kNopePieces) {
+    store_kv_c<S>(p, t, r);
+  } else if (piece == S::kNopePieces) {
+    with_rotation<S::kRope, S::kSrc>(p, [&](auto neox, auto cs) {
+      rope_k_pe<S, decltype(neox)::value, decltype(cs)::value>(p, t, j);
+    });
+  } else if constexpr (S::kWithQ) {
+    const int q = piece - S::kKvPieces, h = q / per_head, part = q % per_head;
+    if (part + 1 < per_head) {
+      store_q_nope<S>(p, t, h, part * S::kG + j);
+    } else {
+      with_rotation<S::kRope, S::kSrc>(p, [&](auto neox, auto cs) {
+        rope_q_pe<S, decltype(neox)::value, decltype(cs)::value>(p, t, h, j);
+      });
+    }
+  }
+}
+
+}  // namespace jitkv::rope

@@ -1,0 +1,256 @@
+// rope's device arithmetic (docs/design.md §9) on a lane group: a head of D values held by G lanes (G a
+// power of two <= 32), lane j holding the kV values [j kV, (j + 1) kV) of 16 source bytes as float32;
+// lanes j >= D / kV hold zeros and store nothing. All of it is the reference's order, rounded at the
+// same places: the squares summed in groups of 8 then folded by halves (an xor butterfly over the
+// group's lanes gives the same sums: each step adds a[j] and a[j + half] in every lane), IEEE division
+// and square root, and every product rounded before its sum (__fmul_rn, __fadd_rn, __fsub_rn: nvcc
+// contracts a * b + c into an FMA otherwise).
+//
+// NeoX halves are exchanged between lanes j and j +- h / kV (h = rotary_dim / 2, a multiple of kV: the
+// op's CUDA variant requires it, ops/rope.py cuda_takes); GPT-J pairs lie inside a lane.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "jitkv/codes.h"
+#include "jitkv/cuda/fp8.cuh"
+#include "jitkv/cuda/src.cuh"
+#include "jitkv/cuda/vec.cuh"
+
+namespace jitkv::rope {
+
+using codes::KvFormat;
+using codes::SrcDtype;
+
+template <SrcDtype kSrc>
+constexpr int elem_bytes_of() {
+  return kSrc == SrcDtype::kF32 ? 4 : 2;
+}
+
+// Values per lane: 16 source bytes.
+template <SrcDtype kSrc>
+constexpr int lane_values() {
+  return 16 / elem_bytes_of<kSrc>();
+}
+
+constexpr int pow2_at_least(int x) {
+  int p = 1;
+  while (p < x) p *= 2;
+  return p;
+}
+
+// The mask of the G lanes of this lane's group (G = 32: the warp).
+template <int G>
+__device__ __forceinline__ unsigned group_mask() {
+  if constexpr (G == 32) {
+    return 0xffffffffu;
+  } else {
+    return ((1u << G) - 1u) << ((threadIdx.x & 31u) & ~unsigned(G - 1));
+  }
+}
+
+// N consecutive values of dtype kT at p as float32 (N * size bytes: 4, 8, 16 or 32, aligned to that
+// size or to 16).
+template <SrcDtype kT, int N>
+__device__ __forceinline__ void load_floats(const char* p, float (&out)[N]) {
+  constexpr int kBytes = N * elem_bytes_of<kT>();
+  const cuda::Pack<kBytes> v = cuda::load_pack<kBytes>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = cuda::SrcTraits<kT>::at(v.w, i);
+}
+
+// A lane's 16 source bytes as float32.
+template <SrcDtype kSrc>
+__device__ __forceinline__ void to_floats(const cuda::Pack<16>& v, float (&x)[lane_values<kSrc>()]) {
+#pragma unroll
+  for (int i = 0; i < lane_values<kSrc>(); ++i) x[i] = cuda::SrcTraits<kSrc>::at(v.w, i);
+}
+
+// The group's sum of squares in the fixed order (every lane gets it).
+template <int kV, int G>
+__device__ __forceinline__ float sum_squares(const float (&x)[kV], unsigned mask) {
+  static_assert(kV == 8 || kV == 4, "a lane holds one group of 8 values or half of one");
+  float s[kV];
+#pragma unroll
+  for (int i = 0; i < kV; ++i) s[i] = __fmul_rn(x[i], x[i]);
+  float g;
+  if constexpr (kV == 8) {
+    g = __fadd_rn(__fadd_rn(__fadd_rn(s[0], s[4]), __fadd_rn(s[2], s[6])),
+                  __fadd_rn(__fadd_rn(s[1], s[5]), __fadd_rn(s[3], s[7])));
+  } else {  // the group's 8 values lie in lanes 2m (s0..s3) and 2m + 1 (s4..s7): t_j = s_j + s_{j+4}
+    float t[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) t[j] = __fadd_rn(s[j], __shfl_xor_sync(mask, s[j], 1));
+    g = __fadd_rn(__fadd_rn(t[0], t[2]), __fadd_rn(t[1], t[3]));
+  }
+  constexpr int kLanesPerGroup = 8 / kV;
+#pragma unroll
+  for (int off = G / 2; off >= kLanesPerGroup; off /= 2) g = __fadd_rn(g, __shfl_xor_sync(mask, g, off));
+  return g;
+}
+
+// A lane's kV norm weights (dtype kW) as float32; lanes outside the head read nothing and get zeros.
+template <int kV, SrcDtype kW>
+__device__ __forceinline__ void load_weights(const char* weight, int j, bool inside, float (&w)[kV]) {
+#pragma unroll
+  for (int i = 0; i < kV; ++i) w[i] = 0.0f;
+  if (inside) load_floats<kW, kV>(weight + j * kV * elem_bytes_of<kW>(), w);
+}
+
+// x = (x * r) * w, r = 1 / sqrt(sum / D + eps): Qwen3's per-head RMSNorm in the fixed order.
+template <int kD, int kV, int G>
+__device__ __forceinline__ void rms_norm(float (&x)[kV], const float (&w)[kV], float eps, unsigned mask) {
+  const float mean = __fdiv_rn(sum_squares<kV, G>(x, mask), float(kD));
+  const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+#pragma unroll
+  for (int i = 0; i < kV; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], r), w[i]);
+}
+
+// The rotation of a lane of the head: which cos/sin entries it reads and its partner lane.
+template <int kRot, bool kNeox, int kV>
+struct LaneRotation {
+  static constexpr int kHalf = kRot / 2;
+  static constexpr int kHalfLanes = kHalf / kV;  // NeoX: lanes per half
+  // Rotated dims in whole lanes, NeoX halves too (ops/rope.py cuda_refusal); a kernel instantiates only
+  // the rotations its build can take.
+  static constexpr bool kOk = kRot % kV == 0 && (!kNeox || kHalf % kV == 0);
+  static constexpr int kRotLanes = kRot / kV;
+  static constexpr int kCs = kNeox ? kV : kV / 2;  // cos (and sin) values a rotated lane reads
+
+  // Index of the first cos value lane j reads.
+  __device__ __forceinline__ static int cos_index(int j) {
+    if constexpr (kNeox) {
+      return j < kHalfLanes ? j * kV : (j - kHalfLanes) * kV;
+    } else {
+      return j * kV / 2;
+    }
+  }
+};
+
+// Loads lane j's cos and sin values (lanes outside the rotated dims load nothing).
+template <int kRot, bool kNeox, int kV, SrcDtype kCsT>
+__device__ __forceinline__ void load_cos_sin(const char* row, int j, float (&c)[LaneRotation<kRot, kNeox, kV>::kCs],
+                                             float (&s)[LaneRotation<kRot, kNeox, kV>::kCs]) {
+  using R = LaneRotation<kRot, kNeox, kV>;
+  if (j < R::kRotLanes) {
+    const int i = R::cos_index(j);
+    constexpr int es = elem_bytes_of<kCsT>();
+    load_floats<kCsT, R::kCs>(row + i * es, c);
+    load_floats<kCsT, R::kCs>(row + (R::kHalf + i) * es, s);
+  }
+}
+
+// RoPE on the lane's values in place: NeoX with the partner lane's values (a shuffle in the group, every
+// lane of it taking part), GPT-J inside the lane. Lanes from rotary_dim on keep theirs.
+template <int kRot, bool kNeox, int kV, int G>
+__device__ __forceinline__ void rotate(float (&y)[kV], int j, const float (&c)[LaneRotation<kRot, kNeox, kV>::kCs],
+                                       const float (&s)[LaneRotation<kRot, kNeox, kV>::kCs], unsigned mask) {
+  using R = LaneRotation<kRot, kNeox, kV>;
+  if constexpr (kNeox) {
+    const bool first = j < R::kHalfLanes;
+    const int partner = first ? j + R::kHalfLanes : j - R::kHalfLanes;
+    float other[kV];
+#pragma unroll
+    for (int i = 0; i < kV; ++i) other[i] = __shfl_sync(mask, y[i], partner, G);
+    if (j < R::kRotLanes) {
+#pragma unroll
+      for (int i = 0; i < kV; ++i) {
+        const float a = __fmul_rn(y[i], c[i]), b = __fmul_rn(other[i], s[i]);
+        y[i] = first ? __fsub_rn(a, b) : __fadd_rn(a, b);
+      }
+    }
+  } else if (j < R::kRotLanes) {
+#pragma unroll
+    for (int m = 0; m < kV / 2; ++m) {
+      const float a = y[2 * m], b = y[2 * m + 1];
+      y[2 * m] = __fsub_rn(__fmul_rn(a, c[m]), __fmul_rn(b, s[m]));
+      y[2 * m + 1] = __fadd_rn(__fmul_rn(b, c[m]), __fmul_rn(a, s[m]));
+    }
+  }
+}
+
+// kV float32 values rounded to nearest even into kDst (bf16, fp16 or fp32), as kV * size bytes.
+template <SrcDtype kDst, int kV>
+__device__ __forceinline__ cuda::Pack<kV * elem_bytes_of<kDst>()> round_to(const float (&y)[kV]) {
+  cuda::Pack<kV * elem_bytes_of<kDst>()> out;
+  if constexpr (kDst == SrcDtype::kF32) {
+#pragma unroll
+    for (int i = 0; i < kV; ++i) out.w[i] = __float_as_uint(y[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kV / 2; ++i) {
+      uint32_t lo, hi;
+      if constexpr (kDst == SrcDtype::kBF16) {
+        lo = __bfloat16_as_ushort(__float2bfloat16_rn(y[2 * i]));
+        hi = __bfloat16_as_ushort(__float2bfloat16_rn(y[2 * i + 1]));
+      } else {
+        lo = __half_as_ushort(__float2half_rn(y[2 * i]));
+        hi = __half_as_ushort(__float2half_rn(y[2 * i + 1]));
+      }
+      out.w[i] = lo | (hi << 16);
+    }
+  }
+  return out;
+}
+
+// kV float32 values as fp8 bytes of kFmt: fp8(div(y)), the quotient correctly rounded (cuda::Divider).
+template <KvFormat kFmt, int kV>
+__device__ __forceinline__ cuda::Pack<kV> quantize_floats(const float (&y)[kV], const cuda::Divider& div) {
+  float q[kV];
+#pragma unroll
+  for (int i = 0; i < kV; ++i) q[i] = div(y[i]);
+  cuda::Pack<kV> out;
+#pragma unroll
+  for (int i = 0; i < kV / 4; ++i) out.w[i] = cuda::fp8x4<kFmt>(q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]);
+  return out;
+}
+
+// 16 source bytes as fp8 bytes of kFmt (what store_cache and set_mla_kv_buffer write from a source).
+template <SrcDtype kSrc, KvFormat kFmt>
+__device__ __forceinline__ cuda::Pack<lane_values<kSrc>()> quantize_source(const cuda::Pack<16>& v,
+                                                                            const cuda::Divider& div) {
+  cuda::Pack<lane_values<kSrc>()> out;
+  cuda::quantize<kSrc, kFmt, lane_values<kSrc>(), cuda::QuantizeOrder::kValuesThenConvert>(v.w, out.w, div);
+  return out;
+}
+
+// Stores a lane's float32 values into a destination of format kFmt (kCopy: the source dtype kSrc).
+template <SrcDtype kSrc, KvFormat kFmt, int kV>
+__device__ __forceinline__ void store_floats(char* dst, const float (&y)[kV], const cuda::Divider& div) {
+  if constexpr (kFmt == KvFormat::kCopy) {
+    cuda::store_pack<kV * elem_bytes_of<kSrc>()>(dst, round_to<kSrc, kV>(y));
+  } else {
+    cuda::store_pack<kV>(dst, quantize_floats<kFmt, kV>(y, div));
+  }
+}
+
+// Stores a lane's 16 source bytes into a destination of format kFmt (kCopy: the bytes themselves).
+template <SrcDtype kSrc, KvFormat kFmt>
+__device__ __forceinline__ void store_source(char* dst, const cuda::Pack<16>& v, const cuda::Divider& div) {
+  if constexpr (kFmt == KvFormat::kCopy) {
+    cuda::store_pack<16>(dst, v);
+  } else {
+    cuda::store_pack<lane_values<kSrc>()>(dst, quantize_source<kSrc, kFmt>(v, div));
+  }
+}
+
+// Bytes a lane's values take in a destination of format kFmt.
+template <SrcDtype kSrc, KvFormat kFmt>
+constexpr int dst_lane_bytes() {
+  return kFmt == KvFormat::kCopy ? 16 : lane_values<kSrc>();
+}
+
+// A position clamped into [0, max_pos) (docs/design.md §9: CUDA clamps; JITKV_DEBUG=1 raises first).
+__device__ __forceinline__ int64_t clamp_position(int64_t p, int64_t max_pos) {
+  return p < 0 ? 0 : p >= max_pos ? max_pos - 1 : p;
+}
+
+__device__ __forceinline__ int64_t load_index(const void* p, bool i64, int64_t i) {
+  return i64 ? cuda::load(static_cast<const int64_t*>(p) + i) : int64_t{cuda::load(static_cast<const int32_t*>(p) + i)};
+}
+
+}  // namespace jitkv::rope
