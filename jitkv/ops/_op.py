@@ -218,6 +218,7 @@ class Op:
         with _LOCK:
             self._cpu.clear()
             self._cuda.clear()
+            _INFO.pop(self.name, None)
 
     # ---------------------------------------------------------------------- backend choice
 
@@ -239,7 +240,7 @@ class Op:
                 fn, info = self.factories[forced](device, variant)
             except (BackendUnavailable, JitUnavailable) as e:
                 raise BackendUnavailable(f"{self.name}: forced backend {forced!r} unavailable: {e.reason}") from e
-            self._record(device, forced, "forced by backend=/JITKV_BACKEND", variant, info)
+            self._record(device, forced, "forced by backend=/JITKV_BACKEND", variant, info, forced=True)
             return fn
         failures = []
         for name in order:
@@ -255,11 +256,19 @@ class Op:
             return fn
         raise BackendUnavailable(f"{self.name}: no backend can run on {device}: " + "; ".join(failures))
 
-    def _record(self, device, name, reason, variant, info) -> None:
+    def _record(self, device, name, reason, variant, info, forced: bool = False) -> None:
+        """Note a decision for backend_info. A forced call (backend=) does not replace what the
+        automatic choice decided: the automatic runner stays cached and keeps running later calls."""
         entry = {"backend": name, "reason": reason, **info}
         if variant is not None:
             entry["variant"] = variant
-        _INFO.setdefault(self.name, {})[str(device)] = entry
+        per_device = _INFO.setdefault(self.name, {})
+        previous = per_device.get(str(device))
+        if forced and previous is not None and not previous.get("forced"):
+            return
+        if forced:
+            entry["forced"] = True
+        per_device[str(device)] = entry
 
     def _warn_fallback(self, name: str, reason: str) -> None:
         if (self.name, reason) in _WARNED:

@@ -235,6 +235,21 @@ def test_backend_choice_and_info():
         jitkv.set_mla_kv_buffer(buf, slots(64, 8), k_nope, k_rope, backend="cutlass")
 
 
+def test_a_forced_call_leaves_the_automatic_choice_on_record():
+    """backend= runs one call on the named backend; backend_info keeps naming the backend that
+    later automatic calls run (its runner stays cached), and reset() forgets both."""
+    buf, k_nope, k_rope = rand((64, 576), torch.bfloat16), rand((8, 512), torch.bfloat16), rand((8, 64), torch.bfloat16)
+    jitkv.ops.reset()
+    jitkv.set_mla_kv_buffer(buf, slots(64, 8), k_nope, k_rope)
+    jitkv.set_mla_kv_buffer(buf, slots(64, 8), k_nope, k_rope, backend="torch")
+    assert jitkv.backend_info("set_mla_kv_buffer")["cpu"]["backend"] == "jit"
+    jitkv.ops.reset()
+    assert "cpu" not in jitkv.backend_info("set_mla_kv_buffer")
+    jitkv.set_mla_kv_buffer(buf, slots(64, 8), k_nope, k_rope, backend="torch")
+    info = jitkv.backend_info("set_mla_kv_buffer")["cpu"]
+    assert info["backend"] == "torch" and info["forced"]
+
+
 def _need_nvcc():
     if toolchain.cuda_home() is None:
         if os.environ.get("JITKV_REQUIRE_NVCC"):
