@@ -751,6 +751,11 @@ def _mha_bytes(a) -> int:
     return q.numel() * 4 + (k.numel() + v.numel()) * (2 + kc.element_size())
 
 
+def _kv_bytes(a) -> int:
+    """k and v read, their cache rows written: what the write alone moves."""
+    return (a["k"].numel() + a["v"].numel()) * (2 + a["k_cache"].element_size())
+
+
 def _mla_bytes(a) -> int:
     n = a["loc"].numel()
     return a["q_pe"].numel() * 4 + n * (576 * 2 + a["kv_buffer"].shape[1] * a["kv_buffer"].element_size())
@@ -793,7 +798,7 @@ def _bench_gpu(h, ns=ROPE_NS) -> list:
                 args = [_mha_args(hq, hk, d, norm, n, slots_per_layer, kv, "cuda", caches=caches[i])
                         for i in range(h.layers)]
                 cases = [("torch unfused + jitkv store_cache", lambda i: _mha_unfused(args[i])),
-                         ("jitkv store_cache alone (no RoPE)", lambda i: _write_only(args[i]))]
+                         ("jitkv store_cache alone (no RoPE)", lambda i: _write_only(args[i]), _kv_bytes(args[0]))]
                 cases += [(f"jitkv {b}", lambda i, b=b: rope_store_cache(**args[i], backend=b))
                           for b in ROPE_STORE_CACHE.order["cuda"] if b != "torch"]
                 rows += h.rows(OP, f"{case} bf16 -> {'bf16' if kv == 'auto' else 'e4m3'}", n, _mha_bytes(args[0]),

@@ -119,8 +119,8 @@ __global__ void latency_floor_ds_mla_kernel(const int64_t* loc, const uint4* src
 }
 
 __global__ void latency_floor_rope_kernel(const int64_t* loc, const int64_t* positions, const uint4* src,
-                                          const float* cos_sin, int64_t cs_stride, int64_t max_pos, char* dst,
-                                          int64_t row_bytes, int64_t num_rows) {
+                                          const float* cos_sin, int64_t cs_stride, int64_t half, int64_t max_pos,
+                                          char* dst, int64_t row_bytes, int64_t num_rows) {
   if (threadIdx.x != 0) return;
   jitkv::cuda::pdl_wait();
   const int64_t slot = load(loc);
@@ -129,7 +129,7 @@ __global__ void latency_floor_rope_kernel(const int64_t* loc, const int64_t* pos
   jitkv::cuda::pdl_launch_dependents();
   const float* row = cos_sin + (p < 0 ? 0 : p >= max_pos ? max_pos - 1 : p) * cs_stride;
   const float4 c = load(reinterpret_cast<const float4*>(row));
-  const float4 s = load(reinterpret_cast<const float4*>(row + cs_stride / 2));
+  const float4 s = load(reinterpret_cast<const float4*>(row + half));
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
   const float cs[4] = {c.x, c.y, c.z, c.w}, sn[4] = {s.x, s.y, s.z, s.w};
   uint32_t out[4];
@@ -223,7 +223,8 @@ void latency_floor_rope(TensorView dst, TensorView loc, TensorView src, TensorVi
                               << "cos_sin_cache [max_pos, rotary_dim >= 8] with 16-byte aligned rows";
   }
   launch_floor("latency_floor_rope", dst, latency_floor_rope_kernel, ptr_of<int64_t>(loc), ptr_of<int64_t>(positions),
-               ptr_of<uint4>(src), ptr_of<float>(cs), cs.stride(0), cs.size(0), data_ptr(dst), row_bytes, dst.size(0));
+               ptr_of<uint4>(src), ptr_of<float>(cs), cs.stride(0), cs.size(1) / 2, cs.size(0), data_ptr(dst), row_bytes,
+               dst.size(0));
 }
 
 }  // namespace

@@ -77,9 +77,9 @@ struct StoreShape {
   static_assert(kD % kV == 0 && kDv % kV == 0 && kG <= 32, "heads of whole lanes, at most a warp");
   static_assert(LaneRotation<kRot, false, kV>::kOk, "rotated dims in whole lanes");
 
-  // Threads of one token (whole warps).
-  static int64_t token_threads(int64_t q_heads, int64_t kv_heads) {
-    return ((q_heads + kv_heads * (1 + kVPieces)) * kG + 31) / 32 * 32;
+  // Threads of one token (whole warps), hpt heads per thread (dividing both head counts).
+  static int64_t token_threads(int64_t q_heads, int64_t kv_heads, int hpt) {
+    return ((q_heads + kv_heads * (1 + kVPieces)) / hpt * kG + 31) / 32 * 32;
   }
 };
 
@@ -97,22 +97,26 @@ __device__ __forceinline__ float load_scale(const float* ptr, int64_t at, float 
   return ptr != nullptr ? cuda::load(ptr + at) : value;
 }
 
-// A q head (kIsK false) or a k head with the rotation kNeox and a cos/sin table of dtype kCs: loads,
-// the trigger, norm, rotation and the stores.
-template <class S, bool kIsK, bool kNeox, SrcDtype kCs>
-__device__ __forceinline__ void rope_head(const StoreArgs& p, int64_t t, int h, int j) {
+// kHpt q heads (kIsK false) or k heads h0, h0 + 1, ... with the rotation kNeox and a cos/sin table of
+// dtype kCs: loads, the trigger, norm, rotation and the stores. The position, slot, cos/sin row and norm
+// weights serve all kHpt heads.
+template <class S, int kHpt, bool kIsK, bool kNeox, SrcDtype kCs>
+__device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0, int j) {
   constexpr int kV = S::kV;
   constexpr KvFormat kOut = kIsK ? S::kFmt : q_format(S::kQ);
   constexpr int kCsN = LaneRotation<S::kRot, kNeox, kV>::kCs;
   const unsigned mask = group_mask<S::kG>();
   const bool inside = j < S::kLanes;
-  const char* src = kIsK ? p.k_src + t * p.k_src_token + h * p.k_src_head
-                         : p.q_src + t * p.q_src_token + h * p.q_src_head;
+  const int64_t head = kIsK ? p.k_src_head : p.q_src_head;
+  const char* src = (kIsK ? p.k_src + t * p.k_src_token : p.q_src + t * p.q_src_token) + h0 * head + j * 16;
   const char* norm = kIsK ? p.k_norm : p.q_norm;
   const int64_t pos = clamp_position(load_index(p.positions, p.pos_i64, t), p.max_pos);
   const int64_t slot = kIsK ? kept_slot(p, t, p.k_num_slots) : -1;
-  cuda::Pack<16> v = {};
-  if (inside) v = cuda::load_pack<16>(src + j * 16);
+  cuda::Pack<16> v[kHpt] = {};
+#pragma unroll
+  for (int u = 0; u < kHpt; ++u) {
+    if (inside) v[u] = cuda::load_pack<16>(src + u * head);
+  }
   float w[kV];
   if (norm != nullptr) {
     if (p.norm_f32) {
@@ -121,76 +125,99 @@ __device__ __forceinline__ void rope_head(const StoreArgs& p, int64_t t, int h, 
       load_weights<kV, S::kSrc>(norm, j, inside, w);
     }
   }
-  float scale = 1.0f;
-  if constexpr (kOut != KvFormat::kCopy) {
-    scale = kIsK ? load_scale(p.k_scale_ptr, int64_t{h} * p.k_scale_stride, p.k_scale)
-                 : load_scale(p.q_scale_ptr, 0, p.q_scale);
+  float scale[kHpt];
+#pragma unroll
+  for (int u = 0; u < kHpt; ++u) {
+    scale[u] = 1.0f;
+    if constexpr (kOut != KvFormat::kCopy) {
+      scale[u] = kIsK ? load_scale(p.k_scale_ptr, int64_t{h0 + u} * p.k_scale_stride, p.k_scale)
+                      : load_scale(p.q_scale_ptr, 0, p.q_scale);
+    }
   }
   cuda::pdl_launch_dependents();  // before the cos/sin loads, which wait for the position
   float c[kCsN] = {}, s[kCsN] = {};
   load_cos_sin<S::kRot, kNeox, kV, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
-  float y[kV];
-  to_floats<S::kSrc>(v, y);
-  if (norm != nullptr) rms_norm<S::kD, kV, S::kG>(y, w, p.eps, mask);
-  rotate<S::kRot, kNeox, kV, S::kG>(y, j, c, s, mask);
-  if (!inside) return;
-  const cuda::Divider div(scale);
-  if constexpr (kIsK) {
-    if (p.k_out != nullptr) {
-      store_floats<S::kSrc, KvFormat::kCopy>(p.k_out + t * p.k_out_token + h * p.k_out_head + j * 16, y, div);
-    }
-    if (slot < 0) return;
+  char* k_row = nullptr;
+  if (kIsK && slot >= 0) {
     const int64_t blk = int64_t(cuda::block_of(slot, p.k_magic, p.k_shift));
-    char* row = p.k_cache + slot * p.k_token + blk * p.k_block_adj + h * p.k_head;
-    store_floats<S::kSrc, kOut>(row + j * dst_lane_bytes<S::kSrc, kOut>(), y, div);
-  } else {
-    char* row = p.q_dst + t * p.q_dst_token + h * p.q_dst_head;
-    store_floats<S::kSrc, kOut>(row + j * dst_lane_bytes<S::kSrc, kOut>(), y, div);
+    k_row = p.k_cache + slot * p.k_token + blk * p.k_block_adj + h0 * p.k_head;
+  }
+#pragma unroll
+  for (int u = 0; u < kHpt; ++u) {
+    float y[kV];
+    to_floats<S::kSrc>(v[u], y);
+    if (norm != nullptr) rms_norm<S::kD, kV, S::kG>(y, w, p.eps, mask);
+    rotate<S::kRot, kNeox, kV, S::kG>(y, j, c, s, mask);
+    if (!inside) continue;
+    const cuda::Divider div(scale[u]);
+    const int h = h0 + u;
+    if constexpr (kIsK) {
+      if (p.k_out != nullptr) {
+        store_floats<S::kSrc, KvFormat::kCopy>(p.k_out + t * p.k_out_token + h * p.k_out_head + j * 16, y, div);
+      }
+      if (k_row != nullptr) {
+        store_floats<S::kSrc, kOut>(k_row + u * p.k_head + j * dst_lane_bytes<S::kSrc, kOut>(), y, div);
+      }
+    } else {
+      char* row = p.q_dst + t * p.q_dst_token + h * p.q_dst_head;
+      store_floats<S::kSrc, kOut>(row + j * dst_lane_bytes<S::kSrc, kOut>(), y, div);
+    }
   }
 }
 
-// Lanes c of v head h: copied or quantized into v_cache.
-template <class S>
-__device__ __forceinline__ void store_v(const StoreArgs& p, int64_t t, int h, int c) {
+// Lanes c of the kHpt v heads h0, h0 + 1, ...: copied or quantized into v_cache.
+template <class S, int kHpt>
+__device__ __forceinline__ void store_v(const StoreArgs& p, int64_t t, int h0, int c) {
   const bool inside = c < S::kVLanes;
   const int64_t slot = kept_slot(p, t, p.v_num_slots);
-  cuda::Pack<16> v = {};
-  if (inside) v = cuda::load_pack<16>(p.v_src + t * p.v_src_token + h * p.v_src_head + c * 16);
-  float scale = 1.0f;
-  if constexpr (S::kFmt != KvFormat::kCopy) {
-    scale = load_scale(p.v_scale_ptr, int64_t{h} * p.v_scale_stride, p.v_scale);
+  const char* src = p.v_src + t * p.v_src_token + h0 * p.v_src_head + c * 16;
+  cuda::Pack<16> v[kHpt] = {};
+  float scale[kHpt];
+#pragma unroll
+  for (int u = 0; u < kHpt; ++u) {
+    if (inside) v[u] = cuda::load_pack<16>(src + u * p.v_src_head);
+    scale[u] = 1.0f;
+    if constexpr (S::kFmt != KvFormat::kCopy) {
+      scale[u] = load_scale(p.v_scale_ptr, int64_t{h0 + u} * p.v_scale_stride, p.v_scale);
+    }
   }
   cuda::pdl_launch_dependents();
   if (!inside || slot < 0) return;
   const int64_t blk = int64_t(cuda::block_of(slot, p.v_magic, p.v_shift));
-  char* row = p.v_cache + slot * p.v_token + blk * p.v_block_adj + h * p.v_head;
-  store_source<S::kSrc, S::kFmt>(row + c * dst_lane_bytes<S::kSrc, S::kFmt>(), v, cuda::Divider(scale));
+  char* row = p.v_cache + slot * p.v_token + blk * p.v_block_adj + h0 * p.v_head;
+#pragma unroll
+  for (int u = 0; u < kHpt; ++u) {
+    store_source<S::kSrc, S::kFmt>(row + u * p.v_head + c * dst_lane_bytes<S::kSrc, S::kFmt>(), v[u],
+                                   cuda::Divider(scale[u]));
+  }
 }
 
-template <class S>
+// kHpt: heads per thread (1 for latency; more at large n, so that each thread has that many loads in
+// flight and reads the cos/sin row once for them; the binding picks it, kernel_hpt).
+template <class S, int kHpt>
 __global__ void __launch_bounds__(kBlockThreads) rope_store_cache_kernel(const __grid_constant__ StoreArgs p) {
   cuda::warm_params(p, p.n);
   const int64_t t = blockIdx.x;
   const int r = int(blockIdx.y * blockDim.x + threadIdx.x);
   const int piece = r / S::kG, j = r % S::kG;
-  const int k_end = p.q_heads + p.kv_heads;
-  if (piece >= k_end + p.kv_heads * S::kVPieces) return;  // the token's last warp: whole groups leave
+  const int q_pieces = p.q_heads / kHpt, kv_pieces = p.kv_heads / kHpt, k_end = q_pieces + kv_pieces;
+  if (piece >= k_end + kv_pieces * S::kVPieces) return;  // the token's last warp: whole groups leave
   cuda::pdl_wait();
   if (piece < k_end) {
-    const bool is_k = piece >= p.q_heads;
-    const int h = is_k ? piece - p.q_heads : piece;
+    const bool is_k = piece >= q_pieces;
+    const int h0 = (is_k ? piece - q_pieces : piece) * kHpt;
     with_rotation<S::kRot, S::kSrc>(p, [&](auto neox, auto cs) {
       constexpr bool kNeox = decltype(neox)::value;
       constexpr SrcDtype kCs = decltype(cs)::value;
       if (is_k) {
-        rope_head<S, true, kNeox, kCs>(p, t, h, j);
+        rope_heads<S, kHpt, true, kNeox, kCs>(p, t, h0, j);
       } else {
-        rope_head<S, false, kNeox, kCs>(p, t, h, j);
+        rope_heads<S, kHpt, false, kNeox, kCs>(p, t, h0, j);
       }
     });
   } else {
     const int v = piece - k_end;
-    store_v<S>(p, t, v / S::kVPieces, (v % S::kVPieces) * S::kG + j);
+    store_v<S, kHpt>(p, t, v / S::kVPieces * kHpt, (v % S::kVPieces) * S::kG + j);
   }
 }
 
@@ -215,11 +242,12 @@ struct MlaShape {
   static_assert(!kDs || (kNope == DsMla::kNope && kRope == DsMla::kRope && kV == 8 && kNopePieces * kG == 64),
                 "fp8_ds_mla: 512 + 64 16-bit values, the tiles in the token's first two warps");
 
-  // Pieces of one query head: its q_nope's (q_out) and its q_pe's.
+  // Pieces of one group of query heads: its q_nope's (q_out) and its q_pe's.
   __host__ __device__ static int q_pieces(int nope_q_lanes) { return (nope_q_lanes + kG - 1) / kG + 1; }
 
-  static int64_t token_threads(int64_t q_heads, int nope_q_lanes) {
-    return ((kKvPieces + (kWithQ ? q_heads * q_pieces(nope_q_lanes) : 0)) * kG + 31) / 32 * 32;
+  // Threads of one token (whole warps), hpt query heads per thread (dividing the head count).
+  static int64_t token_threads(int64_t q_heads, int nope_q_lanes, int hpt) {
+    return ((kKvPieces + (kWithQ ? q_heads / hpt * q_pieces(nope_q_lanes) : 0)) * kG + 31) / 32 * 32;
   }
 };
 
@@ -291,24 +319,31 @@ __device__ __forceinline__ void rope_k_pe(const MlaArgs& p, int64_t t, int j) {
   }
 }
 
-// Lane c of query head h's q_nope: copied or quantized into q_out.
-template <class S>
-__device__ __forceinline__ void store_q_nope(const MlaArgs& p, int64_t t, int h, int c) {
+// Lane c of the kHpt query heads h0, h0 + 1, ...'s q_nope: copied or quantized into q_out.
+template <class S, int kHpt>
+__device__ __forceinline__ void store_q_nope(const MlaArgs& p, int64_t t, int h0, int c) {
   constexpr KvFormat kOut = q_format(S::kQ);
   const bool inside = c < p.nope_q_lanes;
-  cuda::Pack<16> v = {};
-  if (inside) v = cuda::load_pack<16>(p.q_nope + t * p.q_nope_token + h * p.q_nope_head + c * 16);
+  const char* src = p.q_nope + t * p.q_nope_token + h0 * p.q_nope_head + c * 16;
+  cuda::Pack<16> v[kHpt] = {};
+#pragma unroll
+  for (int u = 0; u < kHpt; ++u) {
+    if (inside) v[u] = cuda::load_pack<16>(src + u * p.q_nope_head);
+  }
   float scale = 1.0f;
   if constexpr (kOut != KvFormat::kCopy) scale = load_scale(p.q_scale_ptr, 0, p.q_scale);
   cuda::pdl_launch_dependents();
   if (!inside) return;
-  char* row = p.q_dst + t * p.q_dst_token + h * p.q_dst_head;
-  store_source<S::kSrc, kOut>(row + c * dst_lane_bytes<S::kSrc, kOut>(), v, cuda::Divider(scale));
+  const cuda::Divider div(scale);
+  char* row = p.q_dst + t * p.q_dst_token + h0 * p.q_dst_head + c * dst_lane_bytes<S::kSrc, kOut>();
+#pragma unroll
+  for (int u = 0; u < kHpt; ++u) store_source<S::kSrc, kOut>(row + u * p.q_dst_head, v[u], div);
 }
 
-// Lane j of query head h's q_pe: rotated, in place or after q_nope in q_out.
-template <class S, bool kNeox, SrcDtype kCs>
-__device__ __forceinline__ void rope_q_pe(const MlaArgs& p, int64_t t, int h, int j) {
+// Lane j of the kHpt query heads h0, h0 + 1, ...'s q_pe: rotated (one cos/sin row for all), in place or
+// after q_nope in q_out.
+template <class S, int kHpt, bool kNeox, SrcDtype kCs>
+__device__ __forceinline__ void rope_q_pe(const MlaArgs& p, int64_t t, int h0, int j) {
   constexpr int kV = S::kV;
   constexpr int kCsN = LaneRotation<S::kRope, kNeox, kV>::kCs;
   constexpr KvFormat kOut = q_format(S::kQ);
@@ -316,29 +351,37 @@ __device__ __forceinline__ void rope_q_pe(const MlaArgs& p, int64_t t, int h, in
   const unsigned mask = group_mask<S::kG>();
   const bool inside = j < S::kRopeLanes;
   const int64_t pos = clamp_position(load_index(p.positions, p.pos_i64, t), p.max_pos);
-  cuda::Pack<16> v = {};
-  if (inside) v = cuda::load_pack<16>(p.q_pe + t * p.q_pe_token + h * p.q_pe_head + j * 16);
+  const char* src = p.q_pe + t * p.q_pe_token + h0 * p.q_pe_head + j * 16;
+  cuda::Pack<16> v[kHpt] = {};
+#pragma unroll
+  for (int u = 0; u < kHpt; ++u) {
+    if (inside) v[u] = cuda::load_pack<16>(src + u * p.q_pe_head);
+  }
   float scale = 1.0f;
   if constexpr (kOut != KvFormat::kCopy) scale = load_scale(p.q_scale_ptr, 0, p.q_scale);
   cuda::pdl_launch_dependents();
   float c[kCsN] = {}, s[kCsN] = {};
   load_cos_sin<S::kRope, kNeox, kV, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
-  float y[kV];
-  to_floats<S::kSrc>(v, y);
-  rotate<S::kRope, kNeox, kV, S::kG>(y, j, c, s, mask);
-  if (!inside) return;
-  char* row = p.q_dst + t * p.q_dst_token + h * p.q_dst_head + int64_t{p.nope_q_lanes} * kLane;
-  store_floats<S::kSrc, kOut>(row + j * kLane, y, cuda::Divider(scale));
+  const cuda::Divider div(scale);
+  char* row = p.q_dst + t * p.q_dst_token + h0 * p.q_dst_head + int64_t{p.nope_q_lanes} * kLane + j * kLane;
+#pragma unroll
+  for (int u = 0; u < kHpt; ++u) {
+    float y[kV];
+    to_floats<S::kSrc>(v[u], y);
+    rotate<S::kRope, kNeox, kV, S::kG>(y, j, c, s, mask);
+    if (inside) store_floats<S::kSrc, kOut>(row + u * p.q_dst_head, y, div);
+  }
 }
 
-template <class S>
+// kHpt: query heads per thread (as rope_store_cache_kernel's).
+template <class S, int kHpt>
 __global__ void __launch_bounds__(kBlockThreads) rope_set_mla_kv_buffer_kernel(const __grid_constant__ MlaArgs p) {
   cuda::warm_params(p, p.n);
   const int64_t t = blockIdx.x;
   const int r = int(blockIdx.y * blockDim.x + threadIdx.x);
   const int piece = r / S::kG, j = r % S::kG;
-  const int per_head = S::q_pieces(p.nope_q_lanes);
-  if (piece >= S::kKvPieces + (S::kWithQ ? p.q_heads * per_head : 0)) return;  // whole groups leave
+  const int per_group = S::q_pieces(p.nope_q_lanes);
+  if (piece >= S::kKvPieces + (S::kWithQ ? p.q_heads / kHpt * per_group : 0)) return;  // whole groups leave
   cuda::pdl_wait();
   if (piece < S::kNopePieces) {
     store_kv_c<S>(p, t, r);
@@ -347,12 +390,12 @@ __global__ void __launch_bounds__(kBlockThreads) rope_set_mla_kv_buffer_kernel(c
       rope_k_pe<S, decltype(neox)::value, decltype(cs)::value>(p, t, j);
     });
   } else if constexpr (S::kWithQ) {
-    const int q = piece - S::kKvPieces, h = q / per_head, part = q % per_head;
-    if (part + 1 < per_head) {
-      store_q_nope<S>(p, t, h, part * S::kG + j);
+    const int q = piece - S::kKvPieces, h0 = q / per_group * kHpt, part = q % per_group;
+    if (part + 1 < per_group) {
+      store_q_nope<S, kHpt>(p, t, h0, part * S::kG + j);
     } else {
       with_rotation<S::kRope, S::kSrc>(p, [&](auto neox, auto cs) {
-        rope_q_pe<S, decltype(neox)::value, decltype(cs)::value>(p, t, h, j);
+        rope_q_pe<S, kHpt, decltype(neox)::value, decltype(cs)::value>(p, t, h0, j);
       });
     }
   }

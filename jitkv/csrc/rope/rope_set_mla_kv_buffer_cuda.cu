@@ -13,6 +13,7 @@
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "jitkv/codes.h"
@@ -110,6 +111,11 @@ MlaArgs kernel_args(const MlaParams& p) {
 
 int64_t status(Status s) { return static_cast<int64_t>(s); }
 
+// Query heads per thread: one while a thread per head lane fills the GPU less than once, kBulkHpt
+// beyond (as rope_store_cache_cuda.cu heads_per_thread).
+constexpr int kBulkHpt = 4;
+constexpr int64_t kThreadsPerSm = 2048;
+
 int64_t rope_set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView kv_c, TensorView k_pe,
                                TensorView positions, TensorView cos_sin_cache, bool is_neox, Optional<TensorView> q_pe,
                                Optional<TensorView> q_nope, Optional<TensorView> q_out, int64_t q_mode,
@@ -121,19 +127,24 @@ int64_t rope_set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView 
   check_module(p);
   if (!kernel_takes(p)) return status(Status::kNeedsAnyAlignment);
   if (p.kv.n == 0) return status(Status::kDone);
-  const int64_t threads = Shape::token_threads(p.q.heads, static_cast<int>(p.nope_q / Shape::kV));
+  const int device = p.kv.device.device_id;
+  const jitkv::cuda::DeviceInfo info = jitkv::cuda::device_info(device);
+  const int nope_q_lanes = static_cast<int>(p.nope_q / Shape::kV);
+  const bool divides = p.q.heads % kBulkHpt == 0;
+  const int hpt = divides && p.kv.n * Shape::token_threads(p.q.heads, nope_q_lanes, 1) >=
+                                 kThreadsPerSm * std::max(info.sms, 1) ? kBulkHpt : 1;
+  const int64_t threads = Shape::token_threads(p.q.heads, nope_q_lanes, hpt);
   if (p.kv.n > INT32_MAX || threads > int64_t(kBlockThreads) * 65535) {
     TVM_FFI_THROW(ValueError) << kOp << ": q_pe: " << p.kv.n << " tokens of " << p.q.heads
                               << " query heads are too many for the CUDA kernel";
   }
   const int block = static_cast<int>(threads < kBlockThreads ? threads : kBlockThreads);
   const dim3 grid(static_cast<unsigned>(p.kv.n), static_cast<unsigned>((threads + block - 1) / block));
-  const int device = p.kv.device.device_id;
-  const jitkv::cuda::DeviceInfo info = jitkv::cuda::device_info(device);
   jitkv::cuda::DeviceGuard guard(device);
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
-  jitkv::cuda::check_launch(kOp, jitkv::cuda::launch(rope_set_mla_kv_buffer_kernel<Shape>, grid, dim3(block),
-                                                     stream, kPdl && info.pdl(), kernel_args(p)));
+  jitkv::cuda::check_launch(kOp, jitkv::cuda::launch(hpt == kBulkHpt ? rope_set_mla_kv_buffer_kernel<Shape, kBulkHpt>
+                                                                     : rope_set_mla_kv_buffer_kernel<Shape, 1>,
+                                                     grid, dim3(block), stream, kPdl && info.pdl(), kernel_args(p)));
   return status(Status::kDone);
 }
 

@@ -14,6 +14,7 @@
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "jitkv/codes.h"
@@ -132,6 +133,19 @@ StoreArgs kernel_args(const StoreParams& p) {
 
 int64_t status(Status s) { return static_cast<int64_t>(s); }
 
+// Heads per thread: one while a thread per head lane fills the GPU less than once (latency: the most
+// threads, the shortest chain each), kBulkHpt beyond where it divides both head counts (each thread
+// then has kBulkHpt loads in flight and reads the cos/sin row once for them). Re-measure:
+// docs/performance.md "rope heads per thread".
+constexpr int kBulkHpt = 4;
+constexpr int64_t kThreadsPerSm = 2048;
+
+int heads_per_thread(const StoreParams& p, int sms) {
+  const bool divides = p.q.heads % kBulkHpt == 0 && p.kv.num_heads % kBulkHpt == 0;
+  const int64_t threads = p.kv.n * Shape::token_threads(p.q.heads, p.kv.num_heads, 1);
+  return divides && threads >= kThreadsPerSm * std::max(sms, 1) ? kBulkHpt : 1;
+}
+
 int64_t rope_store_cache(TensorView q, TensorView k, TensorView v, TensorView k_cache, TensorView v_cache,
                          TensorView slot_mapping, TensorView positions, TensorView cos_sin_cache, bool is_neox,
                          int64_t rotary_dim, Optional<TensorView> q_norm_weight, Optional<TensorView> k_norm_weight,
@@ -146,19 +160,21 @@ int64_t rope_store_cache(TensorView q, TensorView k, TensorView v, TensorView k_
   check_module(p, p.kv.device);
   if (!kernel_takes(p)) return status(Status::kNeedsAnyAlignment);
   if (p.kv.n == 0) return status(Status::kDone);
-  const int64_t threads = Shape::token_threads(p.q.heads, p.kv.num_heads);
+  const int device = p.kv.device.device_id;
+  const jitkv::cuda::DeviceInfo info = jitkv::cuda::device_info(device);
+  const int hpt = heads_per_thread(p, info.sms);
+  const int64_t threads = Shape::token_threads(p.q.heads, p.kv.num_heads, hpt);
   if (p.kv.n > INT32_MAX || threads > int64_t(kBlockThreads) * 65535) {
     TVM_FFI_THROW(ValueError) << kOp << ": q: " << p.kv.n << " tokens of " << p.q.heads << " + 2 x "
                               << p.kv.num_heads << " heads are too many for the CUDA kernel";
   }
   const int block = static_cast<int>(threads < kBlockThreads ? threads : kBlockThreads);
   const dim3 grid(static_cast<unsigned>(p.kv.n), static_cast<unsigned>((threads + block - 1) / block));
-  const int device = p.kv.device.device_id;
-  const jitkv::cuda::DeviceInfo info = jitkv::cuda::device_info(device);
   jitkv::cuda::DeviceGuard guard(device);
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
-  jitkv::cuda::check_launch(kOp, jitkv::cuda::launch(rope_store_cache_kernel<Shape>, grid, dim3(block), stream,
-                                                     kPdl && info.pdl(), kernel_args(p)));
+  jitkv::cuda::check_launch(kOp, jitkv::cuda::launch(hpt == kBulkHpt ? rope_store_cache_kernel<Shape, kBulkHpt>
+                                                                     : rope_store_cache_kernel<Shape, 1>,
+                                                     grid, dim3(block), stream, kPdl && info.pdl(), kernel_args(p)));
   return status(Status::kDone);
 }
 

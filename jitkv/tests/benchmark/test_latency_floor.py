@@ -1,6 +1,6 @@
 """The benchmark's latency-floor kernels write their bytes at loc[0] and nothing else (GPU only): the
 copy floor 16 source bytes, the e4m3 floor 8 values divided by the scale, the fp8_ds_mla floor two
-128-value tiles and their scales. Their exact modes write torch's bytes."""
+128-value tiles and their scales, the rope floor 4 rotated pairs. Their exact modes write torch's bytes."""
 
 from __future__ import annotations
 
@@ -73,6 +73,28 @@ def test_ds_mla_floor_writes_two_tiles_and_their_scales_at_the_slot_only(slot):
         scales = (amax / torch.full_like(amax, 448.0)).clamp_min(torch.finfo(torch.float32).tiny)
         expected[slot, :256] = (tiles / scales[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).flatten()
         expected[slot, 512:520] = scales.view(torch.uint8)
+    assert_bitwise(dst, expected)
+
+
+@gpu
+@pytest.mark.parametrize("slot", SLOTS)
+@pytest.mark.parametrize("position", [5, -3, 999])
+def test_rope_floor_writes_the_rotated_pairs_at_the_slot_only(slot, position):
+    """8 bf16 values rotated as 4 GPT-J pairs with the (clamped) position's cos/sin: reference.apply_rope."""
+    from jitkv import reference  # noqa: PLC0415
+    from jitkv.ops.rope import cos_sin_table  # noqa: PLC0415
+
+    fn = _floor_fn("latency_floor_rope")
+    src = rand((1, 576), torch.bfloat16, "cuda")
+    cs = cos_sin_table(300, 64, device="cuda")
+    dst = rand((64, 576), torch.bfloat16, "cuda")
+    expected = dst.clone()
+    fn(dst, torch.tensor([slot], device="cuda"), src, torch.tensor([position], device="cuda"), cs)
+    torch.cuda.synchronize()
+    if 0 <= slot < 64:
+        row = cs[min(max(position, 0), 299)]  # cos half [0, 32), sin half [32, 64): the floor reads 4 of each
+        rotated = reference.apply_rope(src[:, None, :8].float(), row[None, :4], row[None, 32:36], False)
+        expected[slot, :8] = rotated[0, 0].to(torch.bfloat16)
     assert_bitwise(dst, expected)
 
 
