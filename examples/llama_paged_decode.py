@@ -19,10 +19,10 @@ from __future__ import annotations
 import sys
 
 import torch
+from paged_common import Batch, PagedEngine, run
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import jitkv
-from paged_common import Batch, PagedEngine, run
 
 
 def build_model(seed: int = 0) -> LlamaForCausalLM:
@@ -32,9 +32,17 @@ def build_model(seed: int = 0) -> LlamaForCausalLM:
     the top-2 logit margins stay around 1e-2, far above float32 rounding. No EOS token, so HF
     generate runs every step."""
     config = LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).float().eval()
@@ -63,6 +71,7 @@ class LlamaPagedEngine(PagedEngine):
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         gen = torch.Generator().manual_seed(seed)
+
         # The pool starts as random garbage, not zeros: a read of a slot nobody wrote (a wrong
         # block or offset) then changes the tokens instead of passing unnoticed.
         def garbage():
@@ -77,8 +86,18 @@ class LlamaPagedEngine(PagedEngine):
         k = attn.k_proj(x).view(t, -1, attn.head_dim)
         v = attn.v_proj(x).view(t, -1, attn.head_dim)
         # q rotated in place; rotated k and v into the paged caches (HF's Llama rotates NeoX halves).
-        self.timer(jitkv.rope_store_cache, q, k, v, self.k_cache[layer], self.v_cache[layer], batch.slots,
-                   batch.positions, self.cos_sin_cache, is_neox=True)
+        self.timer(
+            jitkv.rope_store_cache,
+            q,
+            k,
+            v,
+            self.k_cache[layer],
+            self.v_cache[layer],
+            batch.slots,
+            batch.positions,
+            self.cos_sin_cache,
+            is_neox=True,
+        )
         out = paged_attention(q, self.k_cache[layer], self.v_cache[layer], batch, attn.scaling)
         return attn.o_proj(out)
 

@@ -28,10 +28,10 @@ from __future__ import annotations
 import sys
 
 import torch
+from paged_common import Batch, PagedEngine, run
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 import jitkv
-from paged_common import Batch, PagedEngine, run
 
 
 def build_model(seed: int = 0) -> DeepseekV3ForCausalLM:
@@ -41,10 +41,23 @@ def build_model(seed: int = 0) -> DeepseekV3ForCausalLM:
     ``layer.mlp`` call). initializer_range 0.2 and no EOS token for the reasons given in
     llama_paged_decode.build_model."""
     config = DeepseekV3Config(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, first_k_dense_replace=2,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
-        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=512,
-        initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        first_k_dense_replace=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
     torch.manual_seed(seed)
     return DeepseekV3ForCausalLM(config).float().eval()
@@ -92,10 +105,20 @@ class MlaPagedEngine(PagedEngine):
         kv_c, k_pe = attn.kv_a_proj_with_mqa(x).split([attn.kv_lora_rank, rope], dim=-1)
         kv_c = attn.kv_a_layernorm(kv_c)
         # q_pe (a view into q) rotated in place; [kv_c | rope(k_pe)] into the buffer.
-        self.timer(jitkv.rope_set_mla_kv_buffer, self.kv_buffer[layer], batch.slots, kv_c, k_pe, batch.positions,
-                   self.cos_sin_cache, is_neox=not attn.config.rope_interleave, q_pe=q_pe)
+        self.timer(
+            jitkv.rope_set_mla_kv_buffer,
+            self.kv_buffer[layer],
+            batch.slots,
+            kv_c,
+            k_pe,
+            batch.positions,
+            self.cos_sin_cache,
+            is_neox=not attn.config.rope_interleave,
+            q_pe=q_pe,
+        )
         out = paged_mla_attention(
-            q_nope, q_pe, self.kv_buffer[layer], self.w_uk[layer], self.w_uv[layer], batch, attn.scaling)
+            q_nope, q_pe, self.kv_buffer[layer], self.w_uk[layer], self.w_uv[layer], batch, attn.scaling
+        )
         return attn.o_proj(out)
 
 

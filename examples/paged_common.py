@@ -217,7 +217,7 @@ def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
     at a time (batch 1, no padding), so nothing about our batching or paging is assumed."""
     ids = torch.tensor([prompt], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False)
-    new = out[0, len(prompt):].tolist()
+    new = out[0, len(prompt) :].tolist()
     if len(new) != steps:  # the examples' configs have no EOS token, so generate never stops early
         raise RuntimeError(f"HF generate stopped after {len(new)} of {steps} tokens")
     return new
@@ -273,8 +273,10 @@ def _run(build_model, engine_cls, ops, args) -> int:
     tokens, stats = engine.generate(prompts, args.steps)
 
     ok = True
-    print(f"{type(model).__name__} on {device}, float32, {len(prompts)} prompts in one batch, "
-          f"block size {args.block_size}, {num_blocks} blocks in random order")
+    print(
+        f"{type(model).__name__} on {device}, float32, {len(prompts)} prompts in one batch, "
+        f"block size {args.block_size}, {num_blocks} blocks in random order"
+    )
     for prompt, got in zip(prompts, tokens):
         ref = hf_greedy(model, prompt, args.steps)
         ok &= got == ref
@@ -282,11 +284,17 @@ def _run(build_model, engine_cls, ops, args) -> int:
         print(f"  prompt of {len(prompt):3d} tokens -> {got}  {verdict}")
     if stats.tokens:
         # backend_info is keyed by the device as the op saw it: "cpu" or "cuda:<index>".
-        key = "cpu" if device.type == "cpu" else f"cuda:{torch.cuda.current_device() if device.index is None else device.index}"
+        key = (
+            "cpu"
+            if device.type == "cpu"
+            else f"cuda:{torch.cuda.current_device() if device.index is None else device.index}"
+        )
         backends = ", ".join(f"{op}: {jitkv.backend_info()[op][key]['backend']}" for op in ops)
-        print(f"decode loop: {stats.tokens} tokens in {stats.seconds * 1e3:.1f} ms = "
-              f"{stats.tokens / stats.seconds:.0f} tokens/s; jitkv ops {stats.jitkv_seconds / stats.seconds:.1%} "
-              f"of step time ({stats.jitkv_calls} calls, {stats.jitkv_seconds / stats.jitkv_calls * 1e6:.1f} us "
-              f"each; {backends})")
+        print(
+            f"decode loop: {stats.tokens} tokens in {stats.seconds * 1e3:.1f} ms = "
+            f"{stats.tokens / stats.seconds:.0f} tokens/s; jitkv ops {stats.jitkv_seconds / stats.seconds:.1%} "
+            f"of step time ({stats.jitkv_calls} calls, {stats.jitkv_seconds / stats.jitkv_calls * 1e6:.1f} us "
+            f"each; {backends})"
+        )
     print("all prompts match HF generate" if ok else "MISMATCH with HF generate")
     return 0 if ok else 1

@@ -17,11 +17,11 @@ from __future__ import annotations
 import sys
 
 import torch
+from llama_paged_decode import LlamaPagedEngine, paged_attention
+from paged_common import run
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import jitkv
-from llama_paged_decode import LlamaPagedEngine, paged_attention
-from paged_common import run
 
 
 def build_model(seed: int = 0) -> Qwen3ForCausalLM:
@@ -29,9 +29,18 @@ def build_model(seed: int = 0) -> Qwen3ForCausalLM:
     so the norms matter), no download; initializer_range 0.2 and no EOS token as in
     llama_paged_decode.build_model."""
     config = Qwen3Config(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=0.2,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).float().eval()
@@ -50,9 +59,21 @@ class Qwen3PagedEngine(LlamaPagedEngine):
         q = attn.q_proj(x).view(t, -1, attn.head_dim)
         k = attn.k_proj(x).view(t, -1, attn.head_dim)
         v = attn.v_proj(x).view(t, -1, attn.head_dim)
-        self.timer(jitkv.rope_store_cache, q, k, v, self.k_cache[layer], self.v_cache[layer], batch.slots,
-                   batch.positions, self.cos_sin_cache, is_neox=True, q_norm_weight=attn.q_norm.weight,
-                   k_norm_weight=attn.k_norm.weight, eps=attn.q_norm.variance_epsilon)
+        self.timer(
+            jitkv.rope_store_cache,
+            q,
+            k,
+            v,
+            self.k_cache[layer],
+            self.v_cache[layer],
+            batch.slots,
+            batch.positions,
+            self.cos_sin_cache,
+            is_neox=True,
+            q_norm_weight=attn.q_norm.weight,
+            k_norm_weight=attn.k_norm.weight,
+            eps=attn.q_norm.variance_epsilon,
+        )
         out = paged_attention(q, self.k_cache[layer], self.v_cache[layer], batch, attn.scaling)
         return attn.o_proj(out)
 

@@ -8,10 +8,16 @@ import os as _os
 
 from . import _warn
 from . import ops as _ops
-from ._version import __version__
-from .ops import BackendUnavailable, JitkvFallbackWarning, backend_info
+
+# "x as x": explicit re-exports (__all__ below is built at import time, beyond the linter's reach)
+from ._version import __version__ as __version__
+from .ops import BackendUnavailable as BackendUnavailable
+from .ops import JitkvFallbackWarning as JitkvFallbackWarning
+from .ops import backend_info as backend_info
 from .ops._custom_ops import register_all as _register_custom_ops
-from .prebuild import prebuild, warmup
+from .prebuild import prebuild as prebuild
+from .prebuild import warmup as warmup
+
 
 def _log_level(text: str) -> int:
     """JITKV_LOG_LEVEL as a level: a number, or a name in any case; anything else warns once and
@@ -42,5 +48,6 @@ _setup_logging()
 _register_custom_ops()  # torch.ops.jitkv.*, what torch.compile traces
 globals().update(_ops.PUBLIC)  # every family's public names: the ops and their record layouts
 
-__all__ = sorted(["BackendUnavailable", "JitkvFallbackWarning", "__version__", "backend_info", "prebuild", "warmup",
-                  *_ops.PUBLIC])
+__all__ = sorted(
+    ["BackendUnavailable", "JitkvFallbackWarning", "__version__", "backend_info", "prebuild", "warmup", *_ops.PUBLIC]
+)

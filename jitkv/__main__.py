@@ -26,8 +26,8 @@ def main(argv=None) -> int:
 
 
 def _prebuild(args) -> int:
-    from . import prebuild  # noqa: PLC0415
-    from .jit import cache_dir  # noqa: PLC0415
+    from . import prebuild
+    from .jit import cache_dir
 
     targets = ([] if args.no_cpu else ["cpu"]) + list(args.arch)
     if not targets:
@@ -45,7 +45,7 @@ def _prebuild(args) -> int:
 
 def _use_out_dir(out: str) -> bool:
     """Make ``out`` the one cache layer of this process (built into and looked up alone)."""
-    from .jit import JitUnavailable, cache_dir  # noqa: PLC0415
+    from .jit import JitUnavailable, cache_dir
 
     os.environ["JITKV_CACHE_DIR"] = out
     try:
@@ -56,16 +56,20 @@ def _use_out_dir(out: str) -> bool:
 
 
 def _info(args) -> int:
-    import torch  # noqa: PLC0415
+    import torch
 
-    import jitkv  # noqa: PLC0415
-    from .jit import is_built, toolchain  # noqa: PLC0415
-    from .prebuild import specs_for  # noqa: PLC0415
+    import jitkv
+
+    from .jit import is_built, toolchain
+    from .prebuild import specs_for
 
     print(f"jitkv {jitkv.__version__}  torch {torch.__version__}")
     print(f"c++:  {toolchain.compiler_version(toolchain.cxx())}")
     home = toolchain.cuda_home()
-    print(f"nvcc: {toolchain.compiler_version(toolchain.nvcc()) if home else 'not found'}" + (f" ({home})" if home else ""))
+    print(
+        f"nvcc: {toolchain.compiler_version(toolchain.nvcc()) if home else 'not found'}"
+        + (f" ({home})" if home else "")
+    )
     print(f"cpu target: {toolchain.cpu_target()}")
     _print_layers()
     targets = ["cpu"] + [toolchain.cuda_arch(torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
@@ -79,8 +83,8 @@ def _info(args) -> int:
 
 
 def _print_layers() -> None:
-    from .jit import JitUnavailable, cache_dir, configured_layers  # noqa: PLC0415
-    from .jit.cache_dir import lookup_layers  # noqa: PLC0415
+    from .jit import JitUnavailable, cache_dir, configured_layers
+    from .jit.cache_dir import lookup_layers
 
     print("cache layers (looked up in order): " + os.pathsep.join(configured_layers()))
     try:
@@ -92,7 +96,7 @@ def _print_layers() -> None:
 
 
 def _print_contents(root: str) -> None:
-    from .jit.build import published_artifacts  # noqa: PLC0415
+    from .jit.build import published_artifacts
 
     entries = published_artifacts(Path(root))
     failed = sorted(os.listdir(os.path.join(root, "failed"))) if os.path.isdir(os.path.join(root, "failed")) else []
@@ -112,7 +116,7 @@ def _cache(args) -> int:
 
 
 def _clear() -> int:
-    from .jit import cache_dir  # noqa: PLC0415
+    from .jit import cache_dir
 
     root = cache_dir()
     for entry in os.listdir(root):
@@ -126,8 +130,8 @@ def _clear() -> int:
 
 def _verify() -> int:
     """One line per artifact of every layer; exit status 1 when any is damaged or untrusted."""
-    from .jit.build import ArtifactProblem, published_artifacts, verify_artifact  # noqa: PLC0415
-    from .jit.cache_dir import lookup_layers  # noqa: PLC0415
+    from .jit.build import ArtifactProblem, published_artifacts, verify_artifact
+    from .jit.cache_dir import lookup_layers
 
     bad = 0
     for layer in lookup_layers():

@@ -109,8 +109,10 @@ def written(op, name, t):
     (jitkv/check.h check_written)."""
     for d in range(t.dim()):
         if t.stride(d) == 0 and t.shape[d] > 1:
-            raise ValueError(f"{op}: {name}: dim {d} of size {t.shape[d]} has stride 0: its rows would alias "
-                             "(an expand()ed view?); expected a tensor whose elements are distinct memory")
+            raise ValueError(
+                f"{op}: {name}: dim {d} of size {t.shape[d]} has stride 0: its rows would alias "
+                "(an expand()ed view?); expected a tensor whose elements are distinct memory"
+            )
 
 
 def disjoint(op, name, t, other_name, other):
@@ -157,8 +159,10 @@ def _reach(delta, dims) -> bool:
         return delta == 0
     (stride, size), rest = dims[-1], dims[:-1]
     span = sum((sz - 1) * st for st, sz in rest)
-    return any(abs(c) < size and abs(delta - c * stride) <= span and _reach(delta - c * stride, rest)
-               for c in {delta // stride, -(-delta // stride)})
+    return any(
+        abs(c) < size and abs(delta - c * stride) <= span and _reach(delta - c * stride, rest)
+        for c in {delta // stride, -(-delta // stride)}
+    )
 
 
 # Python floats the kernels' float32 rounding keeps finite and > 0 (as the C++ bindings check it).
@@ -184,8 +188,10 @@ def scale_tensor_value(op, name, s):
     if s.dtype != torch.float32:
         return
     if s.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"{op}: JITKV_DEBUG=1 reads {name} on the host, which CUDA-graph capture does not "
-                           "allow; capture without JITKV_DEBUG")
+        raise RuntimeError(
+            f"{op}: JITKV_DEBUG=1 reads {name} on the host, which CUDA-graph capture does not "
+            "allow; capture without JITKV_DEBUG"
+        )
     if s.numel() == 1:
         scale_value(op, name, s.item())
         return
@@ -205,8 +211,10 @@ def scale(op, name, s, device, dest_name, *, heads=None):
     if s.dtype != torch.float32:
         raise TypeError(f"{op}: {name}: expected a float32 tensor, got {dtype_name(s.dtype)}")
     if heads is not None and s.numel() != 1 and not (s.dim() == 1 and s.shape[0] == heads):
-        raise ValueError(f"{op}: {name}: expected a 1-element tensor or [num_heads] = [{heads}] per-head "
-                         f"scales, got shape {list(s.shape)}")
+        raise ValueError(
+            f"{op}: {name}: expected a 1-element tensor or [num_heads] = [{heads}] per-head "
+            f"scales, got shape {list(s.shape)}"
+        )
     if heads is None and s.numel() != 1:
         raise ValueError(f"{op}: {name}: expected a 1-element tensor, got {s.numel()} elements")
     same_device(op, name, s, device, dest_name)

@@ -89,8 +89,13 @@ MISSING_SCALE = -1.0
 NO_SLOT = -1
 
 # kv_cache_dtype names: the format each stores, and the torch dtype of a per-tensor fp8 format.
-KV_FORMATS = {"auto": KvFormat.COPY, "fp8": KvFormat.E4M3, "fp8_e4m3": KvFormat.E4M3, "fp8_e5m2": KvFormat.E5M2,
-              "fp8_ds_mla": KvFormat.DS_MLA}
+KV_FORMATS = {
+    "auto": KvFormat.COPY,
+    "fp8": KvFormat.E4M3,
+    "fp8_e4m3": KvFormat.E4M3,
+    "fp8_e5m2": KvFormat.E5M2,
+    "fp8_ds_mla": KvFormat.DS_MLA,
+}
 FP8_DTYPES = {KvFormat.E4M3: torch.float8_e4m3fn, KvFormat.E5M2: torch.float8_e5m2}
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 SRC_DTYPES = {torch.bfloat16: SrcDtype.BF16, torch.float16: SrcDtype.F16, torch.float32: SrcDtype.F32}
@@ -176,8 +181,16 @@ def _record(cls) -> list[str]:
 
 def header() -> str:
     """The text of ``jitkv/codes.h``."""
-    lines = ["// Generated from jitkv/codes.py by jitkv.codes.header() for every JIT build; do not edit.",
-             "#pragma once", "", "#include <cstdint>", "", "namespace jitkv {", "namespace codes {", ""]
+    lines = [
+        "// Generated from jitkv/codes.py by jitkv.codes.header() for every JIT build; do not edit.",
+        "#pragma once",
+        "",
+        "#include <cstdint>",
+        "",
+        "namespace jitkv {",
+        "namespace codes {",
+        "",
+    ]
     for cls in _ENUMS:
         lines += _enum(cls)
     lines += ["", f"constexpr double kMissingScale = {MISSING_SCALE!r};", f"constexpr int64_t kNoSlot = {NO_SLOT};", ""]

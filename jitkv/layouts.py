@@ -7,6 +7,7 @@ import torch
 
 from . import checks
 
+
 class PagedRecordLayout:
     """A paged cache of fixed-size token records: uint8 ``[num_blocks, block_stride]``, a block holding
     its ``block_size`` tokens' records (how they are arranged inside is the subclass's), then padding
@@ -23,15 +24,19 @@ class PagedRecordLayout:
         CUDA kernels' 16-byte vectors."""
         return -(-block_size * self.token_bytes // 16) * 16
 
-    def allocate(self, num_blocks: int, block_size: int = 64, device="cuda", *, block_stride: int | None = None) -> torch.Tensor:
+    def allocate(
+        self, num_blocks: int, block_size: int = 64, device="cuda", *, block_stride: int | None = None
+    ) -> torch.Tensor:
         """A zeroed uint8 cache ``[num_blocks, block_stride]``; ``block_stride`` defaults to
         ``block_stride(block_size)``. Raises ValueError unless it is a multiple of ``alignment`` with
         ``block_size * token_bytes <= block_stride < (block_size + 1) * token_bytes``."""
         stride = self.block_stride(block_size) if block_stride is None else block_stride
         lo, hi = block_size * self.token_bytes, (block_size + 1) * self.token_bytes
         if not (isinstance(stride, int) and lo <= stride < hi and stride % self.alignment == 0):
-            raise ValueError(f"{self.name}.allocate: block_stride: expected a multiple of {self.alignment} in "
-                             f"[{lo}, {hi}) for block_size {block_size}, got {block_stride!r}")
+            raise ValueError(
+                f"{self.name}.allocate: block_stride: expected a multiple of {self.alignment} in "
+                f"[{lo}, {hi}) for block_size {block_size}, got {block_stride!r}"
+            )
         return torch.zeros(num_blocks, stride, dtype=torch.uint8, device=device)
 
     def validate(self, cache, block_size: int, op: str | None = None) -> None:
@@ -55,21 +60,29 @@ class PagedRecordLayout:
                 raise ValueError(
                     f"{op}: {arg}: blocks of {cache.shape[1]} bytes hold {cache.shape[1] // tb} tokens of {tb} "
                     f"bytes, but block_size is {block_size} (expected [num_blocks, W] with {used} <= W < {used + tb}), "
-                    f"got shape {list(cache.shape)}")
+                    f"got shape {list(cache.shape)}"
+                )
         elif cache.dim() == 3:
             if tuple(cache.shape[1:]) != (block_size, tb):
-                raise ValueError(f"{op}: {arg}: expected [num_blocks, {block_size}, {tb}] for block_size {block_size}, "
-                                 f"got {list(cache.shape)}")
+                raise ValueError(
+                    f"{op}: {arg}: expected [num_blocks, {block_size}, {tb}] for block_size {block_size}, "
+                    f"got {list(cache.shape)}"
+                )
             if block_size > 1 and cache.stride(1) != tb:
-                raise ValueError(f"{op}: {arg}: expected stride(1) = {tb} (tokens packed in a block), got "
-                                 f"{cache.stride(1)}")
+                raise ValueError(
+                    f"{op}: {arg}: expected stride(1) = {tb} (tokens packed in a block), got {cache.stride(1)}"
+                )
         else:
-            raise ValueError(f"{op}: {arg}: expected a 2-D [num_blocks, block_stride] or 3-D [num_blocks, block_size, "
-                             f"{tb}] tensor, got {list(cache.shape)}")
+            raise ValueError(
+                f"{op}: {arg}: expected a 2-D [num_blocks, block_stride] or 3-D [num_blocks, block_size, "
+                f"{tb}] tensor, got {list(cache.shape)}"
+            )
         checks.last_dim_contiguous(op, arg, cache)
         stride = cache.stride(0)
         if cache.shape[0] > 1 and (stride < used or stride % self.alignment):  # one block: no stride
-            raise ValueError(f"{op}: {arg}: expected stride(0) (the block stride in bytes) to be a multiple of "
-                             f"{self.alignment} and >= block_size * {tb} = {used}, got {stride}")
+            raise ValueError(
+                f"{op}: {arg}: expected stride(0) (the block stride in bytes) to be a multiple of "
+                f"{self.alignment} and >= block_size * {tb} = {used}, got {stride}"
+            )
         if cache.data_ptr() % self.alignment:
             raise ValueError(f"{op}: {arg}: expected a {self.alignment}-byte aligned data pointer")

@@ -56,7 +56,7 @@ def build_specs(specs: list[JitSpec], *, jobs: int | None = None, progress: bool
 def _progress(total: int):
     """A tqdm bar on stderr; while it is shown, jitkv's log lines to the terminal go through tqdm.write,
     which prints them above the bar instead of into it."""
-    from tqdm import tqdm  # noqa: PLC0415
+    from tqdm import tqdm
 
     logger = logging.getLogger("jitkv")
     swaps = {h: _AboveBars(h.stream, h.formatter, h.level) for h in logger.handlers if _on_terminal(h)}
@@ -88,13 +88,13 @@ class _AboveBars(logging.Handler):
         self.setFormatter(formatter)
 
     def emit(self, record: logging.LogRecord) -> None:
-        from tqdm import tqdm  # noqa: PLC0415
+        from tqdm import tqdm
 
         try:
             tqdm.write(self.format(record), file=self.stream)
         except RecursionError:
             raise
-        except Exception:  # noqa: BLE001  (as logging.StreamHandler: a handler reports its errors, never raises)
+        except Exception:
             self.handleError(record)
 
 

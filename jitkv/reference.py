@@ -120,13 +120,22 @@ def _bits(t):
     return t.view(_BITS[t.element_size()])
 
 
-def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, kv_cache_dtype="auto", scale=None, skip_slot=None,
-                      strict=None):
+def set_mla_kv_buffer(
+    kv_buffer, loc, cache_k_nope, cache_k_rope, *, kv_cache_dtype="auto", scale=None, skip_slot=None, strict=None
+):
     """kv_buffer[loc[i], :nope] = k_nope[i]; kv_buffer[loc[i], nope:nope+rope] = k_rope[i], copied, or
     quantized for an fp8 kv_cache_dtype (``set_mla_kv_buffer_fp8``)."""
     if kv_cache_dtype != "auto":
-        set_mla_kv_buffer_fp8(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype=kv_cache_dtype, scale=scale,
-                              skip_slot=skip_slot, strict=strict)
+        set_mla_kv_buffer_fp8(
+            kv_buffer,
+            loc,
+            cache_k_nope,
+            cache_k_rope,
+            kv_cache_dtype=kv_cache_dtype,
+            scale=scale,
+            skip_slot=skip_slot,
+            strict=strict,
+        )
         return
     nope = _bits(cache_k_nope.select(1, 0) if cache_k_nope.dim() == 3 else cache_k_nope)
     rope = _bits(cache_k_rope.select(1, 0) if cache_k_rope.dim() == 3 else cache_k_rope)
@@ -139,8 +148,9 @@ def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, kv_cache_dt
     buf.index_put_((dest,), torch.where(any_kept, new, buf[0]))
 
 
-def set_mla_kv_buffer_fp8(kv_buffer, loc, cache_k_nope, cache_k_rope, *, kv_cache_dtype, scale=None, skip_slot=None,
-                          strict=None):
+def set_mla_kv_buffer_fp8(
+    kv_buffer, loc, cache_k_nope, cache_k_rope, *, kv_cache_dtype, scale=None, skip_slot=None, strict=None
+):
     """``set_mla_kv_buffer`` quantizing on write: "fp8"/"fp8_e4m3"/"fp8_e5m2" store
     ``quantize_fp8(row, scale)`` of the nope then the rope values (one byte each); "fp8_ds_mla" stores
     the 656-byte record of ``ds_mla_records``. kv_buffer is 1-byte ``[num_slots, W]`` or ``[num_slots, 1, W]``."""
@@ -188,8 +198,18 @@ def quantize_fp8(x, fp8_dtype, scale):
 
 
 def store_cache(
-    k, v, k_cache, v_cache, slot_mapping, *, kv_cache_dtype="auto", k_scale=None, v_scale=None, loc_map=None,
-    skip_slot=None, strict=None,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    *,
+    kv_cache_dtype="auto",
+    k_scale=None,
+    v_scale=None,
+    loc_map=None,
+    skip_slot=None,
+    strict=None,
 ):
     """k_cache[slot'] = k[i], v_cache[slot'] = v[i] (quantized to fp8 when asked), docs/design.md §2-§4;
     k_scale / v_scale of ``[H]`` elements scale each head on its own (k, v as ``[n, H, D]`` or ``[n, H*D]``)."""
@@ -247,7 +267,7 @@ def dsv4_quantize_tokens(x):
     """x bf16 [m, 512] -> (data uint8 [m, 576], scales uint8 [m, 8])."""
     m = x.shape[0]
     groups = Dsv4.NOPE // Dsv4.GROUP
-    nope = x[:, :Dsv4.NOPE].reshape(m, groups, Dsv4.GROUP)
+    nope = x[:, : Dsv4.NOPE].reshape(m, groups, Dsv4.GROUP)
     bits = nope.contiguous().view(torch.int16).to(torch.int32)
     amax = ((bits & 0x7FFF).amax(-1) << 16).view(torch.float32)  # bf16 magnitude, NaN propagates
     mant, exp = torch.frexp(torch.clamp(amax, min=1e-4))
@@ -258,7 +278,7 @@ def dsv4_quantize_tokens(x):
     q = (nope.to(torch.float64) * inv).to(torch.float32).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
     nan_byte = (0x7F | ((bits >> 8) & 0x80)).to(torch.uint8)
     q = torch.where(torch.isnan(nope), nan_byte, q).reshape(m, Dsv4.NOPE)
-    data = torch.cat([q, x[:, Dsv4.NOPE:].contiguous().view(torch.uint8)], dim=1)
+    data = torch.cat([q, x[:, Dsv4.NOPE :].contiguous().view(torch.uint8)], dim=1)
     scales = torch.cat([scale_bytes, torch.zeros(m, 1, dtype=torch.uint8, device=x.device)], dim=1)
     return data, scales
 
@@ -267,13 +287,13 @@ def dsv4_dequantize_tokens(data, scales):
     """(data uint8 [m, 576], scales uint8 [m, 8]) -> bf16 [m, 512]."""
     m = data.shape[0]
     groups = Dsv4.NOPE // Dsv4.GROUP
-    fp8 = data[:, :Dsv4.NOPE].contiguous().view(torch.float8_e4m3fn).to(torch.float32).reshape(m, groups, Dsv4.GROUP)
+    fp8 = data[:, : Dsv4.NOPE].contiguous().view(torch.float8_e4m3fn).to(torch.float32).reshape(m, groups, Dsv4.GROUP)
     b = scales[:, :groups].to(torch.int32)
     scale = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23).view(torch.float32)  # 2^(b - 127)
     val = (fp8 * scale.unsqueeze(-1)).to(torch.bfloat16).reshape(m, Dsv4.NOPE)
     nan = torch.full((), 0x7FFF, dtype=torch.int16, device=data.device).view(torch.bfloat16)  # a fill, not a host copy
     val = torch.where(torch.isnan(val), nan, val)
-    return torch.cat([val, data[:, Dsv4.NOPE:].contiguous().view(torch.bfloat16)], dim=1)
+    return torch.cat([val, data[:, Dsv4.NOPE :].contiguous().view(torch.bfloat16)], dim=1)
 
 
 def quantize_and_insert_k_cache(k, k_cache, slot_mapping, *, block_size=64, strict=None):
@@ -443,8 +463,10 @@ def check_gather_rows(cu_seq_lens, rows, *, op="gather_mla_cache"):
     down = (cu[1:] < cu[:-1]).nonzero()
     if down.numel():
         i = int(down[0, 0])
-        raise ValueError(f"{op}: cu_seq_lens: expected non-decreasing values, got {int(cu[i])} then {int(cu[i + 1])} "
-                         f"at positions {i}, {i + 1}")
+        raise ValueError(
+            f"{op}: cu_seq_lens: expected non-decreasing values, got {int(cu[i])} then {int(cu[i + 1])} "
+            f"at positions {i}, {i + 1}"
+        )
     if cu.numel() and int(cu[0]) < 0:
         raise ValueError(f"{op}: cu_seq_lens: request 0 starts at row {int(cu[0])}, below row 0 of out")
     if cu.numel() and int(cu[-1]) > rows:
@@ -496,16 +518,17 @@ def dequantize_mla_rows(rows, kv_cache_dtype, scale=None):
     u8 = rows.contiguous().view(torch.uint8)
     if kv_cache_dtype == "fp8_ds_mla":
         m = u8.shape[0]
-        nope = u8[:, :DsMla.NOPE].contiguous().view(torch.float8_e4m3fn).float().view(m, -1, DsMla.TILE)
-        scales = u8[:, DsMla.SCALE_OFFSET:DsMla.ROPE_OFFSET].contiguous().view(torch.float32)
+        nope = u8[:, : DsMla.NOPE].contiguous().view(torch.float8_e4m3fn).float().view(m, -1, DsMla.TILE)
+        scales = u8[:, DsMla.SCALE_OFFSET : DsMla.ROPE_OFFSET].contiguous().view(torch.float32)
         nope = _bf16_nan_canonical(nope * scales.unsqueeze(-1)).view(m, DsMla.NOPE)
-        return torch.cat([nope, u8[:, DsMla.ROPE_OFFSET:DsMla.BYTES].contiguous().view(torch.bfloat16)], dim=1)
+        return torch.cat([nope, u8[:, DsMla.ROPE_OFFSET : DsMla.BYTES].contiguous().view(torch.bfloat16)], dim=1)
     x = u8.view(FP8_DTYPES[KV_FORMATS[kv_cache_dtype]]).float()
     return _bf16_nan_canonical(x * _scale_tensor(scale, rows.device))
 
 
-def gather_mla_cache(out, kv_cache, block_table, cu_seq_lens, *, seq_starts=None, kv_cache_dtype="auto", scale=None,
-                     strict=None):
+def gather_mla_cache(
+    out, kv_cache, block_table, cu_seq_lens, *, seq_starts=None, kv_cache_dtype="auto", scale=None, strict=None
+):
     """out[t] = the cache entry of output row t, converted per kv_cache_dtype (see the block comment
     above). ``strict`` (default: CPU or JITKV_DEBUG=1) first raises as ``check_gather_rows``."""
     strict = default_strict(cu_seq_lens) if strict is None else strict
@@ -581,8 +604,10 @@ def check_positions(positions, n, max_pos, *, op="jitkv"):
     bad = (p < 0) | (p >= max_pos)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
-        raise IndexError(f"{op}: positions: position {i} has value {int(p[i])}, out of range for a cos_sin_cache "
-                         f"of {max_pos} positions")
+        raise IndexError(
+            f"{op}: positions: position {i} has value {int(p[i])}, out of range for a cos_sin_cache "
+            f"of {max_pos} positions"
+        )
 
 
 def rope_rows(x, positions, cos_sin_cache, *, is_neox, rotary_dim=None, norm_weight=None, eps=1e-6):
@@ -617,9 +642,31 @@ def _store_rows(dst, rows, scale):
     dst[: rows.shape[0]].copy_(vals.reshape(dst[: rows.shape[0]].shape))
 
 
-def rope_store_cache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, *, is_neox, rotary_dim=None,
-                     q_norm_weight=None, k_norm_weight=None, eps=1e-6, q_out=None, q_scale=None, k_out=None,
-                     kv_cache_dtype="auto", k_scale=None, v_scale=None, loc_map=None, skip_slot=None, strict=None):
+def rope_store_cache(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    *,
+    is_neox,
+    rotary_dim=None,
+    q_norm_weight=None,
+    k_norm_weight=None,
+    eps=1e-6,
+    q_out=None,
+    q_scale=None,
+    k_out=None,
+    kv_cache_dtype="auto",
+    k_scale=None,
+    v_scale=None,
+    loc_map=None,
+    skip_slot=None,
+    strict=None,
+):
     """The first n = slot_mapping.numel() rows of q and k normed (with a weight) and rotated: q in
     place or into q_out, k into k_out (if given); rotated K and V written as ``store_cache`` writes
     them (docs/design.md §9). ``strict``: positions and slots raise IndexError before any write."""
@@ -640,17 +687,44 @@ def rope_store_cache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin
     if k_out is not None:
         _store_rows(_heads(k_out, d), kr, None)
     k_src = kr.to(k.dtype) if kv_cache_dtype == "auto" else kr  # fp8 quantizes the float32 result
-    store_cache(k_src, v, k_cache, v_cache, slot_mapping, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
-                v_scale=v_scale, loc_map=loc_map, skip_slot=skip_slot, strict=False)
+    store_cache(
+        k_src,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        kv_cache_dtype=kv_cache_dtype,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        loc_map=loc_map,
+        skip_slot=skip_slot,
+        strict=False,
+    )
 
 
 def _rows_2d(t):
     return t.select(1, 0) if t.dim() == 3 else t
 
 
-def rope_set_mla_kv_buffer(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, *, is_neox, q_pe=None, q_nope=None,
-                           q_out=None, q_scale=None, k_pe_out=None, kv_cache_dtype="auto", scale=None, skip_slot=None,
-                           strict=None):
+def rope_set_mla_kv_buffer(
+    kv_buffer,
+    loc,
+    kv_c,
+    k_pe,
+    positions,
+    cos_sin_cache,
+    *,
+    is_neox,
+    q_pe=None,
+    q_nope=None,
+    q_out=None,
+    q_scale=None,
+    k_pe_out=None,
+    kv_cache_dtype="auto",
+    scale=None,
+    skip_slot=None,
+    strict=None,
+):
     """The first n = loc.numel() rows: k_pe rotated, ``[kv_c | rope(k_pe)]`` written as
     ``set_mla_kv_buffer`` writes it (fp8_ds_mla from rope(k_pe) rounded to k_pe's dtype, the other
     fp8 formats from the float32 result); q_pe rotated in place, or ``q_out = [q_nope | rope(q_pe)]``;
@@ -676,5 +750,6 @@ def rope_set_mla_kv_buffer(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache,
     if k_pe_out is not None:
         _store_rows(_rows_2d(k_pe_out), kr, None)
     rope = kr if kv_cache_dtype not in ("auto", "fp8_ds_mla") else kr.to(k_pe.dtype)
-    set_mla_kv_buffer(buf, loc, _rows_2d(kv_c), rope, kv_cache_dtype=kv_cache_dtype, scale=scale, skip_slot=skip_slot,
-                      strict=False)
+    set_mla_kv_buffer(
+        buf, loc, _rows_2d(kv_c), rope, kv_cache_dtype=kv_cache_dtype, scale=scale, skip_slot=skip_slot, strict=False
+    )

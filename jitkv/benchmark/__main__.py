@@ -18,7 +18,7 @@ from .common import print_table
 
 def _choices() -> dict[str, set[str]]:
     """``--op`` names: each op and each family (its module), mapped to the families they select."""
-    from jitkv.ops import OPS  # noqa: PLC0415
+    from jitkv.ops import OPS
 
     choices = {}
     for op in OPS.values():
@@ -30,11 +30,17 @@ def _choices() -> dict[str, set[str]]:
 
 def main(argv=None) -> int:
     choices = _choices()
-    p = argparse.ArgumentParser(prog="python -m jitkv.benchmark", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jitkv.benchmark", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present, else cpu")
-    p.add_argument("--op", choices=[*sorted(choices), "build"], action="append", default=None,
-                   help="an op or a family (its module under jitkv/ops); repeatable; default: all, and build")
+    p.add_argument(
+        "--op",
+        choices=[*sorted(choices), "build"],
+        action="append",
+        default=None,
+        help="an op or a family (its module under jitkv/ops); repeatable; default: all, and build",
+    )
     p.add_argument("--quick", action="store_true", help="the smallest case of each sweep, short timings (a smoke run)")
     p.add_argument("--json", metavar="FILE", help="write every row and the machine description here")
     p.add_argument("--plot", metavar="FILE.png", help="plot GB/s and µs against n per op (needs matplotlib)")
@@ -60,7 +66,7 @@ def main(argv=None) -> int:
 
 def _sections(families, kind):
     """(title, op, its bench function) of every selected family's cases, in declaration order."""
-    from jitkv.ops import OPS  # noqa: PLC0415
+    from jitkv.ops import OPS
 
     for op in OPS.values():
         bench = getattr(op, f"bench_{kind}")
@@ -69,7 +75,7 @@ def _sections(families, kind):
 
 
 def _require_matplotlib(parser) -> None:
-    from . import plot  # noqa: PLC0415
+    from . import plot
 
     try:
         plot.require_matplotlib()
@@ -78,7 +84,7 @@ def _require_matplotlib(parser) -> None:
 
 
 def _plot(report, path) -> int:
-    from . import plot  # noqa: PLC0415
+    from . import plot
 
     try:
         plot.save(report, path)
@@ -106,9 +112,9 @@ def _cpu_model() -> str:
 
 
 def _cpu(families, report, quick=False):
-    from . import cpu  # noqa: PLC0415
+    from jitkv.jit.toolchain import cpu_isa
 
-    from jitkv.jit.toolchain import cpu_isa  # noqa: PLC0415
+    from . import cpu
 
     report["isa"] = cpu_isa()
     print(f"# jitkv CPU benchmark ({_describe('cpu')}, kernel path {report['isa']}, torch {torch.__version__})")
@@ -125,9 +131,9 @@ def _cpu(families, report, quick=False):
 
 
 def _gpu(families, report, quick=False):
-    from jitkv.ops import OPS  # noqa: PLC0415
+    from jitkv.ops import OPS
 
-    from . import gpu  # noqa: PLC0415
+    from . import gpu
 
     bw = gpu.copy_gbps()
     floors, rows = gpu.floor_rows(bw, gpu.empty_kernel_us())
@@ -148,10 +154,10 @@ def _gpu(families, report, quick=False):
 
 def _build(device: str) -> dict:
     if device == "cpu":
-        from .cpu import build_timings  # noqa: PLC0415
+        from .cpu import build_timings
 
         return build_timings()
-    from .warm_start import warm_start  # noqa: PLC0415
+    from .warm_start import warm_start
 
     return warm_start("cuda")
 

@@ -76,10 +76,14 @@ def copy_gbps(nbytes=2 << 30) -> float:
 
 def latency_floor_spec(arch: str):
     """The benchmark-only CUDA module of ``latency_floor_us``."""
-    from jitkv.jit import JitSpec  # noqa: PLC0415
+    from jitkv.jit import JitSpec
 
-    return JitSpec("latency_floor_cuda", ("benchmark/latency_floor_cuda.cu",), target=arch,
-                   exports=("latency_floor", "latency_floor_e4m3", "latency_floor_ds_mla", "latency_floor_rope"))
+    return JitSpec(
+        "latency_floor_cuda",
+        ("benchmark/latency_floor_cuda.cu",),
+        target=arch,
+        exports=("latency_floor", "latency_floor_e4m3", "latency_floor_ds_mla", "latency_floor_rope"),
+    )
 
 
 def latency_floor_us(bufs, kernel="latency_floor", args=(), repeats=3) -> float:
@@ -101,7 +105,7 @@ def latency_floor_us(bufs, kernel="latency_floor", args=(), repeats=3) -> float:
 def empty_kernel_us() -> float:
     """An empty Triton kernel under the same graph replay (triton imported here: the rest of this
     module, e.g. ``latency_floor_spec`` for the compile-only test, needs none)."""
-    import triton  # noqa: PLC0415
+    import triton
 
     @triton.jit
     def empty(x):
@@ -125,8 +129,19 @@ def _timed_rows(op, case, n, moved, cases, bw, floor_us, *, eager=()) -> list[Ro
             continue
         base = us if base is None else base
         label = name + (" (eager)" if name in eager else "")
-        rows.append(Row(op, case, n, label, us, case_moved[0] if case_moved else moved, base, bw,
-                        {"x_floor": round(us / floor_us, 2)}))
+        rows.append(
+            Row(
+                op,
+                case,
+                n,
+                label,
+                us,
+                case_moved[0] if case_moved else moved,
+                base,
+                bw,
+                {"x_floor": round(us / floor_us, 2)},
+            )
+        )
     return rows
 
 
@@ -134,7 +149,7 @@ def eager_us(step_for_layer, reps=5) -> float:
     step_for_layer(0)
     torch.cuda.synchronize()
     times = []
-    for r in range(reps):
+    for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for layer in range(LAYERS):
@@ -170,18 +185,28 @@ def floor_rows(bw: float, empty_us: float) -> tuple[dict, list[Row]]:
     floor_us = latency_floor_us(bufs)
     rows = [
         Row("empty kernel", "triton, graph", 0, "—", empty_us, 0, None, bw, {"x_floor": round(empty_us / floor_us, 2)}),
-        Row("latency floor", "PDL wait -> slot + 16 B loads -> trigger -> store, 1 thread", 1, "jit", floor_us, 32,
-            None, bw, {"x_floor": 1.0}),
+        Row(
+            "latency floor",
+            "PDL wait -> slot + 16 B loads -> trigger -> store, 1 thread",
+            1,
+            "jit",
+            floor_us,
+            32,
+            None,
+            bw,
+            {"x_floor": 1.0},
+        ),
     ]
     del bufs
     # The fp8 floors: the least an fp8 write of one row must do at n = 1, dividing exactly as the
     # contract does, and by x * rcp.approx(scale) (less than any exact writer).
     scale = torch.tensor([0.37], device="cuda")
     for label, width, kernel, args in (
-            ("fp8 e4m3, exact division", 576, "latency_floor_e4m3", (scale, True)),
-            ("fp8 e4m3, x * rcp.approx(scale)", 576, "latency_floor_e4m3", (scale, False)),
-            ("fp8_ds_mla 2 tiles, exact division", 656, "latency_floor_ds_mla", (512, True)),
-            ("fp8_ds_mla 2 tiles, x * rcp.approx(scale)", 656, "latency_floor_ds_mla", (512, False))):
+        ("fp8 e4m3, exact division", 576, "latency_floor_e4m3", (scale, True)),
+        ("fp8 e4m3, x * rcp.approx(scale)", 576, "latency_floor_e4m3", (scale, False)),
+        ("fp8_ds_mla 2 tiles, exact division", 656, "latency_floor_ds_mla", (512, True)),
+        ("fp8_ds_mla 2 tiles, x * rcp.approx(scale)", 656, "latency_floor_ds_mla", (512, False)),
+    ):
         bufs = [torch.empty(1 << 19, width, dtype=torch.uint8, device="cuda") for _ in range(LAYERS)]
         us = latency_floor_us(bufs, kernel, args)
         rows.append(Row("latency floor", label, 1, "jit", us, 0, None, bw, {"x_floor": round(us / floor_us, 2)}))
@@ -190,8 +215,9 @@ def floor_rows(bw: float, empty_us: float) -> tuple[dict, list[Row]]:
     positions = torch.randint(0, 4096, (1,), device="cuda")
     cos_sin = torch.randn(4096, 128, device="cuda")
     rope_us = latency_floor_us(bufs, "latency_floor_rope", (positions, cos_sin))
-    rows.append(Row("latency floor", ROPE_FLOOR, 1, "jit", rope_us, 0, None, bw, {"x_floor": round(rope_us / floor_us,
-                                                                                                      2)}))
+    rows.append(
+        Row("latency floor", ROPE_FLOOR, 1, "jit", rope_us, 0, None, bw, {"x_floor": round(rope_us / floor_us, 2)})
+    )
     return {"copy": floor_us, "rope": rope_us}, rows
 
 
@@ -213,8 +239,9 @@ class Harness:
         torch"); for large ops also the contiguous copy of the same bytes (``with_ceiling``). Names in
         ``eager`` are timed per call with events (they sync on the host). ``floor``: the latency floor
         "x floor" is over ("copy", or "rope" for the fused prologue)."""
-        return _timed_rows(op, case, n, moved, with_ceiling(cases, moved), self.bw, self.floors[floor],
-                           eager=(*eager, CEILING))
+        return _timed_rows(
+            op, case, n, moved, with_ceiling(cases, moved), self.bw, self.floors[floor], eager=(*eager, CEILING)
+        )
 
     def contiguous_copies(self, moved: int, e4m3_rows: int = 0) -> list:
         """Graph-timed contiguous copies moving ``moved`` bytes (fresh buffers per layer), and with
@@ -235,7 +262,7 @@ def host_overhead_rows(ops, calls=1000, rounds=25) -> list[Row]:
     op's best batch of ``calls`` back-to-back calls over ``rounds`` rounds that take every op in turn
     (a host whose speed drifts between seconds slows every op of a round alike), never synchronizing
     in between (the GPU queue never drains, so no batch waits on it and none pays a cold start)."""
-    import time  # noqa: PLC0415
+    import time
 
     device = torch.device("cuda", torch.cuda.current_device())
     calls_of = {}
@@ -259,4 +286,3 @@ def host_overhead_rows(ops, calls=1000, rounds=25) -> list[Row]:
             best[name] = min(best[name], (time.perf_counter() - t0) / calls)
     torch.cuda.synchronize()
     return [Row(name, "eager host cost per call (sample call)", 0, "jitkv", us * 1e6, 0) for name, us in best.items()]
-

@@ -36,7 +36,7 @@ MISSING = "plotting needs matplotlib: pip install 'jitkv[plot]' (or pip install 
 def require_matplotlib() -> None:
     """Raise ImportError with the install hint unless matplotlib can be imported."""
     try:
-        import matplotlib  # noqa: F401, PLC0415
+        import matplotlib  # noqa: F401
     except ImportError:
         raise ImportError(MISSING) from None
 
@@ -44,7 +44,7 @@ def require_matplotlib() -> None:
 def save(report: dict, path: str) -> None:
     """Write the report's plot to ``path`` (PNG, or any format matplotlib infers from the name)."""
     require_matplotlib()
-    from matplotlib.figure import Figure  # noqa: PLC0415  (no pyplot: no GUI backend, no global state)
+    from matplotlib.figure import Figure
 
     panels = op_rows(report["rows"])
     if not panels:
@@ -95,7 +95,7 @@ def series(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
 
 
 def _case_label(op: str, case: str) -> str:
-    suffix = op[len(panel_name(op)):].strip()
+    suffix = op[len(panel_name(op)) :].strip()
     return f"{suffix} {case}".strip()
 
 
@@ -155,7 +155,9 @@ def _bandwidth_panel(ax, op: str, lines: dict, copy: float | None) -> None:
     for key, rows in lines.items():
         ax.plot([r["n"] for r in rows], [gbps(r) for r in rows], label=_label(key), **style(key, keys))
     if copy:
-        ax.axhline(copy, color="black", linestyle="--", linewidth=1.0, label=f"copy bandwidth, same run ({copy:.0f} GB/s)")
+        ax.axhline(
+            copy, color="black", linestyle="--", linewidth=1.0, label=f"copy bandwidth, same run ({copy:.0f} GB/s)"
+        )
     _n_axis(ax)
     _log_y(ax)
     ax.set_title(f"{op}: bandwidth (bytes read + written)")
@@ -171,7 +173,9 @@ def _latency_panel(ax, op: str, lines: dict, floor: float | None) -> None:
         # A line with no small n is drawn empty, so that the row's legend (beside this panel) lists it.
         ax.plot([r["n"] for r in small], [r["us"] for r in small], label=_label(key), **style(key, keys))
     if floor:
-        ax.axhline(floor, color="tab:red", linestyle="--", linewidth=1.0, label=f"latency floor, same run ({floor:.2f} µs)")
+        ax.axhline(
+            floor, color="tab:red", linestyle="--", linewidth=1.0, label=f"latency floor, same run ({floor:.2f} µs)"
+        )
         drawn.append(floor)
     _n_axis(ax)
     ax.set_xlim(0.8, SMALL_N * 1.25)  # the same range on every op, whatever n it was timed at
@@ -187,7 +191,7 @@ def _latency_panel(ax, op: str, lines: dict, floor: float | None) -> None:
 
 def _n_axis(ax) -> None:
     """log2 n, ticks written as engine developers say batch sizes: 1, 16, 256, 4K, 64K."""
-    from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: PLC0415
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_locator(LogLocator(base=4))
@@ -197,7 +201,7 @@ def _n_axis(ax) -> None:
 
 def _log_y(ax) -> None:
     """log y with plain numbers (3000, not 3 x 10^3); minor ticks labelled only on short ranges."""
-    from matplotlib.ticker import FuncFormatter, LogFormatter  # noqa: PLC0415
+    from matplotlib.ticker import FuncFormatter, LogFormatter
 
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
@@ -218,13 +222,15 @@ def _legend(ax_bw, ax_us) -> None:
     for ax in (ax_bw, ax_us):
         for handle, label in zip(*ax.get_legend_handles_labels()):
             entries.setdefault(label, handle)
-    ax_us.legend(entries.values(), entries.keys(), loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small",
-                 frameon=False)
+    ax_us.legend(
+        entries.values(), entries.keys(), loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", frameon=False
+    )
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jitkv.benchmark.plot", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jitkv.benchmark.plot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("report", help="a report written by python -m jitkv.benchmark --json FILE")
     p.add_argument("out", help="image to write, e.g. benchmark.png")
     args = p.parse_args(argv)

@@ -47,7 +47,7 @@ print("RESULT " + json.dumps({"ms": ms, "import_ms": (t_import - t0) * 1e3, "fir
 def _samples(path: str) -> None:
     """Every op's sample call (on the CPU; the probe moves it to its device), saved for the probes, which
     must not import jitkv before their clock starts."""
-    from jitkv.ops import OPS  # noqa: PLC0415
+    from jitkv.ops import OPS
 
     gen = torch.Generator().manual_seed(0)
     torch.save({name: op.sample("cpu", gen) for name, op in OPS.items()}, path)
@@ -58,8 +58,12 @@ def probe(device: str, samples: str, *, tvm_ffi_first: bool = False, env: dict |
     Raises RuntimeError if it fails. Bytecode is written (PYTHONDONTWRITEBYTECODE dropped), as an
     installed package has it: the first probe writes it, later ones time what an engine sees."""
     env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    res = subprocess.run([sys.executable, "-c", _PROBE, samples, device, "1" if tvm_ffi_first else "0"],
-                         capture_output=True, text=True, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", _PROBE, samples, device, "1" if tvm_ffi_first else "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     if res.returncode != 0 or "RESULT " not in res.stdout:
         raise RuntimeError(f"warm-start probe failed: {res.stderr[-2000:]}")
     return json.loads(res.stdout.split("RESULT ", 1)[1])
@@ -75,8 +79,10 @@ def warm_start(device: str, runs: int = 5, env: dict | None = None) -> dict:
         _samples(samples)
         first = probe(device, samples, env=env)
         out = {}
-        for tvm_ffi_first, label in ((False, f"import jitkv + first call of all {len(first['backends'])} ops"),
-                                     (True, "the same with tvm_ffi already imported")):
+        for tvm_ffi_first, label in (
+            (False, f"import jitkv + first call of all {len(first['backends'])} ops"),
+            (True, "the same with tvm_ffi already imported"),
+        ):
             runs_ = [probe(device, samples, tvm_ffi_first=tvm_ffi_first, env=env) for _ in range(runs)]
             out[f"warm start: {label} (ms, median of {runs})"] = _median(r["ms"] for r in runs_)
         out["warm start, tvm_ffi first: import jitkv (ms)"] = _median(r["import_ms"] for r in runs_)

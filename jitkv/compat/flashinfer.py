@@ -23,8 +23,12 @@ import torch
 
 from .. import reference, rope_store_cache, store_cache
 
-__all__ = ["append_paged_kv_cache", "append_paged_mla_kv_cache", "page_slots",
-           "rope_quantize_fp8_append_paged_kv_cache"]
+__all__ = [
+    "append_paged_kv_cache",
+    "append_paged_mla_kv_cache",
+    "page_slots",
+    "rope_quantize_fp8_append_paged_kv_cache",
+]
 
 LAYOUTS = ("NHD", "HND")
 _FORMATS = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
@@ -53,15 +57,26 @@ def _unpack(paged_kv_cache, layout):
         raise ValueError(f"append_paged_kv_cache: kv_layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
     if isinstance(paged_kv_cache, torch.Tensor):
         if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
-            raise ValueError(f"append_paged_kv_cache: paged_kv_cache: expected a (k_cache, v_cache) pair or a "
-                             f"[pages, 2, ...] tensor, got shape {list(paged_kv_cache.shape)}")
+            raise ValueError(
+                f"append_paged_kv_cache: paged_kv_cache: expected a (k_cache, v_cache) pair or a "
+                f"[pages, 2, ...] tensor, got shape {list(paged_kv_cache.shape)}"
+            )
         paged_kv_cache = paged_kv_cache.unbind(1)
     k_cache, v_cache = paged_kv_cache
     return _nhd(k_cache, layout), _nhd(v_cache, layout)
 
 
-def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices, kv_indptr,
-                          kv_last_page_len, kv_layout="NHD"):
+def append_paged_kv_cache(
+    append_key,
+    append_value,
+    batch_indices,
+    positions,
+    paged_kv_cache,
+    kv_indices,
+    kv_indptr,
+    kv_last_page_len,
+    kv_layout="NHD",
+):
     """Append K/V rows to a paged cache: token i to row ``positions[i] % page_size`` of page
     ``kv_indices[kv_indptr[batch_indices[i]] + positions[i] // page_size]`` (batch_indices < 0: not written).
 
@@ -84,8 +99,9 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     store_cache(append_key, append_value, k_cache, v_cache, slots)
 
 
-def append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, ckv_cache, kpe_cache, kv_indices,
-                              kv_indptr, kv_last_page_len):
+def append_paged_mla_kv_cache(
+    append_ckv, append_kpe, batch_indices, positions, ckv_cache, kpe_cache, kv_indices, kv_indptr, kv_last_page_len
+):
     """Append MLA rows: ``ckv_cache[page, row] = append_ckv[i]``, ``kpe_cache[page, row] = append_kpe[i]``
     with page and row from the page table as ``append_paged_kv_cache``.
 
@@ -106,8 +122,12 @@ def _joined(a, b):
     ``x[..., r:]`` of one tensor), else None."""
     if b.shape[-1] == 0:
         return a
-    if (a.dtype != b.dtype or a.shape[:-1] != b.shape[:-1] or a.stride() != b.stride()
-            or b.data_ptr() != a.data_ptr() + a.shape[-1] * a.element_size()):
+    if (
+        a.dtype != b.dtype
+        or a.shape[:-1] != b.shape[:-1]
+        or a.stride() != b.stride()
+        or b.data_ptr() != a.data_ptr() + a.shape[-1] * a.element_size()
+    ):
         return None
     return a.as_strided((*a.shape[:-1], a.shape[-1] + b.shape[-1]), a.stride(), a.storage_offset())
 
@@ -134,11 +154,29 @@ def _q_outputs(q_rope, q_nope, q_rope_out, q_nope_out, dtype):
     return q_out, (q_rope_out, q_nope_out), True
 
 
-def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
-                                            paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions,
-                                            is_neox=True, quantize_dtype=None, quant_scale_q=1.0, quant_scale_kv=1.0,
-                                            page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None,
-                                            enable_pdl=False):
+def rope_quantize_fp8_append_paged_kv_cache(
+    q_rope,
+    k_rope,
+    q_nope,
+    k_nope,
+    v,
+    cos_sin_cache,
+    pos_ids,
+    paged_kv_cache,
+    kv_indices,
+    kv_indptr,
+    batch_indices,
+    positions,
+    is_neox=True,
+    quantize_dtype=None,
+    quant_scale_q=1.0,
+    quant_scale_kv=1.0,
+    page_size=16,
+    kv_layout="NHD",
+    q_rope_out=None,
+    q_nope_out=None,
+    enable_pdl=False,
+):
     """RoPE on the rope parts of q and k, FP8 quantization of Q, K (and V), and K/V appended to a paged
     FP8 cache, as FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache``. Returns ``(q_rope_out,
     q_nope_out)``.
@@ -175,8 +213,9 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
         given = q_rope_out if q_rope_out is not None else q_nope_out
         quantize_dtype = given.dtype if given is not None else torch.float8_e4m3fn
     if quantize_dtype not in _FORMATS:
-        raise ValueError(f"{op}: quantize_dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got "
-                         f"{quantize_dtype}")
+        raise ValueError(
+            f"{op}: quantize_dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {quantize_dtype}"
+        )
     mla = k_rope.dim() == 2
     if q_nope is None:
         q_nope = q_rope.new_empty(*q_rope.shape[:-1], 0)
@@ -185,25 +224,53 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
     k_cache, v_cache = paged_kv_cache
     for name, cache in (("paged_kv_cache[0]", k_cache), ("paged_kv_cache[1]", v_cache)):
         if cache.dtype != quantize_dtype or cache.dim() != (3 if mla else 4):
-            raise ValueError(f"{op}: {name}: expected a {3 if mla else 4}-D {quantize_dtype} cache, got "
-                             f"{cache.dtype} {list(cache.shape)}")
+            raise ValueError(
+                f"{op}: {name}: expected a {3 if mla else 4}-D {quantize_dtype} cache, got "
+                f"{cache.dtype} {list(cache.shape)}"
+            )
     if mla == (v is not None):
         raise ValueError(f"{op}: v: " + ("MLA takes no V (pass None)" if mla else "GQA/MHA needs V, got None"))
     slots = page_slots(batch_indices, positions, kv_indices, kv_indptr, page_size)
     fmt, q_scale, kv_scale = _FORMATS[quantize_dtype], 1.0 / quant_scale_q, 1.0 / quant_scale_kv
     q_out, returned, copy_back = _q_outputs(q_rope, q_nope, q_rope_out, q_nope_out, quantize_dtype)
-    kw = dict(is_neox=is_neox, rotary_dim=q_rope.shape[-1], q_scale=q_scale, kv_cache_dtype=fmt, k_scale=kv_scale,
-              v_scale=kv_scale)
+    kw = dict(
+        is_neox=is_neox,
+        rotary_dim=q_rope.shape[-1],
+        q_scale=q_scale,
+        kv_cache_dtype=fmt,
+        k_scale=kv_scale,
+        v_scale=kv_scale,
+    )
     if mla:
         # The latent rides as a one-head V beside the one-head rope K; the caches are separate tensors.
         r = q_rope.shape[-1]
         ckv_cache, kpe_cache = k_cache, v_cache
-        rope_store_cache(q_rope, k_rope.unsqueeze(1), k_nope.unsqueeze(1), kpe_cache.unsqueeze(2),
-                         ckv_cache.unsqueeze(2), slots, pos_ids, cos_sin_cache, q_out=q_out[..., :r], **kw)
+        rope_store_cache(
+            q_rope,
+            k_rope.unsqueeze(1),
+            k_nope.unsqueeze(1),
+            kpe_cache.unsqueeze(2),
+            ckv_cache.unsqueeze(2),
+            slots,
+            pos_ids,
+            cos_sin_cache,
+            q_out=q_out[..., :r],
+            **kw,
+        )
         q_out[..., r:].copy_(reference.quantize_fp8(q_nope, quantize_dtype, q_scale))
     else:
-        rope_store_cache(_join(q_rope, q_nope), _join(k_rope, k_nope), v, _nhd(k_cache, kv_layout),
-                         _nhd(v_cache, kv_layout), slots, pos_ids, cos_sin_cache, q_out=q_out, **kw)
+        rope_store_cache(
+            _join(q_rope, q_nope),
+            _join(k_rope, k_nope),
+            v,
+            _nhd(k_cache, kv_layout),
+            _nhd(v_cache, kv_layout),
+            slots,
+            pos_ids,
+            cos_sin_cache,
+            q_out=q_out,
+            **kw,
+        )
     if copy_back:
         r = q_rope.shape[-1]
         returned[0].copy_(q_out[..., :r])

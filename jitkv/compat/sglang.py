@@ -143,8 +143,9 @@ def apply_rope_with_cos_sin_cache_inplace(q, k, cos_sin_cache, positions, *, is_
         _rope_store_cache(q, k, k, *scratch, padding, positions, cos_sin_cache, **kw)
         return
     loc = _slots(fused_args.cache_loc, "cache_loc", "apply_rope_with_cos_sin_cache_inplace")
-    _rope_store_cache(q, k, fused_args.value, fused_args.k_buffer, fused_args.v_buffer, loc, positions, cos_sin_cache,
-                      **kw)
+    _rope_store_cache(
+        q, k, fused_args.value, fused_args.k_buffer, fused_args.v_buffer, loc, positions, cos_sin_cache, **kw
+    )
 
 
 def _check_row_bytes(k, row_bytes):
@@ -184,8 +185,10 @@ def _refuse_negative(index, name, op):
     negative = (index < 0).nonzero()
     if negative.numel():
         i = int(negative[0, 0])
-        raise IndexError(f"{op}: {name}: position {i} has slot {int(index[i])}; sglang has no padding slot value, "
-                         "a negative slot is out of range")
+        raise IndexError(
+            f"{op}: {name}: position {i} has slot {int(index[i])}; sglang has no padding slot value, "
+            "a negative slot is out of range"
+        )
 
 
 def _as_rows(t, name):

@@ -64,11 +64,27 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
         return
     heads = _per_head_scales(key, k_scale, v_scale)
     if heads is None:
-        store_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype=kv_cache_dtype,
-                    k_scale=k_scale, v_scale=v_scale)
+        store_cache(
+            key,
+            value,
+            key_cache,
+            value_cache,
+            slot_mapping,
+            kv_cache_dtype=kv_cache_dtype,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
         return
-    store_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype=kv_cache_dtype,
-                k_scale=k_scale.reshape(heads), v_scale=v_scale.reshape(heads))
+    store_cache(
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        kv_cache_dtype=kv_cache_dtype,
+        k_scale=k_scale.reshape(heads),
+        v_scale=v_scale.reshape(heads),
+    )
 
 
 def _per_head_scales(key, k_scale, v_scale):
@@ -165,8 +181,9 @@ def _require_full_width(rows, kv_c, k_pe, op="concat_and_cache_mla"):
 ROPE_MLA_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
-def concat_and_cache_mla_rope_fused(positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
-                                    kv_cache_dtype, kv_cache_scale):
+def concat_and_cache_mla_rope_fused(
+    positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_dtype, kv_cache_scale
+):
     """RoPE on q_pe and k_pe in place, then the MLA rows ``[kv_c | rope(k_pe)]`` written into a paged
     cache, as vLLM's ``concat_and_cache_mla_rope_fused`` (DeepseekScalingRotaryEmbedding + concat_and_cache_mla).
 
@@ -196,11 +213,23 @@ def concat_and_cache_mla_rope_fused(positions, q_pe, k_pe, kv_c, cos_sin_cache, 
             ``JITKV_DEBUG=1``), before anything is written; vLLM does not check.
     """
     if kv_cache_dtype not in ROPE_MLA_DTYPES:
-        raise ValueError(f"concat_and_cache_mla_rope_fused: kv_cache_dtype: expected one of "
-                         f"{', '.join(ROPE_MLA_DTYPES)}, got {kv_cache_dtype!r}")
+        raise ValueError(
+            f"concat_and_cache_mla_rope_fused: kv_cache_dtype: expected one of "
+            f"{', '.join(ROPE_MLA_DTYPES)}, got {kv_cache_dtype!r}"
+        )
     rows = _paged_rows(kv_cache, "concat_and_cache_mla_rope_fused")
     _require_full_width(rows, kv_c, k_pe, "concat_and_cache_mla_rope_fused")
     fp8 = kv_cache_dtype != "auto"
-    rope_set_mla_kv_buffer(rows, slot_mapping, kv_c, k_pe, positions, cos_sin_cache, is_neox=is_neox, q_pe=q_pe,
-                           k_pe_out=k_pe, kv_cache_dtype="fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype,
-                           scale=kv_cache_scale if fp8 else None)
+    rope_set_mla_kv_buffer(
+        rows,
+        slot_mapping,
+        kv_c,
+        k_pe,
+        positions,
+        cos_sin_cache,
+        is_neox=is_neox,
+        q_pe=q_pe,
+        k_pe_out=k_pe,
+        kv_cache_dtype="fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype,
+        scale=kv_cache_scale if fp8 else None,
+    )

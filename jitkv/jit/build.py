@@ -27,8 +27,9 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from . import toolchain
 from .cache_dir import cache_dir, is_writable, lookup_layers, private_subdir, untrusted
@@ -206,7 +207,7 @@ def _build_target(spec: JitSpec) -> Path:
 
 
 def _check_not_capturing(spec: JitSpec) -> None:
-    import torch  # noqa: PLC0415
+    import torch
 
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise CaptureBuildError(
@@ -291,7 +292,7 @@ def _check_failure_memory(final: Path) -> None:
 
 @contextlib.contextmanager
 def _key_lock(final: Path):
-    from filelock import FileLock  # noqa: PLC0415
+    from filelock import FileLock
 
     with FileLock(str(private_subdir(final.parent, "locks") / (final.name + ".lock"))):
         yield
@@ -299,7 +300,7 @@ def _key_lock(final: Path):
 
 def _build_and_publish(spec: JitSpec, final: Path) -> None:
     """Build in a private staging dir, keep only the library and the manifest, rename into place."""
-    import tvm_ffi.cpp  # noqa: PLC0415
+    import tvm_ffi.cpp
 
     name = f"{final.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     staging = private_subdir(final.parent, "staging") / name
@@ -314,8 +315,10 @@ def _build_and_publish(spec: JitSpec, final: Path) -> None:
                 extra_cflags=spec.host_cflags(),
                 extra_cuda_cflags=spec.cuda_cflags() if spec.is_cuda else None,
                 extra_ldflags=spec.ldflags(),
-                extra_include_paths=[str(write_generated(spec, staging / "generated")),
-                                     *(str(d) for d in spec.include_dirs())],
+                extra_include_paths=[
+                    str(write_generated(spec, staging / "generated")),
+                    *(str(d) for d in spec.include_dirs()),
+                ],
                 build_directory=str(staging / "build"),
                 backend="cuda" if spec.is_cuda else None,
             )
@@ -412,7 +415,7 @@ def _lib_name(spec: JitSpec) -> str:
 
 def _load_artifact(spec: JitSpec, final: Path):
     """Verify, dlopen and check the exports. Raises ArtifactProblem (damaged when it fails to load)."""
-    import tvm_ffi  # noqa: PLC0415
+    import tvm_ffi
 
     manifest = verify_artifact(final, hash_always=False)
     try:

@@ -131,11 +131,15 @@ def _write_choice(configured: tuple[str, ...]) -> _WriteChoice:
     temp, refused = _private_temp_dir()
     listing = _listing(skipped)
     if temp is None:
-        warn(f"jitkv: {listing}; refusing temp cache dir {_fallback_path()}: {refused}; "
-             "jit kernels that are not prebuilt fall back")
+        warn(
+            f"jitkv: {listing}; refusing temp cache dir {_fallback_path()}: {refused}; "
+            "jit kernels that are not prebuilt fall back"
+        )
         return _WriteChoice(None, True, f"{listing}; temp cache dir {_fallback_path()} refused ({refused})")
-    warn(f"jitkv: {listing}; builds go to {temp}. Set JITKV_CACHE_DIR to a directory you own and may write, "
-         "or prebuild with 'python -m jitkv prebuild'.")
+    warn(
+        f"jitkv: {listing}; builds go to {temp}. Set JITKV_CACHE_DIR to a directory you own and may write, "
+        "or prebuild with 'python -m jitkv prebuild'."
+    )
     return _WriteChoice(temp, True, "")
 
 

@@ -107,7 +107,7 @@ class JitSpec:
         """What the artifact is made of and runs on. No compiler probe: a process without a compiler
         computes the same key and loads what another machine published (the compiler that built an
         artifact is recorded in its manifest instead)."""
-        import tvm_ffi  # noqa: PLC0415  (imports torch; only when something is built or loaded)
+        import tvm_ffi
 
         on_disk, generated = self._closure()
         files = {rel: _scan(str(p))[0] for rel, p in sorted(on_disk.items())}

@@ -15,7 +15,9 @@ import warnings
 from .util import cache_once
 
 # ISA features that change what `-march=native` emits; their set is part of the CPU target.
-_ISA_FLAG = re.compile(r"^(avx\w*|amx\w*|sse\w*|ssse3|fma\w*|f16c|bmi\w*|popcnt|lzcnt|movbe|vaes|vpclmulqdq|gfni|sha_ni|adx|asimd\w*|sve\w*|fp16|bf16|i8mm)$")
+_ISA_FLAG = re.compile(
+    r"^(avx\w*|amx\w*|sse\w*|ssse3|fma\w*|f16c|bmi\w*|popcnt|lzcnt|movbe|vaes|vpclmulqdq|gfni|sha_ni|adx|asimd\w*|sve\w*|fp16|bf16|i8mm)$"
+)
 
 
 def cxx() -> str:
@@ -96,7 +98,7 @@ def ensure_ninja_on_path() -> None:
     if shutil.which("ninja"):
         return
     try:
-        import ninja  # noqa: PLC0415
+        import ninja
     except ImportError as e:
         raise FileNotFoundError("ninja not found: pip install ninja") from e
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
@@ -156,8 +158,9 @@ def cpu_isa() -> str:
         return asked
     if asked not in _ISA_WARNED:
         _ISA_WARNED.add(asked)
-        warnings.warn(f"jitkv: JITKV_CPU_ISA={asked}: this CPU lacks it; building for {host}", RuntimeWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"jitkv: JITKV_CPU_ISA={asked}: this CPU lacks it; building for {host}", RuntimeWarning, stacklevel=2
+        )
     return host
 
 
@@ -192,14 +195,14 @@ def cuda_arch(device) -> str:
 
 
 def _current_device() -> int:
-    import torch  # noqa: PLC0415
+    import torch
 
     return torch.cuda.current_device()
 
 
 @cache_once
 def _device_arch(index: int) -> str:
-    import torch  # noqa: PLC0415
+    import torch
 
     major, minor = torch.cuda.get_device_capability(index)
     return normalize_cuda_arch(f"{major}.{minor}")

@@ -21,8 +21,8 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch.compiler import is_compiling
@@ -69,7 +69,9 @@ class Param:
         return self.type.startswith("Tensor")
 
 
-_PARAM = re.compile(r"^\s*(?P<type>[A-Za-z]+(?:\((?P<alias>[a-z])!\))?\??)\s+(?P<name>\w+)\s*(?:=\s*(?P<default>.+?))?\s*$")
+_PARAM = re.compile(
+    r"^\s*(?P<type>[A-Za-z]+(?:\((?P<alias>[a-z])!\))?\??)\s+(?P<name>\w+)\s*(?:=\s*(?P<default>.+?))?\s*$"
+)
 
 
 def parse_schema(schema: str) -> tuple[Param, ...]:
@@ -116,8 +118,24 @@ class Op:
     backends:     backend order per device type (default jit -> torch on CPU, jit -> triton -> torch on CUDA).
     """
 
-    def __init__(self, fn, *, schema: str, home: str, check, reference, sample, specs, variant=None,
-                 variant_type=None, debug_check=None, triton=None, bench_cpu=None, bench_gpu=None, backends=None):
+    def __init__(
+        self,
+        fn,
+        *,
+        schema: str,
+        home: str,
+        check,
+        reference,
+        sample,
+        specs,
+        variant=None,
+        variant_type=None,
+        debug_check=None,
+        triton=None,
+        bench_cpu=None,
+        bench_gpu=None,
+        backends=None,
+    ):
         self.name, self.fn, self.schema = fn.__name__, fn, schema
         self.params = parse_schema(schema)
         names = [p.name for p in self.params]
@@ -428,4 +446,3 @@ def backend_info(op: str | None = None) -> dict:
     with _LOCK:
         snapshot = {k: {d: dict(v) for d, v in devs.items()} for k, devs in _INFO.items()}
     return snapshot.get(op, {}) if op is not None else snapshot
-

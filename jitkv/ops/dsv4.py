@@ -86,8 +86,9 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, *, block_size=64, back
     QUANTIZE_AND_INSERT_K_CACHE.run((k, k_cache, slot_mapping, block_size), backend)
 
 
-def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset=0, *,
-                                  backend=None):
+def dequantize_and_gather_k_cache(
+    out, k_cache, seq_lens, gather_lens, block_table, block_size, offset=0, *, backend=None
+):
     """Gather each request's last tokens from the DeepSeek-V4 FP8 K cache, dequantized to bf16.
 
     For request r, the last ``gather_lens[r]`` tokens (``gather_lens=None``: all ``seq_lens[r]``):
@@ -212,8 +213,9 @@ def _jit_factory(name):
     def factory(device, variant):
         if not variant.aligned:
             rows = "k" if name == WRITE_OP else "out"
-            raise BackendUnavailable(f"{rows}: the CUDA kernels need a 16-byte aligned base and row strides that "
-                                     "are multiples of 8 elements")
+            raise BackendUnavailable(
+                f"{rows}: the CUDA kernels need a 16-byte aligned base and row strides that are multiples of 8 elements"
+            )
         fn, info = jit_function(cuda_spec(cuda_arch(device)), name)
 
         def run(*args):
@@ -229,18 +231,30 @@ def _jit_factory(name):
 
 
 def _sample_cache(device, gen):
-    return DSV4_K_CACHE.allocate(4, 64, device).copy_(rand((4, DSV4_K_CACHE.block_stride(64)), torch.uint8, device, gen))
+    return DSV4_K_CACHE.allocate(4, 64, device).copy_(
+        rand((4, DSV4_K_CACHE.block_stride(64)), torch.uint8, device, gen)
+    )
 
 
 def sample_write(device, gen=None) -> dict:
-    return dict(k=rand((8, 512), torch.bfloat16, device, gen), k_cache=_sample_cache(device, gen),
-                slot_mapping=slots(256, 8, torch.int64, device, gen), block_size=64)
+    return dict(
+        k=rand((8, 512), torch.bfloat16, device, gen),
+        k_cache=_sample_cache(device, gen),
+        slot_mapping=slots(256, 8, torch.int64, device, gen),
+        block_size=64,
+    )
 
 
 def sample_gather(device, gen=None) -> dict:
-    return dict(out=rand((2, 100, 512), torch.bfloat16, device, gen), k_cache=_sample_cache(device, gen),
-                seq_lens=index([90, 200], device=device), gather_lens=index([70, 100], device=device),
-                block_table=index([[2, 0, 3, 1], [1, 3, 0, 2]], device=device), block_size=64, offset=0)
+    return dict(
+        out=rand((2, 100, 512), torch.bfloat16, device, gen),
+        k_cache=_sample_cache(device, gen),
+        seq_lens=index([90, 200], device=device),
+        gather_lens=index([70, 100], device=device),
+        block_table=index([[2, 0, 3, 1], [1, 3, 0, 2]], device=device),
+        block_size=64,
+        offset=0,
+    )
 
 
 def _paged_slots(n: int, block_size: int, num_blocks: int) -> torch.Tensor:
@@ -257,48 +271,87 @@ def _bench_gpu(h) -> list:
     rows = []
     for reqs, k_len in h.sizes(((1, 512), (1, 2048), (1, 8192), (1, 32768), (16, 4096))):
         nblk = k_len // bs
-        tables = [torch.randperm(blocks_per_layer, device="cuda")[: reqs * nblk].view(reqs, nblk).int()
-                  for _ in range(layers)]
+        tables = [
+            torch.randperm(blocks_per_layer, device="cuda")[: reqs * nblk].view(reqs, nblk).int() for _ in range(layers)
+        ]
         seq = torch.full((reqs,), k_len, dtype=torch.int32, device="cuda")
         outs = [torch.empty(reqs, k_len, 512, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
         moved = reqs * k_len * (584 + 1024) + reqs * nblk * 4
-        cases = [("torch reference", lambda i: reference.dequantize_and_gather_k_cache(outs[i], caches[i], seq, None,
-                                                                                       tables[i], bs))]
-        cases += [(name, lambda i, b=b: dequantize_and_gather_k_cache(outs[i], caches[i], seq, None, tables[i], bs,
-                                                                      backend=b))
-                  for name, b in (("jitkv auto", None), ("triton", "triton"))]
+        cases = [
+            (
+                "torch reference",
+                lambda i: reference.dequantize_and_gather_k_cache(outs[i], caches[i], seq, None, tables[i], bs),
+            )
+        ]
+        cases += [
+            (
+                name,
+                lambda i, b=b: dequantize_and_gather_k_cache(outs[i], caches[i], seq, None, tables[i], bs, backend=b),
+            )
+            for name, b in (("jitkv auto", None), ("triton", "triton"))
+        ]
         rows += h.rows(GATHER_OP, f"{reqs} req x {k_len}", reqs * k_len, moved, cases, eager=("torch reference",))
-        del outs, tables
+        outs = tables = None  # free them before the next size allocates (closures read the names)
     for n in h.sizes((1, 16, 128, 4096, 65536)):
         ks = [rand((n, 512), torch.bfloat16, "cuda") for _ in range(layers)]
         # Random unique token slots (the worst case: most 8-byte scale writes share their 32-byte
         # sector with no other write), and whole pages in random order (a prefill's paged slots).
         token_slots = [torch.randperm(blocks_per_layer * bs, device="cuda")[:n] for _ in range(layers)]
         page_slots = [_paged_slots(n, bs, blocks_per_layer) for _ in range(layers)]
-        cases = [("torch reference", lambda i: reference.quantize_and_insert_k_cache(ks[i], caches[i], token_slots[i],
-                                                                                     block_size=bs))]
+        cases = [
+            (
+                "torch reference",
+                lambda i: reference.quantize_and_insert_k_cache(ks[i], caches[i], token_slots[i], block_size=bs),
+            )
+        ]
         for kind, sms in (("", token_slots), (", paged slots", page_slots)):
-            cases += [(name + kind, lambda i, b=b, sms=sms: quantize_and_insert_k_cache(ks[i], caches[i], sms[i],
-                                                                                        block_size=bs, backend=b))
-                      for name, b in (("jitkv auto", None), ("triton", "triton"))]
+            cases += [
+                (
+                    name + kind,
+                    lambda i, b=b, sms=sms: quantize_and_insert_k_cache(
+                        ks[i], caches[i], sms[i], block_size=bs, backend=b
+                    ),
+                )
+                for name, b in (("jitkv auto", None), ("triton", "triton"))
+            ]
         rows += h.rows(WRITE_OP, "block_size 64", n, n * (1024 + 584), cases, eager=("torch reference",))
-        del ks, token_slots, page_slots
+        ks = token_slots = page_slots = None  # free them before the next size allocates (closures read the names)
     return rows
 
 
 # No CPU kernel: on CPU the torch reference is the implementation, not a fallback.
 _ORDER = {"cpu": ("torch",)}
 QUANTIZE_AND_INSERT_K_CACHE = Op(
-    quantize_and_insert_k_cache, schema="(Tensor k, Tensor(a!) k_cache, Tensor slot_mapping, *, int block_size=64)",
-    home="k_cache", check=check_write, debug_check=debug_check_write, variant=_write_variant, variant_type=Variant,
-    specs=specs, reference=reference.quantize_and_insert_k_cache, triton="quantize_and_insert_k_cache_triton",
-    sample=sample_write, bench_gpu=_bench_gpu, backends=_ORDER)
+    quantize_and_insert_k_cache,
+    schema="(Tensor k, Tensor(a!) k_cache, Tensor slot_mapping, *, int block_size=64)",
+    home="k_cache",
+    check=check_write,
+    debug_check=debug_check_write,
+    variant=_write_variant,
+    variant_type=Variant,
+    specs=specs,
+    reference=reference.quantize_and_insert_k_cache,
+    triton="quantize_and_insert_k_cache_triton",
+    sample=sample_write,
+    bench_gpu=_bench_gpu,
+    backends=_ORDER,
+)
 DEQUANTIZE_AND_GATHER_K_CACHE = Op(
-    dequantize_and_gather_k_cache, schema=("(Tensor(a!) out, Tensor k_cache, Tensor seq_lens, Tensor? gather_lens, "
-                                           "Tensor block_table, int block_size, int offset=0)"),
-    home="k_cache", check=check_gather, variant=_gather_variant, variant_type=Variant, specs=specs,
-    reference=reference.dequantize_and_gather_k_cache, triton="dequantize_and_gather_k_cache_triton",
-    sample=sample_gather, backends=_ORDER)
+    dequantize_and_gather_k_cache,
+    schema=(
+        "(Tensor(a!) out, Tensor k_cache, Tensor seq_lens, Tensor? gather_lens, "
+        "Tensor block_table, int block_size, int offset=0)"
+    ),
+    home="k_cache",
+    check=check_gather,
+    variant=_gather_variant,
+    variant_type=Variant,
+    specs=specs,
+    reference=reference.dequantize_and_gather_k_cache,
+    triton="dequantize_and_gather_k_cache_triton",
+    sample=sample_gather,
+    backends=_ORDER,
+)
 OPS_OF = {op.name: op for op in (QUANTIZE_AND_INSERT_K_CACHE, DEQUANTIZE_AND_GATHER_K_CACHE)}
 for _op in OPS_OF.values():
     _op.backend("jit")(_jit_factory(_op.name))

@@ -55,13 +55,18 @@ class IndexerKCacheLayout(layouts.PagedRecordLayout):
     def values(self, kv_cache, block_size: int) -> torch.Tensor:
         """The float8_e4m3fn ``[num_blocks, block_size, 128]`` view of a cache's values."""
         nb, stride = kv_cache.shape[0], kv_cache.stride(0)
-        return kv_cache.as_strided((nb, block_size, self.head_dim), (stride, self.head_dim, 1)).view(torch.float8_e4m3fn)
+        return kv_cache.as_strided((nb, block_size, self.head_dim), (stride, self.head_dim, 1)).view(
+            torch.float8_e4m3fn
+        )
 
     def scales(self, kv_cache, block_size: int) -> torch.Tensor:
         """The float32 ``[num_blocks, block_size]`` view of a cache's scales."""
         nb, stride = kv_cache.shape[0], kv_cache.stride(0)
-        rows = kv_cache.as_strided((nb, block_size, self.scale_bytes), (stride, self.scale_bytes, 1),
-                                   kv_cache.storage_offset() + self.scale_offset(block_size))
+        rows = kv_cache.as_strided(
+            (nb, block_size, self.scale_bytes),
+            (stride, self.scale_bytes, 1),
+            kv_cache.storage_offset() + self.scale_offset(block_size),
+        )
         return rows.view(torch.float32).squeeze(-1)
 
 
@@ -186,8 +191,10 @@ def check_gather(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_siz
     _int32(op, "block_table", block_table, dev, 2, "[batch, max_blocks]")
     _int32(op, "cu_seq_lens", cu_seq_lens, dev, 1, "[batch + 1]")
     if cu_seq_lens.shape[0] != block_table.shape[0] + 1:
-        raise ValueError(f"{op}: cu_seq_lens: expected {block_table.shape[0] + 1} entries (block_table.shape[0] + 1), "
-                         f"got {cu_seq_lens.shape[0]}")
+        raise ValueError(
+            f"{op}: cu_seq_lens: expected {block_table.shape[0] + 1} entries (block_table.shape[0] + 1), "
+            f"got {cu_seq_lens.shape[0]}"
+        )
     return kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size
 
 
@@ -200,8 +207,10 @@ def _check_dst_scale(op, s, dev, num_tokens):
     else:
         ok = s.dim() == 2 and s.shape[0] == num_tokens and s.shape[1] == Indexer.SCALE_BYTES
     if not ok:
-        raise ValueError(f"{op}: dst_scale: expected shape [T] or [T, 1] (float32) or [T, {Indexer.SCALE_BYTES}] "
-                         f"(uint8) with T = dst_k.shape[0] = {num_tokens}, got {list(s.shape)}")
+        raise ValueError(
+            f"{op}: dst_scale: expected shape [T] or [T, 1] (float32) or [T, {Indexer.SCALE_BYTES}] "
+            f"(uint8) with T = dst_k.shape[0] = {num_tokens}, got {list(s.shape)}"
+        )
     checks.last_dim_contiguous(op, "dst_scale", s)
 
 
@@ -222,19 +231,22 @@ def _aligned(t, bytes_: int) -> bool:
     contiguous counts as aligned: it is bad input, which the binding names."""
     if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
         return True
-    return t.data_ptr() % bytes_ == 0 and (t.dim() == 0 or t.shape[0] <= 1 or t.stride(0) * t.element_size() % bytes_ == 0)
+    return t.data_ptr() % bytes_ == 0 and (
+        t.dim() == 0 or t.shape[0] <= 1 or t.stride(0) * t.element_size() % bytes_ == 0
+    )
 
 
 def _write_variant(k, kv_cache, slot_mapping, block_size, scale_fmt) -> tuple:
-    return next((name for name, t in (("kv_cache", kv_cache), ("k", k)) if not _aligned(t, 16)), ""),
+    return (next((name for name, t in (("kv_cache", kv_cache), ("k", k)) if not _aligned(t, 16)), ""),)
 
 
 def _gather_variant(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size) -> tuple:
     views = (("kv_cache", kv_cache, 16), ("dst_k", dst_k, 16), ("dst_scale", dst_scale, 4))
-    return next((name for name, t, n in views if not _aligned(t, n)), ""),
+    return (next((name for name, t, n in views if not _aligned(t, n)), ""),)
 
 
 # ------------------------------------------------------------------------------------------- jit
+
 
 def cpu_spec() -> JitSpec:
     return JitSpec("indexer_cpu", ("indexer/indexer_k_cache_cpu.cpp",), exports=(WRITE_OP, GATHER_OP))
@@ -255,11 +267,13 @@ def _jit_factory(name):
     def factory(device, variant):
         if variant is not None and variant.misaligned:
             bytes_ = 4 if variant.misaligned == "dst_scale" else 16
-            raise BackendUnavailable(f"{variant.misaligned}: the CUDA kernels need a {bytes_}-byte aligned base and "
-                                     "row stride")
+            raise BackendUnavailable(
+                f"{variant.misaligned}: the CUDA kernels need a {bytes_}-byte aligned base and row stride"
+            )
         spec = cpu_spec() if device.type == "cpu" else cuda_spec(cuda_arch(device))
         fn, info = jit_function(spec, name)
         if name == WRITE_OP:
+
             def run(k, kv_cache, slot_mapping, block_size, scale_fmt):
                 fn(k, kv_cache, slot_mapping, block_size, _scale_fmt_code(scale_fmt))
         else:
@@ -273,20 +287,30 @@ def _jit_factory(name):
 
 
 def _sample_cache(device, gen):
-    return INDEXER_K_CACHE.allocate(4, 64, device).copy_(rand((4, INDEXER_K_CACHE.block_stride(64)), torch.uint8,
-                                                                device, gen))
+    return INDEXER_K_CACHE.allocate(4, 64, device).copy_(
+        rand((4, INDEXER_K_CACHE.block_stride(64)), torch.uint8, device, gen)
+    )
 
 
 def sample_write(device, gen=None) -> dict:
-    return dict(k=rand((8, 128), torch.bfloat16, device, gen), kv_cache=_sample_cache(device, gen),
-                slot_mapping=slots(256, 8, torch.int64, device, gen), block_size=64, scale_fmt="ue8m0")
+    return dict(
+        k=rand((8, 128), torch.bfloat16, device, gen),
+        kv_cache=_sample_cache(device, gen),
+        slot_mapping=slots(256, 8, torch.int64, device, gen),
+        block_size=64,
+        scale_fmt="ue8m0",
+    )
 
 
 def sample_gather(device, gen=None) -> dict:
-    return dict(kv_cache=_sample_cache(device, gen), dst_k=rand((100, 128), torch.float8_e4m3fn, device, gen),
-                dst_scale=rand((100, 4), torch.uint8, device, gen),
-                block_table=index([[2, 0, 3, 1], [1, 3, 0, 2]], device=device),
-                cu_seq_lens=index([0, 70, 95], device=device), block_size=64)
+    return dict(
+        kv_cache=_sample_cache(device, gen),
+        dst_k=rand((100, 128), torch.float8_e4m3fn, device, gen),
+        dst_scale=rand((100, 4), torch.uint8, device, gen),
+        block_table=index([[2, 0, 3, 1], [1, 3, 0, 2]], device=device),
+        cu_seq_lens=index([0, 70, 95], device=device),
+        block_size=64,
+    )
 
 
 def _bench_cpu(h) -> list:
@@ -297,16 +321,30 @@ def _bench_cpu(h) -> list:
     for n in h.sizes((1, 133, 4096)):
         k, sm = rand((n, 128), torch.bfloat16), slots(nb * bs, n)
         kw = dict(block_size=bs, scale_fmt="ue8m0")
-        rows += h.rows(WRITE_OP, "bf16, block_size 64, ue8m0", n, n * (2 * 128 + 132), [
-            ("torch reference", lambda: reference.indexer_k_quant_and_cache(k, cache, sm, **kw)),
-            ("jitkv jit", lambda: indexer_k_quant_and_cache(k, cache, sm, **kw))])
+        rows += h.rows(
+            WRITE_OP,
+            "bf16, block_size 64, ue8m0",
+            n,
+            n * (2 * 128 + 132),
+            [
+                ("torch reference", lambda: reference.indexer_k_quant_and_cache(k, cache, sm, **kw)),
+                ("jitkv jit", lambda: indexer_k_quant_and_cache(k, cache, sm, **kw)),
+            ],
+        )
     for n in h.sizes((2048, 16384)):
         table = torch.randperm(nb)[: n // bs].int()[None]
         cu = torch.tensor([0, n], dtype=torch.int32)
         args = (cache, torch.empty(n, 128, dtype=torch.uint8), torch.empty(n, dtype=torch.float32), table, cu)
-        rows += h.rows(GATHER_OP, "1 request", n, n * 2 * 132, [
-            ("torch reference", lambda: reference.gather_indexer_k_quant_cache(*args, block_size=bs)),
-            ("jitkv jit", lambda: gather_indexer_k_quant_cache(*args, block_size=bs))])
+        rows += h.rows(
+            GATHER_OP,
+            "1 request",
+            n,
+            n * 2 * 132,
+            [
+                ("torch reference", lambda: reference.gather_indexer_k_quant_cache(*args, block_size=bs)),
+                ("jitkv jit", lambda: gather_indexer_k_quant_cache(*args, block_size=bs)),
+            ],
+        )
     return rows
 
 
@@ -323,46 +361,87 @@ def _bench_gpu(h) -> list:
         def write(i, backend=None, fmt="ue8m0"):
             indexer_k_quant_and_cache(ks[i], caches[i], sms[i], block_size=bs, scale_fmt=fmt, backend=backend)
 
-        cases = [("torch reference", lambda i: reference.indexer_k_quant_and_cache(ks[i], caches[i], sms[i],
-                                                                                   block_size=bs, scale_fmt="ue8m0")),
-                 ("jitkv auto", write), ("triton", lambda i: write(i, "triton")),
-                 ("jitkv auto, fp32 scales", lambda i: write(i, fmt=None))]
-        rows += h.rows(WRITE_OP, "bf16, block_size 64, ue8m0", n, n * (2 * 128 + 132), cases,
-                       eager=("torch reference",))
-        del ks, sms
+        cases = [
+            (
+                "torch reference",
+                lambda i: reference.indexer_k_quant_and_cache(
+                    ks[i], caches[i], sms[i], block_size=bs, scale_fmt="ue8m0"
+                ),
+            ),
+            ("jitkv auto", write),
+            ("triton", lambda i: write(i, "triton")),
+            ("jitkv auto, fp32 scales", lambda i: write(i, fmt=None)),
+        ]
+        rows += h.rows(
+            WRITE_OP, "bf16, block_size 64, ue8m0", n, n * (2 * 128 + 132), cases, eager=("torch reference",)
+        )
+        ks = sms = None  # free them before the next size allocates (closures read the names)
     for reqs, length in h.sizes(((1, 2048), (1, 32768), (16, 4096))):
         nblk, tokens = length // bs, reqs * length
-        tables = [torch.randperm(blocks_per_layer, device="cuda")[: reqs * nblk].view(reqs, nblk).int()
-                  for _ in range(layers)]
+        tables = [
+            torch.randperm(blocks_per_layer, device="cuda")[: reqs * nblk].view(reqs, nblk).int() for _ in range(layers)
+        ]
         cu = (torch.arange(reqs + 1, device="cuda") * length).int()
         dst_k = [torch.empty(tokens, 128, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(layers)]
         dst_scale = [torch.empty(tokens, 4, dtype=torch.uint8, device="cuda") for _ in range(layers)]
 
         def gather(i, backend=None):
-            gather_indexer_k_quant_cache(caches[i], dst_k[i], dst_scale[i], tables[i], cu, block_size=bs,
-                                         backend=backend)
+            gather_indexer_k_quant_cache(
+                caches[i], dst_k[i], dst_scale[i], tables[i], cu, block_size=bs, backend=backend
+            )
 
-        cases = [("torch reference", lambda i: reference.gather_indexer_k_quant_cache(caches[i], dst_k[i], dst_scale[i],
-                                                                                      tables[i], cu, block_size=bs)),
-                 ("jitkv auto", gather), ("triton", lambda i: gather(i, "triton"))]
-        rows += h.rows(GATHER_OP, f"{reqs} req x {length}", tokens, tokens * 2 * 132 + reqs * nblk * 4, cases,
-                       eager=("torch reference",))
-        del tables, dst_k, dst_scale
+        cases = [
+            (
+                "torch reference",
+                lambda i: reference.gather_indexer_k_quant_cache(
+                    caches[i], dst_k[i], dst_scale[i], tables[i], cu, block_size=bs
+                ),
+            ),
+            ("jitkv auto", gather),
+            ("triton", lambda i: gather(i, "triton")),
+        ]
+        rows += h.rows(
+            GATHER_OP,
+            f"{reqs} req x {length}",
+            tokens,
+            tokens * 2 * 132 + reqs * nblk * 4,
+            cases,
+            eager=("torch reference",),
+        )
+        tables = dst_k = dst_scale = None  # free them before the next size allocates (closures read the names)
     return rows
 
 
 INDEXER_K_QUANT_AND_CACHE = Op(
     indexer_k_quant_and_cache,
     schema="(Tensor k, Tensor(a!) kv_cache, Tensor slot_mapping, *, int block_size, str? scale_fmt=None)",
-    home="kv_cache", check=check_write, debug_check=debug_check_write, variant=_write_variant, variant_type=Variant,
-    specs=specs, reference=reference.indexer_k_quant_and_cache, triton="indexer_k_quant_and_cache_triton",
-    sample=sample_write, bench_cpu=_bench_cpu, bench_gpu=_bench_gpu)
+    home="kv_cache",
+    check=check_write,
+    debug_check=debug_check_write,
+    variant=_write_variant,
+    variant_type=Variant,
+    specs=specs,
+    reference=reference.indexer_k_quant_and_cache,
+    triton="indexer_k_quant_and_cache_triton",
+    sample=sample_write,
+    bench_cpu=_bench_cpu,
+    bench_gpu=_bench_gpu,
+)
 GATHER_INDEXER_K_QUANT_CACHE = Op(
-    gather_indexer_k_quant_cache, schema=("(Tensor kv_cache, Tensor(a!) dst_k, Tensor(b!) dst_scale, "
-                                          "Tensor block_table, Tensor cu_seq_lens, *, int block_size)"),
-    home="kv_cache", check=check_gather, variant=_gather_variant, variant_type=Variant, specs=specs,
-    reference=reference.gather_indexer_k_quant_cache, triton="gather_indexer_k_quant_cache_triton",
-    sample=sample_gather)
+    gather_indexer_k_quant_cache,
+    schema=(
+        "(Tensor kv_cache, Tensor(a!) dst_k, Tensor(b!) dst_scale, "
+        "Tensor block_table, Tensor cu_seq_lens, *, int block_size)"
+    ),
+    home="kv_cache",
+    check=check_gather,
+    variant=_gather_variant,
+    variant_type=Variant,
+    specs=specs,
+    reference=reference.gather_indexer_k_quant_cache,
+    triton="gather_indexer_k_quant_cache_triton",
+    sample=sample_gather,
+)
 OPS_OF = {op.name: op for op in (INDEXER_K_QUANT_AND_CACHE, GATHER_INDEXER_K_QUANT_CACHE)}
 for _op in OPS_OF.values():
     _op.backend("jit")(_jit_factory(_op.name))

@@ -20,8 +20,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
 FP8_SRC_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope, *, kv_cache_dtype="auto", scale=None,
-                      skip_slot=None, backend=None):
+def set_mla_kv_buffer(
+    kv_buffer, loc, cache_k_nope, cache_k_rope, *, kv_cache_dtype="auto", scale=None, skip_slot=None, backend=None
+):
     """Scatter MLA rows: ``kv_buffer[loc[i], :nope] = k_nope[i]``, ``kv_buffer[loc[i], nope:nope+rope] = k_rope[i]``,
     copied, or quantized to FP8 on the way (``kv_cache_dtype``).
 
@@ -90,8 +91,9 @@ def check(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scale, ski
     return check_rows(OP, kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scale, skip_slot)
 
 
-def check_rows(op, kv_buffer, loc, k_nope, k_rope, kv_cache_dtype, scale, skip_slot,
-               names=("cache_k_nope", "cache_k_rope")):
+def check_rows(
+    op, kv_buffer, loc, k_nope, k_rope, kv_cache_dtype, scale, skip_slot, names=("cache_k_nope", "cache_k_rope")
+):
     """``check`` for op ``op``, whose nope and rope sources are named ``names``: the MLA row write of
     every op that writes rows as set_mla_kv_buffer does (jitkv/ops/rope.py too)."""
     nope_name, rope_name = names
@@ -109,17 +111,21 @@ def check_rows(op, kv_buffer, loc, k_nope, k_rope, kv_cache_dtype, scale, skip_s
         checks.same_dtype(op, rope_name, k_rope, k_nope.dtype, nope_name)
         allowed = (torch.uint8,) if fmt == KvFormat.DS_MLA else (torch.uint8, FP8_DTYPES[fmt])
         if kv_buffer.dtype not in allowed:
-            raise ValueError(f"{op}: kv_buffer: kv_cache_dtype={kv_cache_dtype!r} writes a "
-                             f"{' or '.join(checks.dtype_name(d) for d in allowed)} buffer, got "
-                             f"{checks.dtype_name(kv_buffer.dtype)}")
+            raise ValueError(
+                f"{op}: kv_buffer: kv_cache_dtype={kv_cache_dtype!r} writes a "
+                f"{' or '.join(checks.dtype_name(d) for d in allowed)} buffer, got "
+                f"{checks.dtype_name(kv_buffer.dtype)}"
+            )
     buf, nope, rope = _rows(op, names, kv_buffer, loc, k_nope, k_rope)
     if fmt == KvFormat.DS_MLA:
         _check_ds_mla(op, names, buf, nope, rope, scale)
         scale = None
     else:
         if buf.shape[1] < nope.shape[1] + rope.shape[1]:
-            raise ValueError(f"{op}: kv_buffer: row width {buf.shape[1]} is smaller than nope + rope = "
-                             f"{nope.shape[1]} + {rope.shape[1]}")
+            raise ValueError(
+                f"{op}: kv_buffer: row width {buf.shape[1]} is smaller than nope + rope = "
+                f"{nope.shape[1]} + {rope.shape[1]}"
+            )
         if fmt != KvFormat.COPY:
             scale = checks.scale(op, "scale", scale, kv_buffer.device, "kv_buffer")
     checks.written(op, "kv_buffer", buf)
@@ -138,8 +144,9 @@ def row_view(op, name, t, width_name):
     if t.dim() == 3 and t.shape[1] == 1:
         t = t.select(1, 0)
     elif t.dim() != 2:
-        raise ValueError(f"{op}: {name}: expected shape [rows, {width_name}] or [rows, 1, {width_name}], got "
-                         f"{list(t.shape)}")
+        raise ValueError(
+            f"{op}: {name}: expected shape [rows, {width_name}] or [rows, 1, {width_name}], got {list(t.shape)}"
+        )
     checks.last_dim_contiguous(op, name, t)
     return t
 
@@ -164,11 +171,14 @@ def _check_ds_mla(op, names, buf, nope, rope, scale):
         if t.shape[1] != want:
             raise ValueError(f"{op}: {name}: fp8_ds_mla takes rows of {want} values, got {t.shape[1]}")
     if buf.shape[1] < DsMla.BYTES:
-        raise ValueError(f"{op}: kv_buffer: row width {buf.shape[1]} is smaller than the {DsMla.BYTES}-byte "
-                         "fp8_ds_mla record")
+        raise ValueError(
+            f"{op}: kv_buffer: row width {buf.shape[1]} is smaller than the {DsMla.BYTES}-byte fp8_ds_mla record"
+        )
     if scale is not None:
-        raise ValueError(f"{op}: scale: kv_cache_dtype=\"fp8_ds_mla\" computes one scale per {DsMla.TILE}-value "
-                         f"tile; expected None, got {type(scale).__name__}")
+        raise ValueError(
+            f'{op}: scale: kv_cache_dtype="fp8_ds_mla" computes one scale per {DsMla.TILE}-value '
+            f"tile; expected None, got {type(scale).__name__}"
+        )
 
 
 # -------------------------------------------------------------------------------------- variants
@@ -192,8 +202,12 @@ def variant(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scale, s
     """The fields of the CUDA Variant, read on every CUDA call (fp8_ds_mla: the record's widths; a
     binding names any other width). Arguments it cannot read raise (Op.run then raises the check's error)."""
     if kv_cache_dtype == "auto":
-        return (cache_k_nope.shape[-1] * cache_k_nope.element_size(), cache_k_rope.shape[-1] * cache_k_rope.element_size(),
-                KvFormat.COPY, SrcDtype.NONE)
+        return (
+            cache_k_nope.shape[-1] * cache_k_nope.element_size(),
+            cache_k_rope.shape[-1] * cache_k_rope.element_size(),
+            KvFormat.COPY,
+            SrcDtype.NONE,
+        )
     fmt, src = KV_FORMATS[kv_cache_dtype], _FP8_SRC[cache_k_nope.dtype]
     if fmt == KvFormat.DS_MLA:
         return (2 * DsMla.NOPE, 2 * DsMla.ROPE, fmt, src)
@@ -202,20 +216,33 @@ def variant(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scale, s
 
 # ------------------------------------------------------------------------------------------- jit
 
+
 def cpu_spec() -> JitSpec:
     return JitSpec("mla_cpu", ("mla/set_mla_kv_buffer_cpu.cpp",), exports=(OP, FP8_ENTRY))
 
 
-def cuda_spec(arch: str, nope_bytes: int, rope_bytes: int, *, kernel: str = "auto", pdl: bool = True,
-              kv_format: int = KvFormat.COPY, src_dtype: int = SrcDtype.NONE) -> JitSpec:
+def cuda_spec(
+    arch: str,
+    nope_bytes: int,
+    rope_bytes: int,
+    *,
+    kernel: str = "auto",
+    pdl: bool = True,
+    kv_format: int = KvFormat.COPY,
+    src_dtype: int = SrcDtype.NONE,
+) -> JitSpec:
     """The CUDA module for rows of ``nope_bytes + rope_bytes`` source bytes: the copy (``kv_format``
     COPY, exports set_mla_kv_buffer), or the writer of an fp8 format (with ``src_dtype`` BF16 or F16;
     exports set_mla_kv_buffer_fp8). ``kernel`` (an MlaKernel / MlaFp8Kernel name, lower case) forces
     one kernel (a call it cannot run raises ValueError), ``pdl=False`` launches without programmatic
     dependent launch."""
     kernels = MlaFp8Kernel if kv_format else MlaKernel
-    args = (("nope_bytes", nope_bytes), ("rope_bytes", rope_bytes), ("kernel", int(kernels[kernel.upper()])),
-            ("pdl", int(pdl)))
+    args = (
+        ("nope_bytes", nope_bytes),
+        ("rope_bytes", rope_bytes),
+        ("kernel", int(kernels[kernel.upper()])),
+        ("pdl", int(pdl)),
+    )
     if kv_format:
         args += (("kv_format", int(kv_format)), ("src_dtype", int(src_dtype)))
         return JitSpec("mla_cuda", ("mla/set_mla_kv_buffer_fp8_cuda.cu",), args=args, target=arch, exports=(FP8_ENTRY,))
@@ -224,9 +251,14 @@ def cuda_spec(arch: str, nope_bytes: int, rope_bytes: int, *, kernel: str = "aut
 
 # Byte layouts prebuilt for CUDA: DeepSeek/Kimi bf16 512+64, fp8 528+128 and 512+64; quantizing bf16
 # 512+64 to e4m3 and to the fp8_ds_mla record.
-CUDA_PREBUILD = ((1024, 128, KvFormat.COPY, SrcDtype.NONE), (656, 0, KvFormat.COPY, SrcDtype.NONE),
-                 (528, 128, KvFormat.COPY, SrcDtype.NONE), (512, 64, KvFormat.COPY, SrcDtype.NONE),
-                 (1024, 128, KvFormat.E4M3, SrcDtype.BF16), (1024, 128, KvFormat.DS_MLA, SrcDtype.BF16))
+CUDA_PREBUILD = (
+    (1024, 128, KvFormat.COPY, SrcDtype.NONE),
+    (656, 0, KvFormat.COPY, SrcDtype.NONE),
+    (528, 128, KvFormat.COPY, SrcDtype.NONE),
+    (512, 64, KvFormat.COPY, SrcDtype.NONE),
+    (1024, 128, KvFormat.E4M3, SrcDtype.BF16),
+    (1024, 128, KvFormat.DS_MLA, SrcDtype.BF16),
+)
 
 
 def specs(target: str) -> list[JitSpec]:
@@ -239,17 +271,25 @@ def _jit(device, variant):
     if device.type == "cpu":
         spec = cpu_spec()
     else:
-        spec = cuda_spec(cuda_arch(device), variant.nope_bytes, variant.rope_bytes, kv_format=variant.kv_format,
-                         src_dtype=variant.src_dtype)
+        spec = cuda_spec(
+            cuda_arch(device),
+            variant.nope_bytes,
+            variant.rope_bytes,
+            kv_format=variant.kv_format,
+            src_dtype=variant.src_dtype,
+        )
     copy = fp8 = None
     if device.type == "cpu" or variant.kv_format == KvFormat.COPY:
         copy, info = jit_function(spec, OP)
     if device.type == "cpu" or variant.kv_format != KvFormat.COPY:
         fp8, info = jit_function(spec, FP8_ENTRY)
     if device.type == "cuda":
-        info["path"] = ("latency kernel for 16-byte aligned rows, else the bulk vector kernel" if copy else
-                        "fp8 kernel for 16-byte aligned sources (e4m3 / e5m2: one vector per lane up to 32 rows; "
-                        "then two warps per row up to 8 rows per SM, else one), else the generic fp8 kernel")
+        info["path"] = (
+            "latency kernel for 16-byte aligned rows, else the bulk vector kernel"
+            if copy
+            else "fp8 kernel for 16-byte aligned sources (e4m3 / e5m2: one vector per lane up to 32 rows; "
+            "then two warps per row up to 8 rows per SM, else one), else the generic fp8 kernel"
+        )
 
     def run(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scale, skip_slot):
         skip = NO_SLOT if skip_slot is None else skip_slot
@@ -270,8 +310,12 @@ def _jit(device, variant):
 
 def sample(device, gen=None) -> dict:
     bf16 = torch.bfloat16
-    return dict(kv_buffer=rand((64, 576), bf16, device, gen), loc=slots(64, 8, torch.int64, device, gen),
-                cache_k_nope=rand((8, 512), bf16, device, gen), cache_k_rope=rand((8, 64), bf16, device, gen))
+    return dict(
+        kv_buffer=rand((64, 576), bf16, device, gen),
+        loc=slots(64, 8, torch.int64, device, gen),
+        cache_k_nope=rand((8, 512), bf16, device, gen),
+        cache_k_rope=rand((8, 64), bf16, device, gen),
+    )
 
 
 def _bench_cpu(h) -> list:
@@ -286,16 +330,28 @@ def _bench_cpu(h) -> list:
             buf[loc, :512] = nope
             buf[loc, 512:] = rope
 
-        rows += h.rows(OP, "512+64 bf16", n, 2 * n * 1152, [
-            ("torch index", torch_index), ("jitkv jit", lambda: set_mla_kv_buffer(buf, loc, nope, rope))])
+        rows += h.rows(
+            OP,
+            "512+64 bf16",
+            n,
+            2 * n * 1152,
+            [("torch index", torch_index), ("jitkv jit", lambda: set_mla_kv_buffer(buf, loc, nope, rope))],
+        )
     for fmt, width in (("fp8_e4m3", 576), ("fp8_ds_mla", 656)):
         buf8 = torch.zeros(65536, width, dtype=torch.uint8)
         kw = dict(kv_cache_dtype=fmt, scale=None if fmt == "fp8_ds_mla" else 0.37)
         for n in h.sizes((1, 133, 4096)):
             nope, rope, loc = rand((n, 512), torch.bfloat16), rand((n, 64), torch.bfloat16), slots(65536, n)
-            rows += h.rows(OP, f"512+64 bf16 -> {fmt}", n, n * (1152 + width), [
-                ("torch reference", lambda: reference.set_mla_kv_buffer(buf8, loc, nope, rope, **kw)),
-                ("jitkv jit", lambda: set_mla_kv_buffer(buf8, loc, nope, rope, **kw))])
+            rows += h.rows(
+                OP,
+                f"512+64 bf16 -> {fmt}",
+                n,
+                n * (1152 + width),
+                [
+                    ("torch reference", lambda: reference.set_mla_kv_buffer(buf8, loc, nope, rope, **kw)),
+                    ("jitkv jit", lambda: set_mla_kv_buffer(buf8, loc, nope, rope, **kw)),
+                ],
+            )
     return rows
 
 
@@ -335,11 +391,13 @@ def _bench_gpu_copy(h, ns=MLA_NS) -> list:
             ("jit TMA", lambda i: kernel["tma"](bufs[i], locs[i], nope[i], rope[i], -1)),
             ("triton", lambda i: set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i], backend="triton")),
             ("jitkv auto, L2-warm source", lambda i: set_mla_kv_buffer(bufs[i], locs[i], nope[0], rope[0])),
-            ("triton, L2-warm source", lambda i: set_mla_kv_buffer(bufs[i], locs[i], nope[0], rope[0],
-                                                                     backend="triton")),
+            (
+                "triton, L2-warm source",
+                lambda i: set_mla_kv_buffer(bufs[i], locs[i], nope[0], rope[0], backend="triton"),
+            ),
         ]
         rows += h.rows(OP, "512+64 bf16", n, 2 * n * 1152, cases)
-        del nope, rope, locs
+        nope = rope = locs = None  # free them before the next size allocates (closures read the names)
     return rows
 
 
@@ -358,38 +416,66 @@ def _bench_gpu_fp8(h, ns=MLA_NS) -> list:
     scale = torch.tensor([0.37], device="cuda")
     rows = []
     for fmt, width, buf_dtype in (("fp8_e4m3", 576, torch.float8_e4m3fn), ("fp8_ds_mla", 656, torch.uint8)):
-        bufs = [torch.empty(rows_per_layer, width, dtype=torch.uint8, device="cuda").random_(0, 256).view(buf_dtype)
-                for _ in range(layers)]
+        bufs = [
+            torch.empty(rows_per_layer, width, dtype=torch.uint8, device="cuda").random_(0, 256).view(buf_dtype)
+            for _ in range(layers)
+        ]
         code, fmt_scale = int(KV_FORMATS[fmt]), None if fmt == "fp8_ds_mla" else scale
         kinds = ("split", "row", "generic") if fmt == "fp8_ds_mla" else ("lanes", "split", "row", "generic")
-        kernel = {k: jit_function(cuda_spec(arch, 1024, 128, kernel=k, kv_format=code, src_dtype=SrcDtype.BF16),
-                                  FP8_ENTRY)[0] for k in kinds}
+        kernel = {
+            k: jit_function(cuda_spec(arch, 1024, 128, kernel=k, kv_format=code, src_dtype=SrcDtype.BF16), FP8_ENTRY)[0]
+            for k in kinds
+        }
         for n in h.sizes(ns):
             nope = [rand((n, 512), torch.bfloat16, "cuda") for _ in range(layers)]
             rope = [rand((n, 64), torch.bfloat16, "cuda") for _ in range(layers)]
             locs = [torch.randperm(rows_per_layer, device="cuda")[:n] for _ in range(layers)]
             moved = n * (1152 + width)
             kw = dict(kv_cache_dtype=fmt, scale=fmt_scale)
-            cases = [
-                ("bf16 copy (jitkv auto)", lambda i: set_mla_kv_buffer(copy_bufs[i], locs[i], nope[i], rope[i]),
-                 n * 2 * 1152),
-                ("jitkv auto", lambda i: set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i], **kw)),
-            ] + [(f"jit {k}", lambda i, k=k: kernel[k](bufs[i], locs[i], nope[i], rope[i], -1, code, fmt_scale, -1.0))
-                 for k in kernel] + [
-                ("triton", lambda i: set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i], backend="triton", **kw)),
-            ]
+            cases = (
+                [
+                    (
+                        "bf16 copy (jitkv auto)",
+                        lambda i: set_mla_kv_buffer(copy_bufs[i], locs[i], nope[i], rope[i]),
+                        n * 2 * 1152,
+                    ),
+                    ("jitkv auto", lambda i: set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i], **kw)),
+                ]
+                + [
+                    (
+                        f"jit {k}",
+                        lambda i, k=k: kernel[k](bufs[i], locs[i], nope[i], rope[i], -1, code, fmt_scale, -1.0),
+                    )
+                    for k in kernel
+                ]
+                + [
+                    ("triton", lambda i: set_mla_kv_buffer(bufs[i], locs[i], nope[i], rope[i], backend="triton", **kw)),
+                ]
+            )
             if n == FP8_CEILING_N:
                 cases += h.contiguous_copies(moved, n if fmt == "fp8_e4m3" else 0)
             rows += h.rows(OP, f"512+64 bf16 -> {fmt}", n, moved, cases)
-            del nope, rope, locs
-        del bufs
+            nope = rope = locs = None  # free them before the next size allocates (closures read the names)
+        bufs = None  # free them before the next size allocates (closures read the names)
     return rows
 
 
-SET_MLA_KV_BUFFER = Op(set_mla_kv_buffer, schema=(
-    "(Tensor(a!) kv_buffer, Tensor loc, Tensor cache_k_nope, Tensor cache_k_rope, *, str kv_cache_dtype=\"auto\", "
-    "Scale? scale=None, int? skip_slot=None)"),
-    home="kv_buffer", check=check, debug_check=debug_check, variant=variant, variant_type=Variant, specs=specs,
-    reference=reference.set_mla_kv_buffer, triton="set_mla_kv_buffer_triton", sample=sample, bench_cpu=_bench_cpu,
-    bench_gpu=_bench_gpu)
+SET_MLA_KV_BUFFER = Op(
+    set_mla_kv_buffer,
+    schema=(
+        '(Tensor(a!) kv_buffer, Tensor loc, Tensor cache_k_nope, Tensor cache_k_rope, *, str kv_cache_dtype="auto", '
+        "Scale? scale=None, int? skip_slot=None)"
+    ),
+    home="kv_buffer",
+    check=check,
+    debug_check=debug_check,
+    variant=variant,
+    variant_type=Variant,
+    specs=specs,
+    reference=reference.set_mla_kv_buffer,
+    triton="set_mla_kv_buffer_triton",
+    sample=sample,
+    bench_cpu=_bench_cpu,
+    bench_gpu=_bench_gpu,
+)
 SET_MLA_KV_BUFFER.backend("jit")(_jit)

@@ -19,8 +19,9 @@ OP = "gather_mla_cache"
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
 
 
-def gather_mla_cache(out, kv_cache, block_table, cu_seq_lens, *, seq_starts=None, kv_cache_dtype="auto", scale=None,
-                     backend=None):
+def gather_mla_cache(
+    out, kv_cache, block_table, cu_seq_lens, *, seq_starts=None, kv_cache_dtype="auto", scale=None, backend=None
+):
     """Gather each request's tokens from a paged MLA cache into contiguous rows of ``out``.
 
     Output row ``t`` belongs to request ``r`` when ``cu_seq_lens[r] <= t < cu_seq_lens[r + 1]``; it is
@@ -125,8 +126,9 @@ def check(out, kv_cache, block_table, cu_seq_lens, seq_starts, kv_cache_dtype, s
     checks.last_dim_contiguous(OP, "block_table", block_table)
     for name, t in (("block_table", block_table), ("seq_starts", seq_starts)):
         if t is not None and t.shape[0] < num_reqs:
-            raise ValueError(f"{OP}: {name}: expected at least {num_reqs} rows (cu_seq_lens.numel() - 1), got "
-                             f"{t.shape[0]}")
+            raise ValueError(
+                f"{OP}: {name}: expected at least {num_reqs} rows (cu_seq_lens.numel() - 1), got {t.shape[0]}"
+            )
     if fmt in FP8_DTYPES:
         scale = checks.scale(OP, "scale", scale, dev, "out")
     else:
@@ -149,8 +151,9 @@ def _dtypes(out, kv_cache, kv_cache_dtype, fmt):
     want = FP8_DTYPES.get(fmt)
     if kv_cache.dtype not in (want, torch.uint8):
         need = "a uint8" if want is None else f"a {checks.dtype_name(want)} or uint8"
-        raise ValueError(f"{OP}: kv_cache_dtype: {kv_cache_dtype!r} needs {need} kv_cache, got "
-                         f"{checks.dtype_name(kv_cache.dtype)}")
+        raise ValueError(
+            f"{OP}: kv_cache_dtype: {kv_cache_dtype!r} needs {need} kv_cache, got {checks.dtype_name(kv_cache.dtype)}"
+        )
     checks.dtype(OP, "out", out, (torch.bfloat16,), f" (kv_cache_dtype={kv_cache_dtype!r} dequantizes to bf16)")
 
 
@@ -158,7 +161,9 @@ def _widths(d, w, fmt):
     """Output row width d against the cache entry width w."""
     if fmt == KvFormat.DS_MLA:
         if w != DsMla.BYTES:
-            raise ValueError(f"{OP}: kv_cache: expected entries of {DsMla.BYTES} bytes (the fp8_ds_mla record), got {w}")
+            raise ValueError(
+                f"{OP}: kv_cache: expected entries of {DsMla.BYTES} bytes (the fp8_ds_mla record), got {w}"
+            )
         want = DsMla.NOPE + DsMla.ROPE
     else:
         want = w
@@ -191,15 +196,25 @@ def variant(out, kv_cache, block_table, cu_seq_lens, seq_starts, kv_cache_dtype,
     fmt = KV_FORMATS.get(kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
     if fmt is None:
         checks.choice(OP, "kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
-    if (out.dim() != 2 or kv_cache.dim() != 3 or (out.stride(1) != 1 and out.shape[1] > 1)
-            or (kv_cache.stride(2) != 1 and kv_cache.shape[2] > 1)):
+    if (
+        out.dim() != 2
+        or kv_cache.dim() != 3
+        or (out.stride(1) != 1 and out.shape[1] > 1)
+        or (kv_cache.stride(2) != 1 and kv_cache.shape[2] > 1)
+    ):
         return (fmt, _ANY_ROW_BYTES, True)
     oes, ces = out.element_size(), kv_cache.element_size()
     row = out.shape[1] * oes
     cache_align = 8 if fmt in FP8_DTYPES else 16
-    aligned = (row > 0 and row % 16 == 0 and out.data_ptr() % 16 == 0 and out.stride(0) * oes % 16 == 0
-               and kv_cache.data_ptr() % cache_align == 0 and kv_cache.stride(0) * ces % cache_align == 0
-               and kv_cache.stride(1) * ces % cache_align == 0)
+    aligned = (
+        row > 0
+        and row % 16 == 0
+        and out.data_ptr() % 16 == 0
+        and out.stride(0) * oes % 16 == 0
+        and kv_cache.data_ptr() % cache_align == 0
+        and kv_cache.stride(0) * ces % cache_align == 0
+        and kv_cache.stride(1) * ces % cache_align == 0
+    )
     return (fmt, row, True) if aligned else (fmt, _ANY_ROW_BYTES, False)
 
 
@@ -212,9 +227,13 @@ def cpu_spec() -> JitSpec:
 
 def cuda_spec(arch: str, kv_format: int, out_row_bytes: int) -> JitSpec:
     """The CUDA module for one format (a KvFormat) and output rows of ``out_row_bytes``."""
-    return JitSpec("mla_gather_cuda", ("mla_gather/gather_mla_cache_cuda.cu",),
-                   args=(("format", int(kv_format)), ("out_bytes", out_row_bytes)), target=arch,
-                   exports=(OP,))
+    return JitSpec(
+        "mla_gather_cuda",
+        ("mla_gather/gather_mla_cache_cuda.cu",),
+        args=(("format", int(kv_format)), ("out_bytes", out_row_bytes)),
+        target=arch,
+        exports=(OP,),
+    )
 
 
 # Prebuilt CUDA variants: 576-dim rows (DeepSeek MLA 512 + 64) of bf16/fp16 copies, e4m3, e5m2, fp8_ds_mla.
@@ -232,8 +251,10 @@ def _jit(device, variant):
         spec = cpu_spec()
     else:
         if not variant.aligned:
-            raise BackendUnavailable("the CUDA kernel needs 16-byte aligned output rows and 16-byte (per-tensor "
-                                     "fp8: 8-byte) aligned cache entries")
+            raise BackendUnavailable(
+                "the CUDA kernel needs 16-byte aligned output rows and 16-byte (per-tensor "
+                "fp8: 8-byte) aligned cache entries"
+            )
         spec = cuda_spec(cuda_arch(device), variant.kv_format, variant.out_row_bytes)
     fn, info = jit_function(spec, OP)
 
@@ -252,11 +273,15 @@ def _jit(device, variant):
 
 def sample(device, gen=None) -> dict:
     """fp8 e4m3 with a tensor scale; request 1 runs past its table (zero rows), rows 45+ untouched."""
-    return dict(out=rand((50, 576), torch.bfloat16, device, gen),
-                kv_cache=rand((6, 16, 576), torch.float8_e4m3fn, device, gen),
-                block_table=index([[3, 0, 5], [1, 2, 4]], device=device),
-                cu_seq_lens=index([0, 20, 45], torch.int64, device), seq_starts=index([5, 30], device=device),
-                kv_cache_dtype="fp8_e4m3", scale=torch.tensor([0.37], device=device))
+    return dict(
+        out=rand((50, 576), torch.bfloat16, device, gen),
+        kv_cache=rand((6, 16, 576), torch.float8_e4m3fn, device, gen),
+        block_table=index([[3, 0, 5], [1, 2, 4]], device=device),
+        cu_seq_lens=index([0, 20, 45], torch.int64, device),
+        seq_starts=index([5, 30], device=device),
+        kv_cache_dtype="fp8_e4m3",
+        scale=torch.tensor([0.37], device=device),
+    )
 
 
 def _bench_cpu(h, reqs=4, tokens=1024, block_size=64) -> list:
@@ -266,12 +291,21 @@ def _bench_cpu(h, reqs=4, tokens=1024, block_size=64) -> list:
     table = torch.randperm(2 * reqs * nblk)[: reqs * nblk].view(reqs, nblk).int()
     cu = torch.arange(0, (reqs + 1) * tokens, tokens, dtype=torch.int32)
     out = torch.empty(reqs * tokens, 576, dtype=torch.bfloat16)
-    for fmt, cache in (("auto", rand((2 * reqs * nblk, block_size, 576), torch.bfloat16)),
-                       ("fp8_e4m3", rand((2 * reqs * nblk, block_size, 576), torch.float8_e4m3fn))):
+    for fmt, cache in (
+        ("auto", rand((2 * reqs * nblk, block_size, 576), torch.bfloat16)),
+        ("fp8_e4m3", rand((2 * reqs * nblk, block_size, 576), torch.float8_e4m3fn)),
+    ):
         kw = dict(kv_cache_dtype=fmt, scale=0.5 if fmt != "auto" else None)
-        rows += h.rows(OP, f"{reqs} req x {tokens}, {fmt}", reqs * tokens, reqs * tokens * 576 * (cache.element_size() + 2), [
-            ("torch reference", lambda: reference.gather_mla_cache(out, cache, table, cu, **kw)),
-            ("jitkv jit", lambda: gather_mla_cache(out, cache, table, cu, **kw))])
+        rows += h.rows(
+            OP,
+            f"{reqs} req x {tokens}, {fmt}",
+            reqs * tokens,
+            reqs * tokens * 576 * (cache.element_size() + 2),
+            [
+                ("torch reference", lambda: reference.gather_mla_cache(out, cache, table, cu, **kw)),
+                ("jitkv jit", lambda: gather_mla_cache(out, cache, table, cu, **kw)),
+            ],
+        )
     return rows
 
 
@@ -282,33 +316,56 @@ def _bench_gpu(h) -> list:
     nblk, dims = tokens // bs, DsMla.NOPE + DsMla.ROPE
     cu = torch.arange(0, (reqs + 1) * tokens, tokens, dtype=torch.int32, device="cuda")
     rows = []
-    for label, fmt, width in ((f"{dims} bf16 -> bf16", "auto", 2 * dims),
-                              (f"fp8_ds_mla -> {dims} bf16", "fp8_ds_mla", DsMla.BYTES)):
-        caches = [torch.empty(blocks_per_layer, bs, width, dtype=torch.uint8, device="cuda").random_(0, 256)
-                  for _ in range(layers)]
+    for label, fmt, width in (
+        (f"{dims} bf16 -> bf16", "auto", 2 * dims),
+        (f"fp8_ds_mla -> {dims} bf16", "fp8_ds_mla", DsMla.BYTES),
+    ):
+        caches = [
+            torch.empty(blocks_per_layer, bs, width, dtype=torch.uint8, device="cuda").random_(0, 256)
+            for _ in range(layers)
+        ]
         if fmt == "auto":
             caches = [c.view(torch.bfloat16) for c in caches]
         else:  # finite tile scales (random bytes would hold NaNs and infinities)
             for c in caches:
                 scales = torch.rand(blocks_per_layer, bs, DsMla.TILES, device="cuda")
-                c[..., DsMla.SCALE_OFFSET:DsMla.ROPE_OFFSET] = scales.view(torch.uint8)
-        tables = [torch.randperm(blocks_per_layer, device="cuda")[: reqs * nblk].view(reqs, nblk).int()
-                  for _ in range(layers)]
+                c[..., DsMla.SCALE_OFFSET : DsMla.ROPE_OFFSET] = scales.view(torch.uint8)
+        tables = [
+            torch.randperm(blocks_per_layer, device="cuda")[: reqs * nblk].view(reqs, nblk).int() for _ in range(layers)
+        ]
         outs = [torch.empty(reqs * tokens, dims, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
         moved = reqs * tokens * (width + 2 * dims) + reqs * nblk * 4
-        cases = [("torch reference", lambda i: reference.gather_mla_cache(outs[i], caches[i], tables[i], cu,
-                                                                          kv_cache_dtype=fmt))]
-        cases += [(name, lambda i, b=b: gather_mla_cache(outs[i], caches[i], tables[i], cu, kv_cache_dtype=fmt, backend=b))
-                  for name, b in (("jitkv auto", None), ("triton", "triton"))]
+        cases = [
+            (
+                "torch reference",
+                lambda i: reference.gather_mla_cache(outs[i], caches[i], tables[i], cu, kv_cache_dtype=fmt),
+            )
+        ]
+        cases += [
+            (name, lambda i, b=b: gather_mla_cache(outs[i], caches[i], tables[i], cu, kv_cache_dtype=fmt, backend=b))
+            for name, b in (("jitkv auto", None), ("triton", "triton"))
+        ]
         rows += h.rows(OP, f"{reqs} req x {tokens}, {label}", reqs * tokens, moved, cases, eager=("torch reference",))
-        del caches, tables, outs
+        caches = tables = outs = None  # free them before the next size allocates (closures read the names)
     return rows
 
 
-GATHER_MLA_CACHE = Op(gather_mla_cache, schema=(
-    "(Tensor(a!) out, Tensor kv_cache, Tensor block_table, Tensor cu_seq_lens, *, Tensor? seq_starts=None, "
-    "str kv_cache_dtype=\"auto\", Scale? scale=None)"),
-    home="out", check=check, debug_check=debug_check, variant=variant, variant_type=Variant, specs=specs,
-    reference=reference.gather_mla_cache, triton="gather_mla_cache_triton", sample=sample, bench_cpu=_bench_cpu,
-    bench_gpu=_bench_gpu)
+GATHER_MLA_CACHE = Op(
+    gather_mla_cache,
+    schema=(
+        "(Tensor(a!) out, Tensor kv_cache, Tensor block_table, Tensor cu_seq_lens, *, Tensor? seq_starts=None, "
+        'str kv_cache_dtype="auto", Scale? scale=None)'
+    ),
+    home="out",
+    check=check,
+    debug_check=debug_check,
+    variant=variant,
+    variant_type=Variant,
+    specs=specs,
+    reference=reference.gather_mla_cache,
+    triton="gather_mla_cache_triton",
+    sample=sample,
+    bench_cpu=_bench_cpu,
+    bench_gpu=_bench_gpu,
+)
 GATHER_MLA_CACHE.backend("jit")(_jit)

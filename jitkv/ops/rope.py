@@ -24,9 +24,31 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NORM_GROUP = 8  # the fixed-order RMSNorm sums squares in groups of 8 dims (docs/design.md §9)
 
 
-def rope_store_cache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, *, is_neox, rotary_dim=None,
-                     q_norm_weight=None, k_norm_weight=None, eps=1e-6, q_out=None, q_scale=None, k_out=None,
-                     kv_cache_dtype="auto", k_scale=None, v_scale=None, loc_map=None, skip_slot=None, backend=None):
+def rope_store_cache(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    *,
+    is_neox,
+    rotary_dim=None,
+    q_norm_weight=None,
+    k_norm_weight=None,
+    eps=1e-6,
+    q_out=None,
+    q_scale=None,
+    k_out=None,
+    kv_cache_dtype="auto",
+    k_scale=None,
+    v_scale=None,
+    loc_map=None,
+    skip_slot=None,
+    backend=None,
+):
     """RoPE on q and k (after a per-head RMSNorm when weights are given), and K/V written into their
     caches as ``store_cache`` writes them: the MHA/GQA attention prologue in one call.
 
@@ -91,14 +113,53 @@ def rope_store_cache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin
     kernel lands. The RMSNorm of Qwen3 (HF Qwen3RMSNorm) and the RoPE of Llama / GPT-NeoX / GPT-J
     (HF apply_rotary_pos_emb), vLLM's and sglang's cos_sin_cache layout.
     """
-    ROPE_STORE_CACHE.run((q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, rotary_dim,
-                          q_norm_weight, k_norm_weight, eps, q_out, q_scale, k_out, kv_cache_dtype, k_scale, v_scale,
-                          loc_map, skip_slot), backend)
+    ROPE_STORE_CACHE.run(
+        (
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            positions,
+            cos_sin_cache,
+            is_neox,
+            rotary_dim,
+            q_norm_weight,
+            k_norm_weight,
+            eps,
+            q_out,
+            q_scale,
+            k_out,
+            kv_cache_dtype,
+            k_scale,
+            v_scale,
+            loc_map,
+            skip_slot,
+        ),
+        backend,
+    )
 
 
-def rope_set_mla_kv_buffer(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, *, is_neox, q_pe=None, q_nope=None,
-                           q_out=None, q_scale=None, k_pe_out=None, kv_cache_dtype="auto", scale=None, skip_slot=None,
-                           backend=None):
+def rope_set_mla_kv_buffer(
+    kv_buffer,
+    loc,
+    kv_c,
+    k_pe,
+    positions,
+    cos_sin_cache,
+    *,
+    is_neox,
+    q_pe=None,
+    q_nope=None,
+    q_out=None,
+    q_scale=None,
+    k_pe_out=None,
+    kv_cache_dtype="auto",
+    scale=None,
+    skip_slot=None,
+    backend=None,
+):
     """RoPE on MLA's shared key k_pe (and the queries' q_pe), and the row ``[kv_c | rope(k_pe)]`` written
     as ``set_mla_kv_buffer`` writes it: the MLA attention prologue in one call.
 
@@ -139,22 +200,65 @@ def rope_set_mla_kv_buffer(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache,
     rotated (and q_nope copied or quantized) into q_out. DeepSeek's MLA (vLLM's
     concat_and_cache_mla_rope_fused, FlashInfer's rope_quantize_fp8_append_paged_kv_cache).
     """
-    ROPE_SET_MLA_KV_BUFFER.run((kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out,
-                                q_scale, k_pe_out, kv_cache_dtype, scale, skip_slot), backend)
+    ROPE_SET_MLA_KV_BUFFER.run(
+        (
+            kv_buffer,
+            loc,
+            kv_c,
+            k_pe,
+            positions,
+            cos_sin_cache,
+            is_neox,
+            q_pe,
+            q_nope,
+            q_out,
+            q_scale,
+            k_pe_out,
+            kv_cache_dtype,
+            scale,
+            skip_slot,
+        ),
+        backend,
+    )
 
 
 # ---------------------------------------------------------------------------------------- checks
 
 
-def check(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, rotary_dim, q_norm_weight,
-          k_norm_weight, eps, q_out, q_scale, k_out, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot):
+def check(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    is_neox,
+    rotary_dim,
+    q_norm_weight,
+    k_norm_weight,
+    eps,
+    q_out,
+    q_scale,
+    k_out,
+    kv_cache_dtype,
+    k_scale,
+    v_scale,
+    loc_map,
+    skip_slot,
+):
     """The arguments as the reference, Triton and the CPU binding take them: q, q_out ``[n', Hq, D]``,
     k, k_out ``[n', Hk, D]``, v ``[n', Hk, Dv]``, caches ``[num_blocks, block_size, Hk, D]``, rotary_dim
     resolved, eps a float, parsed scales (None where unused)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
         checks.tensor(OP, name, t)
-    for name, t in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight), ("q_out", q_out),
-                    ("k_out", k_out)):
+    for name, t in (
+        ("q_norm_weight", q_norm_weight),
+        ("k_norm_weight", k_norm_weight),
+        ("q_out", q_out),
+        ("k_out", k_out),
+    ):
         checks.optional_tensor(OP, name, t)
     _flag(OP, "is_neox", is_neox)
     eps = _eps(OP, eps)
@@ -184,8 +288,29 @@ def check(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_
                 checks.disjoint(OP, name, t, cache_name, cache)
     if q_out is None:
         checks.written(OP, "q", q3)
-    return (q3, k3, v3, kc, vc, slot_mapping, positions, cos_sin_cache, is_neox, rot, q_norm_weight, k_norm_weight, eps,
-            q_out, q_scale, k_out, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot)
+    return (
+        q3,
+        k3,
+        v3,
+        kc,
+        vc,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        is_neox,
+        rot,
+        q_norm_weight,
+        k_norm_weight,
+        eps,
+        q_out,
+        q_scale,
+        k_out,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
+        loc_map,
+        skip_slot,
+    )
 
 
 def _flag(op, name, value):
@@ -206,8 +331,10 @@ def _head_dim(q, k, k_cache):
     for t, dims in ((q, (3,)), (k, (3,)), (k_cache, (3, 4))):
         if t.dim() in dims:
             return t.shape[-1]
-    raise ValueError(f"{OP}: q: cannot tell the head dim from [tokens, heads * head_dim] q, k and k_cache; pass q "
-                     f"or k as [tokens, heads, head_dim], got shape {list(q.shape)}")
+    raise ValueError(
+        f"{OP}: q: cannot tell the head dim from [tokens, heads * head_dim] q, k and k_cache; pass q "
+        f"or k as [tokens, heads, head_dim], got shape {list(q.shape)}"
+    )
 
 
 def _v_head_dim(v, heads):
@@ -223,8 +350,9 @@ def _heads(op, name, t, d):
             raise ValueError(f"{op}: {name}: expected head_dim {d}, got shape {list(t.shape)}")
         return t
     if t.dim() != 2 or d == 0 or t.shape[1] % d:
-        raise ValueError(f"{op}: {name}: expected shape [tokens, heads, {d}] or [tokens, heads * {d}], got "
-                         f"{list(t.shape)}")
+        raise ValueError(
+            f"{op}: {name}: expected shape [tokens, heads, {d}] or [tokens, heads * {d}], got {list(t.shape)}"
+        )
     checks.last_dim_contiguous(op, name, t)
     return t.view(t.shape[0], t.shape[1] // d, d)
 
@@ -237,8 +365,10 @@ def _rotary(op, rotary_dim, cos_sin_cache, width, src_dtype):
     if rot <= 0 or rot % 2 or rot > width:
         raise ValueError(f"{op}: rotary_dim: expected an even number in [2, {width}] (head_dim), got {rot}")
     if cos_sin_cache.shape[1] != rot:
-        raise ValueError(f"{op}: cos_sin_cache: expected [max_pos, rotary_dim] = [max_pos, {rot}] (cos half then sin "
-                         f"half), got {list(cos_sin_cache.shape)}")
+        raise ValueError(
+            f"{op}: cos_sin_cache: expected [max_pos, rotary_dim] = [max_pos, {rot}] (cos half then sin "
+            f"half), got {list(cos_sin_cache.shape)}"
+        )
     checks.dtype(op, "cos_sin_cache", cos_sin_cache, tuple(dict.fromkeys((torch.float32, src_dtype))))
     checks.last_dim_contiguous(op, "cos_sin_cache", cos_sin_cache)
     return rot
@@ -257,8 +387,10 @@ def _norm_weight(name, w, d, src_dtype, dev):
     if w.dim() != 1 or w.shape[0] != d:
         raise ValueError(f"{OP}: {name}: expected shape [head_dim] = [{d}], got {list(w.shape)}")
     if d % NORM_GROUP:
-        raise ValueError(f"{OP}: {name}: the fixed-order RMSNorm sums groups of {NORM_GROUP} dims; head_dim {d} is not "
-                         f"a multiple of {NORM_GROUP}")
+        raise ValueError(
+            f"{OP}: {name}: the fixed-order RMSNorm sums groups of {NORM_GROUP} dims; head_dim {d} is not "
+            f"a multiple of {NORM_GROUP}"
+        )
     checks.last_dim_contiguous(OP, name, w)
     checks.same_device(OP, name, w, dev, "k_cache")
 
@@ -299,8 +431,29 @@ def _k_out(k_out, k3, n, dev):
     return out
 
 
-def debug_check(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, rotary_dim, q_norm_weight,
-                k_norm_weight, eps, q_out, q_scale, k_out, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot):
+def debug_check(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    is_neox,
+    rotary_dim,
+    q_norm_weight,
+    k_norm_weight,
+    eps,
+    q_out,
+    q_scale,
+    k_out,
+    kv_cache_dtype,
+    k_scale,
+    v_scale,
+    loc_map,
+    skip_slot,
+):
     """JITKV_DEBUG=1 on CUDA: device scales' values, every position (a CUDA kernel clamps one outside
     the table into it), then every slot's range, on the host."""
     scales = [("q_scale", q_scale)]
@@ -310,12 +463,28 @@ def debug_check(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cach
         if isinstance(s, torch.Tensor):
             checks.scale_tensor_value(OP, name, s)
     reference.check_positions(positions, slot_mapping.numel(), cos_sin_cache.shape[0], op=OP)
-    reference.check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1], skip_slot=skip_slot, loc_map=loc_map,
-                          op=OP)
+    reference.check_slots(
+        slot_mapping, k_cache.shape[0] * k_cache.shape[1], skip_slot=skip_slot, loc_map=loc_map, op=OP
+    )
 
 
-def check_mla(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out, q_scale, k_pe_out,
-              kv_cache_dtype, scale, skip_slot):
+def check_mla(
+    kv_buffer,
+    loc,
+    kv_c,
+    k_pe,
+    positions,
+    cos_sin_cache,
+    is_neox,
+    q_pe,
+    q_nope,
+    q_out,
+    q_scale,
+    k_pe_out,
+    kv_cache_dtype,
+    scale,
+    skip_slot,
+):
     """The arguments as the reference, Triton and the CPU binding take them: kv_buffer, kv_c, k_pe and
     k_pe_out as 2-D rows, q_pe ``[n', H, R]``, q_nope ``[n', H, nope_q]``, q_out ``[n', H, nope_q + R]``,
     parsed scales."""
@@ -347,8 +516,23 @@ def check_mla(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_p
     for name, t in (("q_out", q_out), ("k_pe_out", k_pe_out), ("q_pe", q_pe if q_out is None else None)):
         if t is not None:
             checks.disjoint(MLA_OP, name, t, "kv_buffer", buf)
-    return (buf, loc, nope, rope, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out, q_scale, k_pe_out,
-            kv_cache_dtype, scale, skip_slot)
+    return (
+        buf,
+        loc,
+        nope,
+        rope,
+        positions,
+        cos_sin_cache,
+        is_neox,
+        q_pe,
+        q_nope,
+        q_out,
+        q_scale,
+        k_pe_out,
+        kv_cache_dtype,
+        scale,
+        skip_slot,
+    )
 
 
 def _mla_queries(q_pe, q_nope, q_out, q_scale, rope, n, dev):
@@ -364,8 +548,9 @@ def _mla_queries(q_pe, q_nope, q_out, q_scale, rope, n, dev):
         return None, None, None, None
     checks.same_dtype(MLA_OP, "q_pe", q_pe, rope.dtype, "k_pe")
     if q_pe.dim() != 3 or q_pe.shape[2] != rope.shape[1]:
-        raise ValueError(f"{MLA_OP}: q_pe: expected shape [tokens, heads, {rope.shape[1]}] (k_pe's width), got "
-                         f"{list(q_pe.shape)}")
+        raise ValueError(
+            f"{MLA_OP}: q_pe: expected shape [tokens, heads, {rope.shape[1]}] (k_pe's width), got {list(q_pe.shape)}"
+        )
     checks.rows_at_least(MLA_OP, "q_pe", q_pe, n, "loc")
     checks.last_dim_contiguous(MLA_OP, "q_pe", q_pe)
     checks.same_device(MLA_OP, "q_pe", q_pe, dev, "kv_buffer")
@@ -375,8 +560,9 @@ def _mla_queries(q_pe, q_nope, q_out, q_scale, rope, n, dev):
         return q_pe, None, None, None
     checks.same_dtype(MLA_OP, "q_nope", q_nope, rope.dtype, "k_pe")
     if q_nope.dim() != 3 or q_nope.shape[1] != q_pe.shape[1]:
-        raise ValueError(f"{MLA_OP}: q_nope: expected shape [tokens, {q_pe.shape[1]}, nope] (q_pe's heads), got "
-                         f"{list(q_nope.shape)}")
+        raise ValueError(
+            f"{MLA_OP}: q_nope: expected shape [tokens, {q_pe.shape[1]}, nope] (q_pe's heads), got {list(q_nope.shape)}"
+        )
     checks.rows_at_least(MLA_OP, "q_nope", q_nope, n, "loc")
     checks.last_dim_contiguous(MLA_OP, "q_nope", q_nope)
     checks.same_device(MLA_OP, "q_nope", q_nope, dev, "kv_buffer")
@@ -385,8 +571,23 @@ def _mla_queries(q_pe, q_nope, q_out, q_scale, rope, n, dev):
     return q_pe, q_nope, q_out, q_scale
 
 
-def debug_check_mla(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out, q_scale,
-                    k_pe_out, kv_cache_dtype, scale, skip_slot):
+def debug_check_mla(
+    kv_buffer,
+    loc,
+    kv_c,
+    k_pe,
+    positions,
+    cos_sin_cache,
+    is_neox,
+    q_pe,
+    q_nope,
+    q_out,
+    q_scale,
+    k_pe_out,
+    kv_cache_dtype,
+    scale,
+    skip_slot,
+):
     """JITKV_DEBUG=1 on CUDA: device scales, positions, then every loc's range, on the host."""
     for name, s in (("q_scale", q_scale), ("scale", scale)):
         if isinstance(s, torch.Tensor):
@@ -424,21 +625,73 @@ def _q_mode(q_out) -> RopeQ:
     return {torch.float8_e4m3fn: RopeQ.E4M3, torch.float8_e5m2: RopeQ.E5M2}.get(q_out.dtype, RopeQ.COPY)
 
 
-def variant(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, rotary_dim, q_norm_weight,
-            k_norm_weight, eps, q_out, q_scale, k_out, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot) -> tuple:
+def variant(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    is_neox,
+    rotary_dim,
+    q_norm_weight,
+    k_norm_weight,
+    eps,
+    q_out,
+    q_scale,
+    k_out,
+    kv_cache_dtype,
+    k_scale,
+    v_scale,
+    loc_map,
+    skip_slot,
+) -> tuple:
     """The fields of the CUDA Variant, read on every CUDA call; arguments the checks refuse raise here."""
     try:
         d = _head_dim(q, k, k_cache)
         heads = k.shape[1] if k.dim() == 3 else k.shape[1] // d
         dv = v.shape[-1] if v.dim() == 3 else v.shape[1] // heads
         weight = q_norm_weight if q_norm_weight is not None else k_norm_weight
-        return (d, dv, cos_sin_cache.shape[1] if rotary_dim is None else rotary_dim, is_neox,
-                q_norm_weight is not None, k_norm_weight is not None, SRC_DTYPES[q.dtype],
-                SRC_DTYPES[cos_sin_cache.dtype], SrcDtype.NONE if weight is None else SRC_DTYPES[weight.dtype],
-                _q_mode(q_out), KV_FORMATS[kv_cache_dtype], True)
+        return (
+            d,
+            dv,
+            cos_sin_cache.shape[1] if rotary_dim is None else rotary_dim,
+            is_neox,
+            q_norm_weight is not None,
+            k_norm_weight is not None,
+            SRC_DTYPES[q.dtype],
+            SRC_DTYPES[cos_sin_cache.dtype],
+            SrcDtype.NONE if weight is None else SRC_DTYPES[weight.dtype],
+            _q_mode(q_out),
+            KV_FORMATS[kv_cache_dtype],
+            True,
+        )
     except (AttributeError, IndexError, KeyError, TypeError, ValueError, ZeroDivisionError):
-        check(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, rotary_dim, q_norm_weight,
-              k_norm_weight, eps, q_out, q_scale, k_out, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot)
+        check(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            positions,
+            cos_sin_cache,
+            is_neox,
+            rotary_dim,
+            q_norm_weight,
+            k_norm_weight,
+            eps,
+            q_out,
+            q_scale,
+            k_out,
+            kv_cache_dtype,
+            k_scale,
+            v_scale,
+            loc_map,
+            skip_slot,
+        )
         raise
 
 
@@ -457,15 +710,53 @@ class MlaVariant:
     aligned: bool = True  # False: a call whose views the CUDA kernel refused
 
 
-def variant_mla(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out, q_scale, k_pe_out,
-                kv_cache_dtype, scale, skip_slot) -> tuple:
+def variant_mla(
+    kv_buffer,
+    loc,
+    kv_c,
+    k_pe,
+    positions,
+    cos_sin_cache,
+    is_neox,
+    q_pe,
+    q_nope,
+    q_out,
+    q_scale,
+    k_pe_out,
+    kv_cache_dtype,
+    scale,
+    skip_slot,
+) -> tuple:
     """The fields of the CUDA MlaVariant, read on every CUDA call; refused arguments raise here."""
     try:
-        return (kv_c.shape[-1], k_pe.shape[-1], is_neox, SRC_DTYPES[k_pe.dtype], SRC_DTYPES[cos_sin_cache.dtype],
-                RopeQ.NONE if q_pe is None else _q_mode(q_out), KV_FORMATS[kv_cache_dtype], True)
+        return (
+            kv_c.shape[-1],
+            k_pe.shape[-1],
+            is_neox,
+            SRC_DTYPES[k_pe.dtype],
+            SRC_DTYPES[cos_sin_cache.dtype],
+            RopeQ.NONE if q_pe is None else _q_mode(q_out),
+            KV_FORMATS[kv_cache_dtype],
+            True,
+        )
     except (AttributeError, IndexError, KeyError, TypeError):
-        check_mla(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out, q_scale,
-                  k_pe_out, kv_cache_dtype, scale, skip_slot)
+        check_mla(
+            kv_buffer,
+            loc,
+            kv_c,
+            k_pe,
+            positions,
+            cos_sin_cache,
+            is_neox,
+            q_pe,
+            q_nope,
+            q_out,
+            q_scale,
+            k_pe_out,
+            kv_cache_dtype,
+            scale,
+            skip_slot,
+        )
         raise
 
 
@@ -482,18 +773,40 @@ def cuda_spec(arch: str, v: Variant, *, pdl: bool = True) -> JitSpec:
     """rope_store_cache's CUDA module for a Variant (rope/rope_store_cache_cuda.cu): NeoX or GPT-J, the
     norms and the cos/sin and weight dtypes are read per call, so variants that differ only there share
     a module."""
-    return JitSpec("rope_store_cache_cuda", ("rope/rope_store_cache_cuda.cu",), args=(
-        ("head_dim", v.head_dim), ("v_head_dim", v.v_head_dim), ("rotary_dim", v.rotary_dim),
-        ("src_dtype", int(v.src_dtype)), ("q_mode", int(v.q_mode)), ("kv_dtype", int(v.kv_format)),
-        ("pdl", int(pdl))), target=arch, exports=(OP,))
+    return JitSpec(
+        "rope_store_cache_cuda",
+        ("rope/rope_store_cache_cuda.cu",),
+        args=(
+            ("head_dim", v.head_dim),
+            ("v_head_dim", v.v_head_dim),
+            ("rotary_dim", v.rotary_dim),
+            ("src_dtype", int(v.src_dtype)),
+            ("q_mode", int(v.q_mode)),
+            ("kv_dtype", int(v.kv_format)),
+            ("pdl", int(pdl)),
+        ),
+        target=arch,
+        exports=(OP,),
+    )
 
 
 def cuda_mla_spec(arch: str, v: MlaVariant, *, pdl: bool = True) -> JitSpec:
     """rope_set_mla_kv_buffer's CUDA module for an MlaVariant (rope/rope_set_mla_kv_buffer_cuda.cu); NeoX
     or GPT-J and the cos/sin dtype are read per call."""
-    return JitSpec("rope_set_mla_kv_buffer_cuda", ("rope/rope_set_mla_kv_buffer_cuda.cu",), args=(
-        ("nope", v.nope_dim), ("rope", v.rope_dim), ("src_dtype", int(v.src_dtype)), ("q_mode", int(v.q_mode)),
-        ("kv_dtype", int(v.kv_format)), ("pdl", int(pdl))), target=arch, exports=(MLA_OP,))
+    return JitSpec(
+        "rope_set_mla_kv_buffer_cuda",
+        ("rope/rope_set_mla_kv_buffer_cuda.cu",),
+        args=(
+            ("nope", v.nope_dim),
+            ("rope", v.rope_dim),
+            ("src_dtype", int(v.src_dtype)),
+            ("q_mode", int(v.q_mode)),
+            ("kv_dtype", int(v.kv_format)),
+            ("pdl", int(pdl)),
+        ),
+        target=arch,
+        exports=(MLA_OP,),
+    )
 
 
 LANE_BYTES = 16  # a CUDA lane holds 16 source bytes; a head's lanes are one group of at most a warp
@@ -526,17 +839,23 @@ def cuda_mla_refusal(v: MlaVariant):
     if not v.aligned:
         return "the call's views are not aligned to the kernel's 16-byte lanes"
     if v.kv_format == KvFormat.DS_MLA and (v.nope_dim, v.rope_dim, v.src_dtype) not in (
-            (DsMla.NOPE, DsMla.ROPE, SrcDtype.BF16), (DsMla.NOPE, DsMla.ROPE, SrcDtype.F16)):
+        (DsMla.NOPE, DsMla.ROPE, SrcDtype.BF16),
+        (DsMla.NOPE, DsMla.ROPE, SrcDtype.F16),
+    ):
         return "fp8_ds_mla rows are 512 + 64 bf16 or fp16 values"
     return _lane_refusal(v.rope_dim, v.rope_dim, v.is_neox, v.src_dtype, v.nope_dim)
 
 
 # Prebuilt CUDA modules: head_dim 128 (Llama-3, Qwen3: with or without the norm, NeoX or GPT-J) bf16 with q
 # in place or into an e4m3 q_out, bf16 or e4m3 caches; DeepSeek MLA 512 + 64 bf16, e4m3 and fp8_ds_mla rows.
-CUDA_PREBUILD = tuple(Variant(128, 128, 128, True, False, False, SrcDtype.BF16, SrcDtype.F32, SrcDtype.NONE, q_mode, kv)
-                      for q_mode, kv in ((RopeQ.IN_PLACE, KvFormat.COPY), (RopeQ.E4M3, KvFormat.E4M3)))
-CUDA_MLA_PREBUILD = tuple(MlaVariant(512, 64, False, SrcDtype.BF16, SrcDtype.F32, RopeQ.IN_PLACE, kv)
-                          for kv in (KvFormat.COPY, KvFormat.E4M3, KvFormat.DS_MLA))
+CUDA_PREBUILD = tuple(
+    Variant(128, 128, 128, True, False, False, SrcDtype.BF16, SrcDtype.F32, SrcDtype.NONE, q_mode, kv)
+    for q_mode, kv in ((RopeQ.IN_PLACE, KvFormat.COPY), (RopeQ.E4M3, KvFormat.E4M3))
+)
+CUDA_MLA_PREBUILD = tuple(
+    MlaVariant(512, 64, False, SrcDtype.BF16, SrcDtype.F32, RopeQ.IN_PLACE, kv)
+    for kv in (KvFormat.COPY, KvFormat.E4M3, KvFormat.DS_MLA)
+)
 
 
 def specs(target: str) -> list[JitSpec]:
@@ -569,8 +888,29 @@ def _jit(device, variant):
         spec, retry = cpu_spec(), None
     fn, info = jit_function(spec, OP)
 
-    def run(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, rotary_dim, q_norm_weight,
-            k_norm_weight, eps, q_out, q_scale, k_out, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot):
+    def run(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        is_neox,
+        rotary_dim,
+        q_norm_weight,
+        k_norm_weight,
+        eps,
+        q_out,
+        q_scale,
+        k_out,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
+        loc_map,
+        skip_slot,
+    ):
         _flag(OP, "is_neox", is_neox)  # tvm-ffi would take 0 / 1 for a bool
         d = _head_dim(q, k, k_cache)
         q3, k3 = _as_heads(q, d), _as_heads(k, d)
@@ -579,11 +919,33 @@ def _jit(device, variant):
         qs, qs_value = scale_args(OP, "q_scale", q_scale)
         ks, ks_value = scale_args(OP, "k_scale", k_scale)
         vs, vs_value = scale_args(OP, "v_scale", v_scale)
-        status = fn(q3, k3, v3, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox,
-                    cos_sin_cache.shape[1] if rotary_dim is None else rotary_dim, q_norm_weight, k_norm_weight, eps,
-                    q_dst, q_mode, qs, qs_value, _as_heads(k_out, d), loc_map,
-                    NO_SLOT if skip_slot is None else skip_slot, _kv_format(OP, kv_cache_dtype), ks, vs, ks_value,
-                    vs_value)
+        status = fn(
+            q3,
+            k3,
+            v3,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            positions,
+            cos_sin_cache,
+            is_neox,
+            cos_sin_cache.shape[1] if rotary_dim is None else rotary_dim,
+            q_norm_weight,
+            k_norm_weight,
+            eps,
+            q_dst,
+            q_mode,
+            qs,
+            qs_value,
+            _as_heads(k_out, d),
+            loc_map,
+            NO_SLOT if skip_slot is None else skip_slot,
+            _kv_format(OP, kv_cache_dtype),
+            ks,
+            vs,
+            ks_value,
+            vs_value,
+        )
         return retry if status else None
 
     return ROPE_STORE_CACHE.with_debug_checks(device, run), info
@@ -608,17 +970,49 @@ def _jit_mla(device, variant):
         spec, retry = cpu_spec(), None
     fn, info = jit_function(spec, MLA_OP)
 
-    def run(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out, q_scale, k_pe_out,
-            kv_cache_dtype, scale, skip_slot):
+    def run(
+        kv_buffer,
+        loc,
+        kv_c,
+        k_pe,
+        positions,
+        cos_sin_cache,
+        is_neox,
+        q_pe,
+        q_nope,
+        q_out,
+        q_scale,
+        k_pe_out,
+        kv_cache_dtype,
+        scale,
+        skip_slot,
+    ):
         _flag(MLA_OP, "is_neox", is_neox)
         q_mode = int(RopeQ.NONE) if q_pe is None else int(_q_mode(q_out))
         if q_out is not None and q_out.dim() == 2 and q_pe is not None and q_nope is not None:
             q_out = q_out.view(q_out.shape[0], q_pe.shape[1], -1)
         qs, qs_value = scale_args(MLA_OP, "q_scale", q_scale)
         s, s_value = scale_args(MLA_OP, "scale", scale)
-        status = fn(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out, q_mode, qs,
-                    qs_value, k_pe_out, NO_SLOT if skip_slot is None else skip_slot,
-                    _kv_format(MLA_OP, kv_cache_dtype), s, s_value)
+        status = fn(
+            kv_buffer,
+            loc,
+            kv_c,
+            k_pe,
+            positions,
+            cos_sin_cache,
+            is_neox,
+            q_pe,
+            q_nope,
+            q_out,
+            q_mode,
+            qs,
+            qs_value,
+            k_pe_out,
+            NO_SLOT if skip_slot is None else skip_slot,
+            _kv_format(MLA_OP, kv_cache_dtype),
+            s,
+            s_value,
+        )
         return retry if status else None
 
     return ROPE_SET_MLA_KV_BUFFER.with_debug_checks(device, run), info
@@ -639,26 +1033,44 @@ def sample(device, gen=None) -> dict:
     """Qwen3-style: QK-norm, NeoX, bf16 -> an e4m3 q_out and e4m3 caches (per-head K scales), k_out."""
     bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
     n, hq, hk, d = 8, 4, 2, 64
-    return dict(q=rand((n, hq, d), bf16, device, gen), k=rand((n, hk, d), bf16, device, gen),
-                v=rand((n, hk, d), bf16, device, gen), k_cache=rand((32, hk, d), e4m3, device, gen),
-                v_cache=rand((32, hk, d), e4m3, device, gen), slot_mapping=slots(32, n, torch.int32, device, gen),
-                positions=torch.randint(0, 64, (n,), generator=gen).to(device), cos_sin_cache=cos_sin_table(64, d,
-                device=device), is_neox=True, q_norm_weight=rand((d,), bf16, device, gen),
-                k_norm_weight=rand((d,), bf16, device, gen), q_out=rand((n, hq, d), e4m3, device, gen),
-                q_scale=torch.tensor([0.25], device=device), k_out=rand((n, hk, d), bf16, device, gen),
-                kv_cache_dtype="fp8_e4m3", k_scale=torch.tensor([0.5, 2.0], device=device), v_scale=1.5)
+    return dict(
+        q=rand((n, hq, d), bf16, device, gen),
+        k=rand((n, hk, d), bf16, device, gen),
+        v=rand((n, hk, d), bf16, device, gen),
+        k_cache=rand((32, hk, d), e4m3, device, gen),
+        v_cache=rand((32, hk, d), e4m3, device, gen),
+        slot_mapping=slots(32, n, torch.int32, device, gen),
+        positions=torch.randint(0, 64, (n,), generator=gen).to(device),
+        cos_sin_cache=cos_sin_table(64, d, device=device),
+        is_neox=True,
+        q_norm_weight=rand((d,), bf16, device, gen),
+        k_norm_weight=rand((d,), bf16, device, gen),
+        q_out=rand((n, hq, d), e4m3, device, gen),
+        q_scale=torch.tensor([0.25], device=device),
+        k_out=rand((n, hk, d), bf16, device, gen),
+        kv_cache_dtype="fp8_e4m3",
+        k_scale=torch.tensor([0.5, 2.0], device=device),
+        v_scale=1.5,
+    )
 
 
 def sample_mla(device, gen=None) -> dict:
     """DeepSeek-style 512 + 64, GPT-J rope, bf16 into an fp8_ds_mla buffer, q_out = [q_nope | rope(q_pe)]."""
     bf16, n, h = torch.bfloat16, 8, 4
-    return dict(kv_buffer=rand((64, 656), torch.uint8, device, gen), loc=slots(64, n, torch.int64, device, gen),
-                kv_c=rand((n, 512), bf16, device, gen), k_pe=rand((n, 64), bf16, device, gen),
-                positions=torch.randint(0, 64, (n,), dtype=torch.int32, generator=gen).to(device),
-                cos_sin_cache=cos_sin_table(64, 64, device=device), is_neox=False,
-                q_pe=rand((n, h, 64), bf16, device, gen), q_nope=rand((n, h, 512), bf16, device, gen),
-                q_out=rand((n, h, 576), bf16, device, gen), k_pe_out=rand((n, 64), bf16, device, gen),
-                kv_cache_dtype="fp8_ds_mla")
+    return dict(
+        kv_buffer=rand((64, 656), torch.uint8, device, gen),
+        loc=slots(64, n, torch.int64, device, gen),
+        kv_c=rand((n, 512), bf16, device, gen),
+        k_pe=rand((n, 64), bf16, device, gen),
+        positions=torch.randint(0, 64, (n,), dtype=torch.int32, generator=gen).to(device),
+        cos_sin_cache=cos_sin_table(64, 64, device=device),
+        is_neox=False,
+        q_pe=rand((n, h, 64), bf16, device, gen),
+        q_nope=rand((n, h, 512), bf16, device, gen),
+        q_out=rand((n, h, 576), bf16, device, gen),
+        k_pe_out=rand((n, 64), bf16, device, gen),
+        kv_cache_dtype="fp8_ds_mla",
+    )
 
 
 # The unfused baselines: what an engine runs without this op, in torch (vLLM's RotaryEmbedding
@@ -696,8 +1108,9 @@ def _mla_unfused(a):
     """torch RoPE on q_pe (written back) and k_pe, then jitkv.set_mla_kv_buffer."""
     a["q_pe"].copy_(torch_rope(a["q_pe"], a["positions"], a["cos_sin_cache"], False))
     k_rot = torch_rope(a["k_pe"].unsqueeze(1), a["positions"], a["cos_sin_cache"], False)[:, 0]
-    set_mla_kv_buffer(a["kv_buffer"], a["loc"], a["kv_c"], k_rot, kv_cache_dtype=a["kv_cache_dtype"],
-                      scale=a.get("scale"))
+    set_mla_kv_buffer(
+        a["kv_buffer"], a["loc"], a["kv_c"], k_rot, kv_cache_dtype=a["kv_cache_dtype"], scale=a.get("scale")
+    )
 
 
 # (case, Hq or H, Hk, head dim, QK-norm): the models of the benchmark.
@@ -709,14 +1122,20 @@ def _mha_args(hq, hk, d, norm, n, num_slots, kv, device="cpu", slot_mapping=None
     bf16 = torch.bfloat16
     # Qwen3 (norm): q, k and v as views of one packed qkv projection, as engines pass them.
     qkv = rand((n, (hq + 2 * hk) * d), bf16, device) if norm else None
-    q, k, v = (qkv.split([hq * d, hk * d, hk * d], dim=1) if norm else
-               (rand((n, h, d), bf16, device) for h in (hq, hk, hk)))
+    q, k, v = (
+        qkv.split([hq * d, hk * d, hk * d], dim=1) if norm else (rand((n, h, d), bf16, device) for h in (hq, hk, hk))
+    )
     if norm:
         q, k, v = q.view(n, hq, d), k.view(n, hk, d), v.view(n, hk, d)
-    a = dict(q=q, k=k, v=v,
-             slot_mapping=slots(num_slots, n, device=device) if slot_mapping is None else slot_mapping,
-             positions=torch.randint(0, 4096, (n,), device=device), cos_sin_cache=cos_sin_table(4096, d,
-             device=device), is_neox=True)
+    a = dict(
+        q=q,
+        k=k,
+        v=v,
+        slot_mapping=slots(num_slots, n, device=device) if slot_mapping is None else slot_mapping,
+        positions=torch.randint(0, 4096, (n,), device=device),
+        cos_sin_cache=cos_sin_table(4096, d, device=device),
+        is_neox=True,
+    )
     # Rotated q into q_out, so that every timed call sees the same q (normed in place again and again, its
     # values would drift into subnormals, which cost a CPU far more than normal floats).
     a["q_out"] = torch.empty_like(a["q"])
@@ -726,20 +1145,26 @@ def _mha_args(hq, hk, d, norm, n, num_slots, kv, device="cpu", slot_mapping=None
         a.update(q_norm_weight=rand((d,), bf16, device), k_norm_weight=rand((d,), bf16, device))
     if kv != "auto":  # device scales: a Python float would reach store_cache's Triton kernel as a host copy,
         # which CUDA-graph capture refuses
-        a.update(kv_cache_dtype=kv, k_scale=torch.tensor([0.5], device=device),
-                 v_scale=torch.tensor([0.25], device=device))
+        a.update(
+            kv_cache_dtype=kv, k_scale=torch.tensor([0.5], device=device), v_scale=torch.tensor([0.25], device=device)
+        )
     return a
 
 
 def _mla_args(n, num_slots, kv, device="cpu", buf=None):
     bf16 = torch.bfloat16
     width = 656 if kv == "fp8_ds_mla" else 576
-    a = dict(kv_buffer=buf if buf is not None else rand((num_slots, width), bf16 if kv == "auto" else torch.uint8,
-                                                        device),
-             loc=slots(num_slots, n, device=device), kv_c=rand((n, 512), bf16, device),
-             k_pe=rand((n, 64), bf16, device),
-             positions=torch.randint(0, 4096, (n,), device=device), cos_sin_cache=cos_sin_table(4096, 64,
-             device=device), is_neox=False, q_pe=rand((n, MLA_HEADS, 64), bf16, device), kv_cache_dtype=kv)
+    a = dict(
+        kv_buffer=buf if buf is not None else rand((num_slots, width), bf16 if kv == "auto" else torch.uint8, device),
+        loc=slots(num_slots, n, device=device),
+        kv_c=rand((n, 512), bf16, device),
+        k_pe=rand((n, 64), bf16, device),
+        positions=torch.randint(0, 4096, (n,), device=device),
+        cos_sin_cache=cos_sin_table(4096, 64, device=device),
+        is_neox=False,
+        q_pe=rand((n, MLA_HEADS, 64), bf16, device),
+        kv_cache_dtype=kv,
+    )
     if kv == "fp8_e4m3":
         a["scale"] = torch.tensor([0.5], device=device)
     return a
@@ -769,15 +1194,29 @@ def _bench_cpu(h) -> list:
         for kv in ("auto", "fp8_e4m3"):
             for n in h.sizes((1, 133, 4096)):
                 a = _mha_args(hq, hk, d, norm, n, 8192, kv)
-                rows += h.rows(OP, f"{case} bf16 -> {'bf16' if kv == 'auto' else 'e4m3'}", n, _mha_bytes(a), [
-                    ("torch unfused + jitkv store_cache", lambda: _mha_unfused(a)),
-                    ("jitkv jit", lambda: rope_store_cache(**a))])
+                rows += h.rows(
+                    OP,
+                    f"{case} bf16 -> {'bf16' if kv == 'auto' else 'e4m3'}",
+                    n,
+                    _mha_bytes(a),
+                    [
+                        ("torch unfused + jitkv store_cache", lambda: _mha_unfused(a)),
+                        ("jitkv jit", lambda: rope_store_cache(**a)),
+                    ],
+                )
     for kv in ("auto", "fp8_ds_mla"):
         for n in h.sizes((1, 133, 1024)):
             a = _mla_args(n, 8192, kv)
-            rows += h.rows(MLA_OP, f"DeepSeek H{MLA_HEADS} 512+64 bf16 -> {kv}", n, _mla_bytes(a), [
-                ("torch unfused + jitkv set_mla_kv_buffer", lambda: _mla_unfused(a)),
-                ("jitkv jit", lambda: rope_set_mla_kv_buffer(**a))])
+            rows += h.rows(
+                MLA_OP,
+                f"DeepSeek H{MLA_HEADS} 512+64 bf16 -> {kv}",
+                n,
+                _mla_bytes(a),
+                [
+                    ("torch unfused + jitkv set_mla_kv_buffer", lambda: _mla_unfused(a)),
+                    ("jitkv jit", lambda: rope_set_mla_kv_buffer(**a)),
+                ],
+            )
     return rows
 
 
@@ -792,31 +1231,47 @@ def _bench_gpu(h, ns=ROPE_NS) -> list:
     for case, hq, hk, d, norm in MHA_MODELS:
         for kv in ("auto", "fp8_e4m3"):
             cache_dtype = torch.bfloat16 if kv == "auto" else torch.float8_e4m3fn
-            caches = [tuple(rand((slots_per_layer, hk, d), cache_dtype, "cuda") for _ in "kv")
-                      for _ in range(h.layers)]
+            caches = [tuple(rand((slots_per_layer, hk, d), cache_dtype, "cuda") for _ in "kv") for _ in range(h.layers)]
             for n in h.sizes(ns):
-                args = [_mha_args(hq, hk, d, norm, n, slots_per_layer, kv, "cuda", caches=caches[i])
-                        for i in range(h.layers)]
-                cases = [("torch unfused + jitkv store_cache", lambda i: _mha_unfused(args[i])),
-                         ("jitkv store_cache alone (no RoPE)", lambda i: _write_only(args[i]), _kv_bytes(args[0]))]
-                cases += [(f"jitkv {b}", lambda i, b=b: rope_store_cache(**args[i], backend=b))
-                          for b in ROPE_STORE_CACHE.order["cuda"] if b != "torch"]
-                rows += h.rows(OP, f"{case} bf16 -> {'bf16' if kv == 'auto' else 'e4m3'}", n, _mha_bytes(args[0]),
-                               cases, floor="rope")
-                del args
-            del caches
+                args = [
+                    _mha_args(hq, hk, d, norm, n, slots_per_layer, kv, "cuda", caches=caches[i])
+                    for i in range(h.layers)
+                ]
+                cases = [
+                    ("torch unfused + jitkv store_cache", lambda i: _mha_unfused(args[i])),
+                    ("jitkv store_cache alone (no RoPE)", lambda i: _write_only(args[i]), _kv_bytes(args[0])),
+                ]
+                cases += [
+                    (f"jitkv {b}", lambda i, b=b: rope_store_cache(**args[i], backend=b))
+                    for b in ROPE_STORE_CACHE.order["cuda"]
+                    if b != "torch"
+                ]
+                rows += h.rows(
+                    OP,
+                    f"{case} bf16 -> {'bf16' if kv == 'auto' else 'e4m3'}",
+                    n,
+                    _mha_bytes(args[0]),
+                    cases,
+                    floor="rope",
+                )
+                args = None  # free them before the next size allocates (closures read the names)
+            caches = None  # free them before the next size allocates (closures read the names)
     for kv in ("auto", "fp8_e4m3"):
         width, dtype = (576, torch.bfloat16) if kv == "auto" else (576, torch.uint8)
         bufs = [rand((slots_per_layer, width), dtype, "cuda") for _ in range(h.layers)]
         for n in h.sizes(ns):
             args = [_mla_args(n, slots_per_layer, kv, "cuda", buf=bufs[i]) for i in range(h.layers)]
             cases = [("torch unfused + jitkv set_mla_kv_buffer", lambda i: _mla_unfused(args[i]))]
-            cases += [(f"jitkv {b}", lambda i, b=b: rope_set_mla_kv_buffer(**args[i], backend=b))
-                      for b in ROPE_SET_MLA_KV_BUFFER.order["cuda"] if b != "torch"]
-            rows += h.rows(MLA_OP, f"DeepSeek H{MLA_HEADS} 512+64 bf16 -> {kv}", n, _mla_bytes(args[0]), cases,
-                           floor="rope")
-            del args
-        del bufs
+            cases += [
+                (f"jitkv {b}", lambda i, b=b: rope_set_mla_kv_buffer(**args[i], backend=b))
+                for b in ROPE_SET_MLA_KV_BUFFER.order["cuda"]
+                if b != "torch"
+            ]
+            rows += h.rows(
+                MLA_OP, f"DeepSeek H{MLA_HEADS} 512+64 bf16 -> {kv}", n, _mla_bytes(args[0]), cases, floor="rope"
+            )
+            args = None  # free them before the next size allocates (closures read the names)
+        bufs = None  # free them before the next size allocates (closures read the names)
     return rows
 
 
@@ -826,22 +1281,44 @@ def _write_only(a):
     store_cache(a["k"], a["v"], a["k_cache"], a["v_cache"], a["slot_mapping"], **scales)
 
 
-ROPE_STORE_CACHE = Op(rope_store_cache, schema=(
-    "(Tensor(a!) q, Tensor k, Tensor v, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, "
-    "Tensor positions, Tensor cos_sin_cache, *, bool is_neox, int? rotary_dim=None, Tensor? q_norm_weight=None, "
-    "Tensor? k_norm_weight=None, float eps=1e-06, Tensor(d!)? q_out=None, Scale? q_scale=None, "
-    "Tensor(e!)? k_out=None, str kv_cache_dtype=\"auto\", Scale? k_scale=None, Scale? v_scale=None, "
-    "Tensor? loc_map=None, int? skip_slot=None)"),
-    home="k_cache", check=check, debug_check=debug_check, variant=variant, variant_type=Variant, specs=specs,
-    reference=reference.rope_store_cache, triton="rope_store_cache_triton", sample=sample, bench_cpu=_bench_cpu,
-    bench_gpu=_bench_gpu)  # the benchmark cases of both ops
+ROPE_STORE_CACHE = Op(
+    rope_store_cache,
+    schema=(
+        "(Tensor(a!) q, Tensor k, Tensor v, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, "
+        "Tensor positions, Tensor cos_sin_cache, *, bool is_neox, int? rotary_dim=None, Tensor? q_norm_weight=None, "
+        "Tensor? k_norm_weight=None, float eps=1e-06, Tensor(d!)? q_out=None, Scale? q_scale=None, "
+        'Tensor(e!)? k_out=None, str kv_cache_dtype="auto", Scale? k_scale=None, Scale? v_scale=None, '
+        "Tensor? loc_map=None, int? skip_slot=None)"
+    ),
+    home="k_cache",
+    check=check,
+    debug_check=debug_check,
+    variant=variant,
+    variant_type=Variant,
+    specs=specs,
+    reference=reference.rope_store_cache,
+    triton="rope_store_cache_triton",
+    sample=sample,
+    bench_cpu=_bench_cpu,
+    bench_gpu=_bench_gpu,
+)  # the benchmark cases of both ops
 ROPE_STORE_CACHE.backend("jit")(_jit)
 
-ROPE_SET_MLA_KV_BUFFER = Op(rope_set_mla_kv_buffer, schema=(
-    "(Tensor(a!) kv_buffer, Tensor loc, Tensor kv_c, Tensor k_pe, Tensor positions, Tensor cos_sin_cache, *, "
-    "bool is_neox, Tensor(b!)? q_pe=None, Tensor? q_nope=None, Tensor(c!)? q_out=None, Scale? q_scale=None, "
-    "Tensor(d!)? k_pe_out=None, str kv_cache_dtype=\"auto\", Scale? scale=None, int? skip_slot=None)"),
-    home="kv_buffer", check=check_mla, debug_check=debug_check_mla, variant=variant_mla, variant_type=MlaVariant,
-    specs=specs, reference=reference.rope_set_mla_kv_buffer, triton="rope_set_mla_kv_buffer_triton",
-    sample=sample_mla)
+ROPE_SET_MLA_KV_BUFFER = Op(
+    rope_set_mla_kv_buffer,
+    schema=(
+        "(Tensor(a!) kv_buffer, Tensor loc, Tensor kv_c, Tensor k_pe, Tensor positions, Tensor cos_sin_cache, *, "
+        "bool is_neox, Tensor(b!)? q_pe=None, Tensor? q_nope=None, Tensor(c!)? q_out=None, Scale? q_scale=None, "
+        'Tensor(d!)? k_pe_out=None, str kv_cache_dtype="auto", Scale? scale=None, int? skip_slot=None)'
+    ),
+    home="kv_buffer",
+    check=check_mla,
+    debug_check=debug_check_mla,
+    variant=variant_mla,
+    variant_type=MlaVariant,
+    specs=specs,
+    reference=reference.rope_set_mla_kv_buffer,
+    triton="rope_set_mla_kv_buffer_triton",
+    sample=sample_mla,
+)
 ROPE_SET_MLA_KV_BUFFER.backend("jit")(_jit_mla)

@@ -77,7 +77,9 @@ def store_cache(
     aligned (the 16-byte build checks them and answers before launching), take the any-alignment build
     (the widest vector the call allows). Triton (one program per row) as the fallback.
     """
-    STORE_CACHE.run((k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot), backend)
+    STORE_CACHE.run(
+        (k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot), backend
+    )
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -114,8 +116,10 @@ def check_kv(op, k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, 
     checks.written(op, "v_cache", v_cache)
     checks.disjoint(op, "k_cache", k_cache, "v_cache", v_cache)
     if kcv.shape[0] * kcv.shape[1] != vcv.shape[0] * vcv.shape[1]:
-        raise ValueError(f"{op}: v_cache: expected {kcv.shape[0] * kcv.shape[1]} slots (as k_cache), got "
-                         f"{vcv.shape[0] * vcv.shape[1]} (shape {list(v_cache.shape)})")
+        raise ValueError(
+            f"{op}: v_cache: expected {kcv.shape[0] * kcv.shape[1]} slots (as k_cache), got "
+            f"{vcv.shape[0] * vcv.shape[1]} (shape {list(v_cache.shape)})"
+        )
     if kv_cache_dtype != "auto":
         k_scale = checks.scale(op, "k_scale", k_scale, dev, "k_cache", heads=h)
         v_scale = checks.scale(op, "v_scale", v_scale, dev, "k_cache", heads=h)
@@ -127,8 +131,9 @@ def debug_check(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if kv_cache_dtype != "auto" and isinstance(s, torch.Tensor):
             checks.scale_tensor_value(OP, name, s)
-    reference.check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1], skip_slot=skip_slot, loc_map=loc_map,
-                          op=OP)
+    reference.check_slots(
+        slot_mapping, k_cache.shape[0] * k_cache.shape[1], skip_slot=skip_slot, loc_map=loc_map, op=OP
+    )
 
 
 def _num_heads(op, tensors):
@@ -151,11 +156,15 @@ def _dtypes(op, src_name, src, cache_name, cache, kv_cache_dtype):
     want = FP8_DTYPES[KV_FORMATS[kv_cache_dtype]]
     checks.dtype(op, src_name, src, tuple(SRC_DTYPES), " (fp8 quantize-on-write)")
     if cache.dtype in FP8_MAX and cache.dtype != want:
-        raise ValueError(f"{op}: {cache_name}: dtype {checks.dtype_name(cache.dtype)} does not match "
-                         f"kv_cache_dtype={kv_cache_dtype!r}")
+        raise ValueError(
+            f"{op}: {cache_name}: dtype {checks.dtype_name(cache.dtype)} does not match "
+            f"kv_cache_dtype={kv_cache_dtype!r}"
+        )
     if cache.dtype not in (want, torch.uint8):
-        raise ValueError(f"{op}: kv_cache_dtype: {kv_cache_dtype!r} needs a {checks.dtype_name(want)} or uint8 "
-                         f"{cache_name}, got {checks.dtype_name(cache.dtype)}")
+        raise ValueError(
+            f"{op}: kv_cache_dtype: {kv_cache_dtype!r} needs a {checks.dtype_name(want)} or uint8 "
+            f"{cache_name}, got {checks.dtype_name(cache.dtype)}"
+        )
 
 
 def _pair_views(op, src_name, src, cache_name, cache, n, h):
@@ -163,16 +172,19 @@ def _pair_views(op, src_name, src, cache_name, cache, n, h):
     if src.dim() not in (2, 3):
         raise ValueError(f"{op}: {src_name}: expected shape [tokens, H, D] or [tokens, H*D], got {list(src.shape)}")
     if cache.dim() not in (2, 3, 4):
-        raise ValueError(f"{op}: {cache_name}: expected shape [slots, H, D], [slots, H*D] or [num_blocks, "
-                         f"block_size, H, D], got {list(cache.shape)}")
+        raise ValueError(
+            f"{op}: {cache_name}: expected shape [slots, H, D], [slots, H*D] or [num_blocks, "
+            f"block_size, H, D], got {list(cache.shape)}"
+        )
     checks.last_dim_contiguous(op, src_name, src)
     checks.last_dim_contiguous(op, cache_name, cache)
     checks.rows_at_least(op, src_name, src, n, "slot_mapping")
     src_row = math.prod(src.shape[1:])
     cache_row = math.prod(cache.shape[-2:]) if cache.dim() >= 3 else cache.shape[1]
     if src_row != cache_row or src_row % h:
-        raise ValueError(f"{op}: {cache_name}: row of {cache_row} elements does not match {src_name}'s {src_row} "
-                         f"({h} heads)")
+        raise ValueError(
+            f"{op}: {cache_name}: row of {cache_row} elements does not match {src_name}'s {src_row} ({h} heads)"
+        )
     d = src_row // h
     src_v = src if src.dim() == 3 else src.view(src.shape[0], h, d)
     if cache.dim() == 4:
@@ -243,21 +255,35 @@ def cpu_spec() -> JitSpec:
     return JitSpec("store_cache_cpu", ("store_cache/store_cache_cpu.cpp",), exports=(OP, COPY_ENTRY))
 
 
-def cuda_spec(arch: str, k_head_bytes: int, v_head_bytes: int, src_dtype: int, kv_format: int, *,
-              pdl: bool = True) -> JitSpec:
+def cuda_spec(
+    arch: str, k_head_bytes: int, v_head_bytes: int, src_dtype: int, kv_format: int, *, pdl: bool = True
+) -> JitSpec:
     """The CUDA module for caches of ``k_head_bytes``/``v_head_bytes`` per head (0 and 0: the
     any-alignment build), sources of ``src_dtype`` (a SrcDtype; NONE for a copy) and the cache format
     ``kv_format`` (a KvFormat); ``pdl=False`` launches without programmatic dependent launch."""
-    return JitSpec("store_cache_cuda", ("store_cache/store_cache_cuda.cu",),
-                   args=(("k_head_bytes", k_head_bytes), ("v_head_bytes", v_head_bytes), ("src_dtype", int(src_dtype)),
-                         ("kv_dtype", int(kv_format)), ("pdl", int(pdl))),
-                   target=arch, exports=(OP, COPY_ENTRY))
+    return JitSpec(
+        "store_cache_cuda",
+        ("store_cache/store_cache_cuda.cu",),
+        args=(
+            ("k_head_bytes", k_head_bytes),
+            ("v_head_bytes", v_head_bytes),
+            ("src_dtype", int(src_dtype)),
+            ("kv_dtype", int(kv_format)),
+            ("pdl", int(pdl)),
+        ),
+        target=arch,
+        exports=(OP, COPY_ENTRY),
+    )
 
 
 # Prebuilt CUDA variants: bf16/fp16 head_dim 64, 128, 256 copies; bf16 -> e4m3 at 128; any alignment.
-CUDA_PREBUILD = ((128, 128, SrcDtype.NONE, KvFormat.COPY), (256, 256, SrcDtype.NONE, KvFormat.COPY),
-                 (512, 512, SrcDtype.NONE, KvFormat.COPY), (128, 128, SrcDtype.BF16, KvFormat.E4M3),
-                 (0, 0, SrcDtype.NONE, KvFormat.COPY))
+CUDA_PREBUILD = (
+    (128, 128, SrcDtype.NONE, KvFormat.COPY),
+    (256, 256, SrcDtype.NONE, KvFormat.COPY),
+    (512, 512, SrcDtype.NONE, KvFormat.COPY),
+    (128, 128, SrcDtype.BF16, KvFormat.E4M3),
+    (0, 0, SrcDtype.NONE, KvFormat.COPY),
+)
 
 
 def specs(target: str) -> list[JitSpec]:
@@ -270,8 +296,9 @@ def _jit(device, variant):
     if device.type == "cpu":
         spec, retry = cpu_spec(), None
     else:
-        spec = cuda_spec(cuda_arch(device), variant.k_head_bytes, variant.v_head_bytes, variant.src_dtype,
-                         variant.kv_format)
+        spec = cuda_spec(
+            cuda_arch(device), variant.k_head_bytes, variant.v_head_bytes, variant.src_dtype, variant.kv_format
+        )
         retry = variant.any_alignment() if variant.aligned else None
     fn, info = jit_function(spec, OP)
     copy_fn, _ = jit_function(spec, COPY_ENTRY)
@@ -287,8 +314,9 @@ def _jit(device, variant):
         else:
             ks, ks_value = scale_args(OP, "k_scale", k_scale)
             vs, vs_value = scale_args(OP, "v_scale", v_scale)
-            status = fn(k, v, k_cache, v_cache, slot_mapping, loc_map, skip, _format(kv_cache_dtype), ks, vs, ks_value,
-                        vs_value)
+            status = fn(
+                k, v, k_cache, v_cache, slot_mapping, loc_map, skip, _format(kv_cache_dtype), ks, vs, ks_value, vs_value
+            )
         return retry if status else None
 
     return STORE_CACHE.with_debug_checks(device, run), info
@@ -307,10 +335,16 @@ def _format(kv_cache_dtype) -> int:
 def sample(device, gen=None) -> dict:
     """bf16 into e4m3 caches with device scales, int32 slots."""
     bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
-    return dict(k=rand((8, 2, 64), bf16, device, gen), v=rand((8, 2, 64), bf16, device, gen),
-                k_cache=rand((32, 2, 64), e4m3, device, gen), v_cache=rand((32, 2, 64), e4m3, device, gen),
-                slot_mapping=slots(32, 8, torch.int32, device, gen), kv_cache_dtype="fp8_e4m3",
-                k_scale=torch.tensor([0.5], device=device), v_scale=torch.tensor([2.0], device=device))
+    return dict(
+        k=rand((8, 2, 64), bf16, device, gen),
+        v=rand((8, 2, 64), bf16, device, gen),
+        k_cache=rand((32, 2, 64), e4m3, device, gen),
+        v_cache=rand((32, 2, 64), e4m3, device, gen),
+        slot_mapping=slots(32, 8, torch.int32, device, gen),
+        kv_cache_dtype="fp8_e4m3",
+        k_scale=torch.tensor([0.5], device=device),
+        v_scale=torch.tensor([2.0], device=device),
+    )
 
 
 def _bench_cpu(h) -> list:
@@ -325,8 +359,13 @@ def _bench_cpu(h) -> list:
             kc[idx] = k
             vc[idx] = v
 
-        rows += h.rows(OP, "[4096,8,128] bf16", n, 2 * 2 * k.numel() * 2,
-                       [("torch index", torch_index), ("jitkv jit", lambda: store_cache(k, v, kc, vc, idx))])
+        rows += h.rows(
+            OP,
+            "[4096,8,128] bf16",
+            n,
+            2 * 2 * k.numel() * 2,
+            [("torch index", torch_index), ("jitkv jit", lambda: store_cache(k, v, kc, vc, idx))],
+        )
     e4m3 = torch.float8_e4m3fn
     kc8, vc8 = torch.empty(4096, 8, 128, dtype=e4m3), torch.empty(4096, 8, 128, dtype=e4m3)
     for n in h.sizes((133, 1024, 4096)):
@@ -334,10 +373,17 @@ def _bench_cpu(h) -> list:
         per_head = dict(k_scale=torch.linspace(0.5, 1.5, 8), v_scale=torch.linspace(0.25, 2.0, 8))
         for case, scales in (("bf16->e4m3", dict(k_scale=0.5, v_scale=0.25)), ("bf16->e4m3 per-head", per_head)):
             kw = dict(kv_cache_dtype="fp8_e4m3", **scales)
-            rows += h.rows(OP + " fp8", f"[4096,8,128] {case}", n, 2 * k.numel() * 3, [
-                ("torch reference", lambda: reference.store_cache(k, v, kc8, vc8, idx, **kw)),
-                ("jitkv jit", lambda: store_cache(k, v, kc8, vc8, idx, **kw)),
-                ("bf16 copy (jitkv jit)", lambda: store_cache(k, v, kc, vc, idx), 2 * 2 * k.numel() * 2)])
+            rows += h.rows(
+                OP + " fp8",
+                f"[4096,8,128] {case}",
+                n,
+                2 * k.numel() * 3,
+                [
+                    ("torch reference", lambda: reference.store_cache(k, v, kc8, vc8, idx, **kw)),
+                    ("jitkv jit", lambda: store_cache(k, v, kc8, vc8, idx, **kw)),
+                    ("bf16 copy (jitkv jit)", lambda: store_cache(k, v, kc, vc, idx), 2 * 2 * k.numel() * 2),
+                ],
+            )
     return rows if h.quick else rows + _bench_cpu_large(h)
 
 
@@ -351,8 +397,14 @@ def _bench_cpu_large(h, num_rows=1 << 20, n=65536) -> list:
         kc[idx] = k
         vc[idx] = v
 
-    return h.rows(OP, "1.2 GB cache, 1152 B rows", n, 2 * 2 * k.numel() * 2,
-                  [("torch index", torch_index), ("jitkv jit", lambda: store_cache(k, v, kc, vc, idx))], min_time=1.0)
+    return h.rows(
+        OP,
+        "1.2 GB cache, 1152 B rows",
+        n,
+        2 * 2 * k.numel() * 2,
+        [("torch index", torch_index), ("jitkv jit", lambda: store_cache(k, v, kc, vc, idx))],
+        min_time=1.0,
+    )
 
 
 STORE_NS = (1, 2, 4, 16, 64, 256, 1024, 4096, 16384, 131072)
@@ -370,14 +422,22 @@ def _bench_gpu(h, ns=STORE_NS) -> list:
 
     bf16_caches = caches(torch.bfloat16)
     rows = []
-    for label, cache_dtype, kv_dtype, scales in (("bf16", torch.bfloat16, "auto", 0),
-                                                 ("bf16->fp8 e4m3", torch.float8_e4m3fn, "fp8_e4m3", 1),
-                                                 ("bf16->fp8 e4m3 per-head", torch.float8_e4m3fn, "fp8_e4m3", 8)):
+    for label, cache_dtype, kv_dtype, scales in (
+        ("bf16", torch.bfloat16, "auto", 0),
+        ("bf16->fp8 e4m3", torch.float8_e4m3fn, "fp8_e4m3", 1),
+        ("bf16->fp8 e4m3 per-head", torch.float8_e4m3fn, "fp8_e4m3", 8),
+    ):
         both = bf16_caches if kv_dtype == "auto" else caches(cache_dtype)
         kcs, vcs = both[:layers], both[layers:]
-        kw = {} if kv_dtype == "auto" else dict(kv_cache_dtype=kv_dtype,
-                                                k_scale=torch.linspace(0.5, 1.5, scales, device="cuda"),
-                                                v_scale=torch.linspace(0.25, 2.0, scales, device="cuda"))
+        kw = (
+            {}
+            if kv_dtype == "auto"
+            else dict(
+                kv_cache_dtype=kv_dtype,
+                k_scale=torch.linspace(0.5, 1.5, scales, device="cuda"),
+                v_scale=torch.linspace(0.25, 2.0, scales, device="cuda"),
+            )
+        )
         for n in h.sizes(ns):
             ks = [rand((n, 8, 128), torch.bfloat16, "cuda") for _ in range(layers)]
             vs = [rand((n, 8, 128), torch.bfloat16, "cuda") for _ in range(layers)]
@@ -393,21 +453,40 @@ def _bench_gpu(h, ns=STORE_NS) -> list:
 
             cases = [("torch index", torch_index)]
             if kv_dtype != "auto":
-                cases.append(("bf16 copy (jitkv auto)", lambda i: store_cache(
-                    ks[i], vs[i], bf16_caches[i], bf16_caches[layers + i], sms[i]), 2 * n * 1024 * 4))
-            cases += [(name, lambda i, b=b: store_cache(ks[i], vs[i], kcs[i], vcs[i], sms[i], backend=b, **kw))
-                      for name, b in (("jitkv auto", None), ("triton", "triton"))]
+                cases.append(
+                    (
+                        "bf16 copy (jitkv auto)",
+                        lambda i: store_cache(ks[i], vs[i], bf16_caches[i], bf16_caches[layers + i], sms[i]),
+                        2 * n * 1024 * 4,
+                    )
+                )
+            cases += [
+                (name, lambda i, b=b: store_cache(ks[i], vs[i], kcs[i], vcs[i], sms[i], backend=b, **kw))
+                for name, b in (("jitkv auto", None), ("triton", "triton"))
+            ]
             rows += h.rows(OP, f"H8 D128 K+V {label}", n, 2 * n * 1024 * (2 + kcs[0].element_size()), cases)
-            del ks, vs, sms
-        del both, kcs, vcs
+            ks = vs = sms = None  # free them before the next size allocates (closures read the names)
+        both = kcs = vcs = None  # free them before the next size allocates (closures read the names)
     return rows
 
 
-STORE_CACHE = Op(store_cache, schema=(
-    "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, *, "
-    "str kv_cache_dtype=\"auto\", Scale? k_scale=None, Scale? v_scale=None, Tensor? loc_map=None, int? skip_slot=None)"),
-    home="k_cache", check=check, debug_check=debug_check, variant=variant, variant_type=Variant, specs=specs,
-    reference=reference.store_cache, triton="store_cache_triton", sample=sample,
-    bench_cpu=_bench_cpu, bench_gpu=_bench_gpu)
+STORE_CACHE = Op(
+    store_cache,
+    schema=(
+        "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, *, "
+        'str kv_cache_dtype="auto", Scale? k_scale=None, Scale? v_scale=None, Tensor? loc_map=None, '
+        "int? skip_slot=None)"
+    ),
+    home="k_cache",
+    check=check,
+    debug_check=debug_check,
+    variant=variant,
+    variant_type=Variant,
+    specs=specs,
+    reference=reference.store_cache,
+    triton="store_cache_triton",
+    sample=sample,
+    bench_cpu=_bench_cpu,
+    bench_gpu=_bench_gpu,
+)
 STORE_CACHE.backend("jit")(_jit)
-

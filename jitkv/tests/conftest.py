@@ -63,8 +63,19 @@ def slots(num_slots, n, dtype=torch.int64, device="cpu"):
 
 # Scales around the CUDA fp8 writers' quick-division window (jitkv/cuda/fp8.cuh Divider: 2^-80 <= scale
 # < 2^100 divides as is, a scale outside it is first brought into it): outside, on both edges, inside.
-QUICK_WINDOW_SCALES = [2.0**-81, 2.0**-80, 1.5 * 2.0**-80, 1e-20, 0.37, 1.0, 3e5, 1.9 * 2.0**99, 2.0**100, 1e30,
-                       2.0**127]
+QUICK_WINDOW_SCALES = [
+    2.0**-81,
+    2.0**-80,
+    1.5 * 2.0**-80,
+    1e-20,
+    0.37,
+    1.0,
+    3e5,
+    1.9 * 2.0**99,
+    2.0**100,
+    1e30,
+    2.0**127,
+]
 
 
 def every_16_bit_value(dtype, width):

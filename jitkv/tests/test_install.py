@@ -49,14 +49,16 @@ import torch
 import jitkv
 from jitkv import DSV4_K_CACHE
 import jitkv.__main__, jitkv.benchmark.__main__, jitkv.benchmark.cpu  # noqa: F401
-buf, nope, rope = torch.zeros(16, 576, dtype=torch.bfloat16), torch.ones(2, 512, dtype=torch.bfloat16), torch.ones(2, 64, dtype=torch.bfloat16)
+bf16 = torch.bfloat16
+buf, nope, rope = torch.zeros(16, 576, dtype=bf16), torch.ones(2, 512, dtype=bf16), torch.ones(2, 64, dtype=bf16)
 jitkv.set_mla_kv_buffer(buf, torch.tensor([3, 5]), nope, rope)
 k, kc = torch.ones(2, 2, 64, dtype=torch.bfloat16), torch.zeros(8, 2, 64, dtype=torch.bfloat16)
 jitkv.store_cache(k, k, kc, kc.clone(), torch.tensor([1, 6]))
 cache = DSV4_K_CACHE.allocate(2, 4, "cpu")
 jitkv.quantize_and_insert_k_cache(torch.ones(2, 512, dtype=torch.bfloat16), cache, torch.tensor([0, 7]), block_size=4)
 out = torch.zeros(1, 8, 512, dtype=torch.bfloat16)
-jitkv.dequantize_and_gather_k_cache(out, cache, torch.tensor([8], dtype=torch.int32), None, torch.tensor([[0, 1]], dtype=torch.int32), 4)
+seq, table = torch.tensor([8], dtype=torch.int32), torch.tensor([[0, 1]], dtype=torch.int32)
+jitkv.dequantize_and_gather_k_cache(out, cache, seq, None, table, 4)
 assert buf[3].bool().all() and kc[6].bool().all() and out[0, 0].bool().all() and out[0, 7].bool().all()
 assert jitkv.__main__.main(["info"]) == 0
 print("OK", "triton" in sys.modules and sys.modules["triton"] is None)
@@ -65,8 +67,13 @@ print("OK", "triton" in sys.modules and sys.modules["triton"] is None)
 
 def test_works_without_triton(tmp_path):
     """Every op on CPU, ``python -m jitkv info`` and the CPU benchmark's imports, with triton absent."""
-    env = {**os.environ, "JITKV_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(WITHOUT_TRITON)], capture_output=True, text=True,
-                         env=env, timeout=600)
+    env = {
+        **os.environ,
+        "JITKV_CACHE_DIR": str(tmp_path),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(WITHOUT_TRITON)], capture_output=True, text=True, env=env, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "OK True" in res.stdout

@@ -64,9 +64,12 @@ def test_mla_matches_row_loop(dtype, idx_dtype):
 
 def _cache(layout, dtype):
     """A 64-slot cache, 2 heads of 32: flat [64, 64], flat [64, 2, 32], paged NHD or HND (block 8)."""
-    return {"flat2d": lambda: _bits((64, 64), dtype), "flat3d": lambda: _bits((64, 2, 32), dtype),
-            "nhd": lambda: _bits((8, 8, 2, 32), dtype),
-            "hnd": lambda: _bits((8, 2, 8, 32), dtype).permute(0, 2, 1, 3)}[layout]()
+    return {
+        "flat2d": lambda: _bits((64, 64), dtype),
+        "flat3d": lambda: _bits((64, 2, 32), dtype),
+        "nhd": lambda: _bits((8, 8, 2, 32), dtype),
+        "hnd": lambda: _bits((8, 2, 8, 32), dtype).permute(0, 2, 1, 3),
+    }[layout]()
 
 
 def _raw(t):
@@ -119,9 +122,15 @@ def test_store_cache_strict_raises_before_writing():
     before = kc.clone()
     k = torch.randn(6, 2, 32).bfloat16()
     loc_map = torch.arange(70)
-    for sm, lm, message in ((torch.tensor([3, 64, 1]), None, r"slot_mapping: position 1 has slot 64, out of range for a cache of 64"),
-                            (torch.tensor([3, 70, 1]), loc_map, r"slot_mapping: position 1 has slot 70, out of range for loc_map of size 70"),
-                            (torch.tensor([3, 66, 1]), loc_map, r"loc_map: slot_mapping position 1 maps to 66, out of range")):
+    for sm, lm, message in (
+        (torch.tensor([3, 64, 1]), None, r"slot_mapping: position 1 has slot 64, out of range for a cache of 64"),
+        (
+            torch.tensor([3, 70, 1]),
+            loc_map,
+            r"slot_mapping: position 1 has slot 70, out of range for loc_map of size 70",
+        ),
+        (torch.tensor([3, 66, 1]), loc_map, r"loc_map: slot_mapping position 1 maps to 66, out of range"),
+    ):
         with pytest.raises(IndexError, match=message):
             reference.store_cache(k, k, kc, kc, sm, loc_map=lm, strict=True)
         assert_bitwise(kc, before)
@@ -162,13 +171,23 @@ def _writers(n):
     nope, rope = _bits((n, 512), torch.bfloat16), _bits((n, 64), torch.bfloat16)
     k, kd = torch.randn(n, 2, 32).bfloat16(), torch.randn(n, 512).bfloat16()
     return [
-        ("set_mla_kv_buffer", _bits((64, 600), torch.bfloat16),
-         lambda d, idx: reference.set_mla_kv_buffer(d, idx, nope, rope, skip_slot=9, strict=False)),
-        ("store_cache", _cache("hnd", torch.float8_e4m3fn),
-         lambda d, idx: reference.store_cache(k, k, d, d, idx, kv_cache_dtype="fp8", k_scale=0.5, v_scale=0.5,
-                                              skip_slot=9, strict=False)),
-        ("quantize_and_insert_k_cache", _bits((32, DSV4_K_CACHE.block_stride(2)), torch.uint8),
-         lambda d, idx: reference.quantize_and_insert_k_cache(kd, d, idx, block_size=2, strict=False)),
+        (
+            "set_mla_kv_buffer",
+            _bits((64, 600), torch.bfloat16),
+            lambda d, idx: reference.set_mla_kv_buffer(d, idx, nope, rope, skip_slot=9, strict=False),
+        ),
+        (
+            "store_cache",
+            _cache("hnd", torch.float8_e4m3fn),
+            lambda d, idx: reference.store_cache(
+                k, k, d, d, idx, kv_cache_dtype="fp8", k_scale=0.5, v_scale=0.5, skip_slot=9, strict=False
+            ),
+        ),
+        (
+            "quantize_and_insert_k_cache",
+            _bits((32, DSV4_K_CACHE.block_stride(2)), torch.uint8),
+            lambda d, idx: reference.quantize_and_insert_k_cache(kd, d, idx, block_size=2, strict=False),
+        ),
     ]
 
 
@@ -185,7 +204,7 @@ def test_every_row_skipped_changes_no_byte(idx):
 
 
 def test_empty_cache_and_empty_index():
-    for name, dst, write in _writers(2):
+    for _, dst, write in _writers(2):
         write(dst[:0], torch.tensor([-1, 3]))  # no slot at all: nothing to write, no error
         before = dst.clone()
         write(dst, torch.empty(0, dtype=torch.int64))

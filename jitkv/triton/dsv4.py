@@ -5,6 +5,7 @@ saturating e4m3 at ±448), so the result does not depend on the GPU's fp8 suppor
 Writer: one program per BLOCK_T tokens, one 64-dim group at a time. Gather: one program per
 (request, BLOCK_T positions). The cache is the uint8 [num_blocks, block_stride] view; no autotuning.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -60,10 +61,24 @@ def _bf16_bits(x):
 
 
 @triton.jit
-def _quant_insert_kernel(k_ptr, k_stride, cache_u8, cache_i16, slot_ptr, n, num_slots, block_size,
-                         block_stride, BLOCK_T: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
-                         GROUP: tl.constexpr, GROUPS: tl.constexpr, DATA_BYTES: tl.constexpr,
-                         SCALE_BYTES: tl.constexpr):
+def _quant_insert_kernel(
+    k_ptr,
+    k_stride,
+    cache_u8,
+    cache_i16,
+    slot_ptr,
+    n,
+    num_slots,
+    block_size,
+    block_stride,
+    BLOCK_T: tl.constexpr,
+    NOPE: tl.constexpr,
+    ROPE: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUPS: tl.constexpr,
+    DATA_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + t, mask=t < n, other=-1).to(tl.int64)
     ok = (slot >= 0) & (slot < num_slots)  # skipped before the row is loaded
@@ -96,11 +111,31 @@ def _quant_insert_kernel(k_ptr, k_stride, cache_u8, cache_i16, slot_ptr, n, num_
 
 
 @triton.jit
-def _gather_kernel(out_ptr, out_s0, out_s1, n_rows, offset, cache_u8, cache_i16, block_stride,
-                   num_blocks, seq_ptr, gl_ptr, bt_ptr, bt_stride, max_blocks, block_size,
-                   HAS_GL: tl.constexpr, BLOCK_T: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
-                   GROUP: tl.constexpr, GROUPS: tl.constexpr, DATA_BYTES: tl.constexpr,
-                   SCALE_BYTES: tl.constexpr):
+def _gather_kernel(
+    out_ptr,
+    out_s0,
+    out_s1,
+    n_rows,
+    offset,
+    cache_u8,
+    cache_i16,
+    block_stride,
+    num_blocks,
+    seq_ptr,
+    gl_ptr,
+    bt_ptr,
+    bt_stride,
+    max_blocks,
+    block_size,
+    HAS_GL: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    NOPE: tl.constexpr,
+    ROPE: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUPS: tl.constexpr,
+    DATA_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+):
     r = tl.program_id(0)
     i = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     seq = tl.load(seq_ptr + r).to(tl.int64)
@@ -148,13 +183,22 @@ def quantize_and_insert_k_cache_triton(k, k_cache, slot_mapping, block_size):
     cache_u8, cache_i16 = _cache_views(k_cache)
     grid = (triton.cdiv(n, _WRITE_BLOCK_T),)
     _quant_insert_kernel[grid](
-        k.view(torch.int16), k.stride(0), cache_u8, cache_i16, slot_mapping.reshape(-1), n,
-        cache_u8.shape[0] * block_size, block_size, cache_u8.stride(0),
-        BLOCK_T=_WRITE_BLOCK_T, num_warps=_WRITE_WARPS, **_RECORD)
+        k.view(torch.int16),
+        k.stride(0),
+        cache_u8,
+        cache_i16,
+        slot_mapping.reshape(-1),
+        n,
+        cache_u8.shape[0] * block_size,
+        block_size,
+        cache_u8.stride(0),
+        BLOCK_T=_WRITE_BLOCK_T,
+        num_warps=_WRITE_WARPS,
+        **_RECORD,
+    )
 
 
-def dequantize_and_gather_k_cache_triton(out, k_cache, seq_lens, gather_lens, block_table, block_size,
-                                         offset=0):
+def dequantize_and_gather_k_cache_triton(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset=0):
     """out bf16 [R, M, 512]; rows offset + i for the last gather_lens[r] (None: seq_lens[r]) tokens."""
     num_reqs, n_rows = out.shape[0], out.shape[1] - offset
     if num_reqs == 0 or n_rows <= 0:
@@ -163,7 +207,23 @@ def dequantize_and_gather_k_cache_triton(out, k_cache, seq_lens, gather_lens, bl
     grid = (num_reqs, triton.cdiv(n_rows, _GATHER_BLOCK_T))
     has_gl = gather_lens is not None
     _gather_kernel[grid](
-        out.view(torch.int16), out.stride(0), out.stride(1), n_rows, offset, cache_u8, cache_i16,
-        cache_u8.stride(0), cache_u8.shape[0], seq_lens, gather_lens if has_gl else seq_lens,
-        block_table, block_table.stride(0), block_table.shape[1], block_size,
-        HAS_GL=has_gl, BLOCK_T=_GATHER_BLOCK_T, num_warps=_GATHER_WARPS, **_RECORD)
+        out.view(torch.int16),
+        out.stride(0),
+        out.stride(1),
+        n_rows,
+        offset,
+        cache_u8,
+        cache_i16,
+        cache_u8.stride(0),
+        cache_u8.shape[0],
+        seq_lens,
+        gather_lens if has_gl else seq_lens,
+        block_table,
+        block_table.stride(0),
+        block_table.shape[1],
+        block_size,
+        HAS_GL=has_gl,
+        BLOCK_T=_GATHER_BLOCK_T,
+        num_warps=_GATHER_WARPS,
+        **_RECORD,
+    )

@@ -7,6 +7,7 @@ scale and x / scale as true fp32 divisions (``div_rn``), the e4m3 encoding in in
 alike), the scale's 4 bytes stored one by one. Gather: one program per BLOCK_T dst rows, a vectorized
 binary search over cu_seq_lens, byte copies. Caches are flat uint8 views, so no alignment is assumed.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -29,11 +30,29 @@ def _to_f32(h, F16: tl.constexpr):
 
 
 @triton.jit
-def _write_kernel(k_ptr, k_stride, cache, slot_ptr, n, num_slots, block_size, block_stride,
-                  F16: tl.constexpr, UE8M0: tl.constexpr, HEAD: tl.constexpr, SCALE_BYTES: tl.constexpr,
-                  FP8_MAX: tl.constexpr, AMAX_MIN_BITS: tl.constexpr, BLOCK_T: tl.constexpr,
-                  MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr,
-                  MAGIC: tl.constexpr, MAGIC_BITS: tl.constexpr):
+def _write_kernel(
+    k_ptr,
+    k_stride,
+    cache,
+    slot_ptr,
+    n,
+    num_slots,
+    block_size,
+    block_stride,
+    F16: tl.constexpr,
+    UE8M0: tl.constexpr,
+    HEAD: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    AMAX_MIN_BITS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    MAX: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    MIN_NORMAL_BITS: tl.constexpr,
+    MAGIC: tl.constexpr,
+    MAGIC_BITS: tl.constexpr,
+):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + t, mask=t < n, other=-1).to(tl.int64)
     ok = (slot >= 0) & (slot < num_slots)  # skipped before the row is loaded
@@ -54,18 +73,39 @@ def _write_kernel(k_ptr, k_stride, cache, slot_ptr, n, num_slots, block_size, bl
         scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
     q = tl.math.div_rn(_to_f32(bits, F16), scale[:, None])
     base = blk * block_stride
-    tl.store(cache + (base + row * HEAD)[:, None] + d[None, :], _fp8_bits(q, MAX, MANT, BIAS, MIN_NORMAL_BITS, MAGIC,
-                                                                          MAGIC_BITS), mask=ok2)
+    tl.store(
+        cache + (base + row * HEAD)[:, None] + d[None, :],
+        _fp8_bits(q, MAX, MANT, BIAS, MIN_NORMAL_BITS, MAGIC, MAGIC_BITS),
+        mask=ok2,
+    )
     c = tl.arange(0, SCALE_BYTES)
     scale_bytes = (scale.to(tl.int32, bitcast=True)[:, None] >> (8 * c)[None, :]) & 0xFF  # little-endian
-    tl.store(cache + (base + block_size * HEAD + row * SCALE_BYTES)[:, None] + c[None, :], scale_bytes.to(tl.uint8),
-             mask=ok2)
+    tl.store(
+        cache + (base + block_size * HEAD + row * SCALE_BYTES)[:, None] + c[None, :], scale_bytes.to(tl.uint8), mask=ok2
+    )
 
 
 @triton.jit
-def _gather_kernel(cache, dst_k, dst_k_stride, dst_scale, dst_scale_stride, block_table, bt_stride, cu, batch,
-                   max_blocks, num_tokens, num_blocks, block_size, block_stride,
-                   HEAD: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+def _gather_kernel(
+    cache,
+    dst_k,
+    dst_k_stride,
+    dst_scale,
+    dst_scale_stride,
+    block_table,
+    bt_stride,
+    cu,
+    batch,
+    max_blocks,
+    num_tokens,
+    num_blocks,
+    block_size,
+    block_stride,
+    HEAD: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+):
     # Row values stay 2-D [BLOCK_T, 1]: Triton 3.6 fails to lay out 1-D row values that later broadcast
     # against columns (RemoveLayoutConversions on their select).
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
@@ -113,11 +153,24 @@ def indexer_k_quant_and_cache_triton(k, kv_cache, slot_mapping, block_size, scal
     if n == 0 or kv_cache.shape[0] == 0:
         return
     _write_kernel[(triton.cdiv(n, _WRITE_BLOCK_T),)](
-        k.view(torch.int16), k.stride(0), _flat_bytes(kv_cache, block_size), slot_mapping, n,
-        kv_cache.shape[0] * block_size, block_size, kv_cache.stride(0),
-        F16=k.dtype == torch.float16, UE8M0=ue8m0, HEAD=Indexer.HEAD_DIM, SCALE_BYTES=Indexer.SCALE_BYTES,
-        FP8_MAX=Indexer.FP8_MAX, AMAX_MIN_BITS=_AMAX_MIN_BITS, BLOCK_T=_WRITE_BLOCK_T, num_warps=4,
-        **_E4M3)
+        k.view(torch.int16),
+        k.stride(0),
+        _flat_bytes(kv_cache, block_size),
+        slot_mapping,
+        n,
+        kv_cache.shape[0] * block_size,
+        block_size,
+        kv_cache.stride(0),
+        F16=k.dtype == torch.float16,
+        UE8M0=ue8m0,
+        HEAD=Indexer.HEAD_DIM,
+        SCALE_BYTES=Indexer.SCALE_BYTES,
+        FP8_MAX=Indexer.FP8_MAX,
+        AMAX_MIN_BITS=_AMAX_MIN_BITS,
+        BLOCK_T=_WRITE_BLOCK_T,
+        num_warps=4,
+        **_E4M3,
+    )
 
 
 def gather_indexer_k_quant_cache_triton(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens, block_size):
@@ -131,7 +184,23 @@ def gather_indexer_k_quant_cache_triton(kv_cache, dst_k, dst_scale, block_table,
     else:
         cache = _flat_bytes(kv_cache, block_size)
     _gather_kernel[(triton.cdiv(num_tokens, _GATHER_BLOCK_T),)](
-        cache, dst_k, dst_k.stride(0), dst_scale_bytes, dst_scale_bytes.stride(0), block_table, block_table.stride(0),
-        cu_seq_lens, batch, block_table.shape[1], num_tokens, kv_cache.shape[0], block_size,
-        kv_cache.stride(0), HEAD=Indexer.HEAD_DIM, SCALE_BYTES=Indexer.SCALE_BYTES, BLOCK_T=_GATHER_BLOCK_T,
-        SEARCH_STEPS=(batch + 1).bit_length(), num_warps=4)
+        cache,
+        dst_k,
+        dst_k.stride(0),
+        dst_scale_bytes,
+        dst_scale_bytes.stride(0),
+        block_table,
+        block_table.stride(0),
+        cu_seq_lens,
+        batch,
+        block_table.shape[1],
+        num_tokens,
+        kv_cache.shape[0],
+        block_size,
+        kv_cache.stride(0),
+        HEAD=Indexer.HEAD_DIM,
+        SCALE_BYTES=Indexer.SCALE_BYTES,
+        BLOCK_T=_GATHER_BLOCK_T,
+        SEARCH_STEPS=(batch + 1).bit_length(),
+        num_warps=4,
+    )

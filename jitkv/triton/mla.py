@@ -51,8 +51,10 @@ def _set_mla_kv_buffer_kernel(
     rope = tl.load(rope_ptr + row * rope_stride + (offs - NOPE), mask=(offs >= NOPE) & (offs < end))
     tl.store(kv_ptr + slot * kv_stride + offs, tl.where(in_nope, nope, rope), mask=offs < end)
 
-def set_mla_kv_buffer_triton(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype="auto", scale=None,
-                             skip_slot=None):
+
+def set_mla_kv_buffer_triton(
+    kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype="auto", scale=None, skip_slot=None
+):
     """The checked arguments of set_mla_kv_buffer, in its order (ops/mla.py ``check``): the copy, or the
     fp8 writer (a Python-float scale becomes a 1-element tensor on the buffer's device)."""
     skip = -1 if skip_slot is None else skip_slot
@@ -92,9 +94,25 @@ def _copy(kv_buffer, loc, k_nope, k_rope, skip_slot):
 
 @triton.jit
 def _set_mla_kv_buffer_fp8_kernel(
-    kv_ptr, loc_ptr, nope_ptr, rope_ptr, scale_ptr, kv_stride, nope_stride, rope_stride, num_slots, skip_slot,
-    NOPE: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, MAX: tl.constexpr,
-    MANT: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, MAGIC: tl.constexpr,
+    kv_ptr,
+    loc_ptr,
+    nope_ptr,
+    rope_ptr,
+    scale_ptr,
+    kv_stride,
+    nope_stride,
+    rope_stride,
+    num_slots,
+    skip_slot,
+    NOPE: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    QUANT: tl.constexpr,
+    MAX: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    MIN_NORMAL_BITS: tl.constexpr,
+    MAGIC: tl.constexpr,
     MAGIC_BITS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -113,10 +131,27 @@ def _set_mla_kv_buffer_fp8_kernel(
 
 @triton.jit
 def _set_mla_kv_buffer_ds_mla_kernel(
-    kv_ptr, loc_ptr, nope_ptr, rope_ptr, kv_stride, nope_stride, rope_stride, num_slots, skip_slot,
-    TILES: tl.constexpr, TILE: tl.constexpr, SCALES: tl.constexpr, ROPE_AT: tl.constexpr, ROPE_BYTES: tl.constexpr,
-    QUANT: tl.constexpr, MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
-    MIN_NORMAL_BITS: tl.constexpr, MAGIC: tl.constexpr, MAGIC_BITS: tl.constexpr,
+    kv_ptr,
+    loc_ptr,
+    nope_ptr,
+    rope_ptr,
+    kv_stride,
+    nope_stride,
+    rope_stride,
+    num_slots,
+    skip_slot,
+    TILES: tl.constexpr,
+    TILE: tl.constexpr,
+    SCALES: tl.constexpr,
+    ROPE_AT: tl.constexpr,
+    ROPE_BYTES: tl.constexpr,
+    QUANT: tl.constexpr,
+    MAX: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    MIN_NORMAL_BITS: tl.constexpr,
+    MAGIC: tl.constexpr,
+    MAGIC_BITS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(loc_ptr + row).to(tl.int64)
@@ -130,8 +165,9 @@ def _set_mla_kv_buffer_ds_mla_kernel(
     x = tl.load(nope_ptr + row * nope_stride + cols, mask=t < tiles, other=0.0).to(tl.float32)
     amax = tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=1)
     scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.1754943508222875e-38)
-    q = _fp8_bits(tl.math.div_rn(x, scale[:, None] + tl.zeros_like(x)), MAX, MANT, BIAS, MIN_NORMAL_BITS, MAGIC,
-                  MAGIC_BITS)
+    q = _fp8_bits(
+        tl.math.div_rn(x, scale[:, None] + tl.zeros_like(x)), MAX, MANT, BIAS, MIN_NORMAL_BITS, MAGIC, MAGIC_BITS
+    )
     tl.store(dst + cols, q, mask=t < tiles)
     k = tl.arange(0, 4)[None, :]
     scale_bytes = (scale.to(tl.int32, bitcast=True)[:, None] >> (8 * k)) & 0xFF  # little-endian float32
@@ -154,15 +190,40 @@ def _fp8(kv_buffer, loc, k_nope, k_rope, skip_slot, kv_cache_dtype, scale):
     if kv_cache_dtype == "fp8_ds_mla":
         rope_bytes = k_rope.view(torch.uint8)  # the rope values' 16-bit patterns, copied
         _set_mla_kv_buffer_ds_mla_kernel[(n,)](
-            kv, loc, k_nope, rope_bytes, kv.stride(0), k_nope.stride(0), rope_bytes.stride(0), kv.shape[0], skip_slot,
-            TILES=DsMla.TILES, TILE=DsMla.TILE, SCALES=DsMla.SCALE_OFFSET, ROPE_AT=DsMla.ROPE_OFFSET,
-            ROPE_BYTES=DsMla.BYTES - DsMla.ROPE_OFFSET, num_warps=4, **_fp8_constants("fp8_e4m3"),
+            kv,
+            loc,
+            k_nope,
+            rope_bytes,
+            kv.stride(0),
+            k_nope.stride(0),
+            rope_bytes.stride(0),
+            kv.shape[0],
+            skip_slot,
+            TILES=DsMla.TILES,
+            TILE=DsMla.TILE,
+            SCALES=DsMla.SCALE_OFFSET,
+            ROPE_AT=DsMla.ROPE_OFFSET,
+            ROPE_BYTES=DsMla.BYTES - DsMla.ROPE_OFFSET,
+            num_warps=4,
+            **_fp8_constants("fp8_e4m3"),
         )
         return
     nope, rope = k_nope.shape[-1], k_rope.shape[-1]
     block = triton.next_power_of_2(nope + rope)
     _set_mla_kv_buffer_fp8_kernel[(n,)](
-        kv, loc, k_nope, k_rope, scale, kv.stride(0), k_nope.stride(0), k_rope.stride(0), kv.shape[0], skip_slot,
-        NOPE=nope, ROPE=rope, BLOCK=block, num_warps=max(1, min(8, block // 256)),
+        kv,
+        loc,
+        k_nope,
+        k_rope,
+        scale,
+        kv.stride(0),
+        k_nope.stride(0),
+        k_rope.stride(0),
+        kv.shape[0],
+        skip_slot,
+        NOPE=nope,
+        ROPE=rope,
+        BLOCK=block,
+        num_warps=max(1, min(8, block // 256)),
         **_fp8_constants("fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype),
     )

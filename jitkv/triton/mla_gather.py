@@ -37,8 +37,22 @@ def _e5m2_decode(b):
 
 
 @triton.jit
-def _entries(t, rows, cu_ptr, starts_ptr, bt_ptr, num_reqs, bt_stride, max_blocks, num_blocks, block_size,
-             block_stride, token_stride, HAS_STARTS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+def _entries(
+    t,
+    rows,
+    cu_ptr,
+    starts_ptr,
+    bt_ptr,
+    num_reqs,
+    bt_stride,
+    max_blocks,
+    num_blocks,
+    block_size,
+    block_stride,
+    token_stride,
+    HAS_STARTS: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+):
     """(write, valid, entry offset in cache elements) of output rows t (int64 [BLOCK_T, 1]). Everything
     stays 2-D: Triton 3.6 mis-assigns layouts to 1-D row values that later broadcast against columns
     (RemoveLayoutConversions fails on their select and cast)."""
@@ -66,15 +80,53 @@ def _entries(t, rows, cu_ptr, starts_ptr, bt_ptr, num_reqs, bt_stride, max_block
 
 
 @triton.jit
-def _gather_kernel(out_ptr, cache_ptr, bt_ptr, cu_ptr, starts_ptr, scale_ptr, scale_value, rows, num_reqs,
-                   out_stride, num_blocks, block_size, block_stride, token_stride, bt_stride, max_blocks,
-                   HAS_STARTS: tl.constexpr, HAS_SCALE_PTR: tl.constexpr, FORMAT: tl.constexpr, D: tl.constexpr,
-                   BLOCK_D: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_T: tl.constexpr,
-                   DS_NOPE: tl.constexpr, DS_TILE: tl.constexpr, DS_SCALE_AT: tl.constexpr, DS_ROPE_AT: tl.constexpr,
-                   DS_ROPE: tl.constexpr):
+def _gather_kernel(
+    out_ptr,
+    cache_ptr,
+    bt_ptr,
+    cu_ptr,
+    starts_ptr,
+    scale_ptr,
+    scale_value,
+    rows,
+    num_reqs,
+    out_stride,
+    num_blocks,
+    block_size,
+    block_stride,
+    token_stride,
+    bt_stride,
+    max_blocks,
+    HAS_STARTS: tl.constexpr,
+    HAS_SCALE_PTR: tl.constexpr,
+    FORMAT: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    DS_NOPE: tl.constexpr,
+    DS_TILE: tl.constexpr,
+    DS_SCALE_AT: tl.constexpr,
+    DS_ROPE_AT: tl.constexpr,
+    DS_ROPE: tl.constexpr,
+):
     t = (tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
-    write, valid, entry = _entries(t, rows, cu_ptr, starts_ptr, bt_ptr, num_reqs, bt_stride, max_blocks, num_blocks,
-                                   block_size, block_stride, token_stride, HAS_STARTS, SEARCH_STEPS)
+    write, valid, entry = _entries(
+        t,
+        rows,
+        cu_ptr,
+        starts_ptr,
+        bt_ptr,
+        num_reqs,
+        bt_stride,
+        max_blocks,
+        num_blocks,
+        block_size,
+        block_stride,
+        token_stride,
+        HAS_STARTS,
+        SEARCH_STEPS,
+    )
     dst = out_ptr + t * out_stride
     if FORMAT == _DS_MLA:  # fp8_ds_mla: bytes -> bf16 bits
         tiles: tl.constexpr = DS_NOPE // DS_TILE
@@ -126,10 +178,33 @@ def gather_mla_cache_triton(out, kv_cache, block_table, cu_seq_lens, seq_starts,
     has_ptr = isinstance(scale, torch.Tensor)
     d = out.shape[1]
     _gather_kernel[(triton.cdiv(rows, _BLOCK_T),)](
-        dst, cache, block_table, cu_seq_lens, seq_starts if seq_starts is not None else cu_seq_lens,
-        scale if has_ptr else cu_seq_lens, float(scale) if per_tensor and not has_ptr else 1.0,
-        rows, num_reqs, out.stride(0), cache.shape[0], cache.shape[1], cache.stride(0), cache.stride(1),
-        block_table.stride(0), block_table.shape[1],
-        HAS_STARTS=seq_starts is not None, HAS_SCALE_PTR=has_ptr, FORMAT=fmt, D=d, BLOCK_D=triton.next_power_of_2(d),
-        SEARCH_STEPS=(num_reqs - 1).bit_length(), BLOCK_T=_BLOCK_T, DS_NOPE=DsMla.NOPE, DS_TILE=DsMla.TILE,
-        DS_SCALE_AT=DsMla.SCALE_OFFSET, DS_ROPE_AT=DsMla.ROPE_OFFSET, DS_ROPE=DsMla.ROPE, num_warps=_WARPS)
+        dst,
+        cache,
+        block_table,
+        cu_seq_lens,
+        seq_starts if seq_starts is not None else cu_seq_lens,
+        scale if has_ptr else cu_seq_lens,
+        float(scale) if per_tensor and not has_ptr else 1.0,
+        rows,
+        num_reqs,
+        out.stride(0),
+        cache.shape[0],
+        cache.shape[1],
+        cache.stride(0),
+        cache.stride(1),
+        block_table.stride(0),
+        block_table.shape[1],
+        HAS_STARTS=seq_starts is not None,
+        HAS_SCALE_PTR=has_ptr,
+        FORMAT=fmt,
+        D=d,
+        BLOCK_D=triton.next_power_of_2(d),
+        SEARCH_STEPS=(num_reqs - 1).bit_length(),
+        BLOCK_T=_BLOCK_T,
+        DS_NOPE=DsMla.NOPE,
+        DS_TILE=DsMla.TILE,
+        DS_SCALE_AT=DsMla.SCALE_OFFSET,
+        DS_ROPE_AT=DsMla.ROPE_OFFSET,
+        DS_ROPE=DsMla.ROPE,
+        num_warps=_WARPS,
+    )

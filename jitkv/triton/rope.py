@@ -54,11 +54,34 @@ def _bf16_bits(x):
 
 # Strides, the table's size and eps vary per call: no recompile per value.
 @triton.jit(do_not_specialize=["s_tok", "s_head", "d_tok", "d_head", "cs_stride", "max_pos", "eps"])
-def _rope_rows_kernel(src, dst, pos_ptr, cs_ptr, w_ptr, scale_ptr, s_tok, s_head, d_tok, d_head, cs_stride, max_pos,
-                      eps, D: tl.constexpr, ROT: tl.constexpr, BLOCK_D: tl.constexpr, LOG2_GROUPS: tl.constexpr,
-                      NEOX: tl.constexpr, NORM: tl.constexpr, OUT: tl.constexpr, MAX: tl.constexpr,
-                      MANT: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, MAGIC: tl.constexpr,
-                      MAGIC_BITS: tl.constexpr):
+def _rope_rows_kernel(
+    src,
+    dst,
+    pos_ptr,
+    cs_ptr,
+    w_ptr,
+    scale_ptr,
+    s_tok,
+    s_head,
+    d_tok,
+    d_head,
+    cs_stride,
+    max_pos,
+    eps,
+    D: tl.constexpr,
+    ROT: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    LOG2_GROUPS: tl.constexpr,
+    NEOX: tl.constexpr,
+    NORM: tl.constexpr,
+    OUT: tl.constexpr,
+    MAX: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    MIN_NORMAL_BITS: tl.constexpr,
+    MAGIC: tl.constexpr,
+    MAGIC_BITS: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -96,8 +119,9 @@ def _rope_rows_kernel(src, dst, pos_ptr, cs_ptr, w_ptr, scale_ptr, s_tok, s_head
     out = dst + t * d_tok + h * d_head + d
     if OUT == 3:
         scale = tl.load(scale_ptr) + tl.zeros_like(x)
-        tl.store(out, _fp8_bits(tl.math.div_rn(x, scale), MAX, MANT, BIAS, MIN_NORMAL_BITS, MAGIC, MAGIC_BITS),
-                 mask=in_head)
+        tl.store(
+            out, _fp8_bits(tl.math.div_rn(x, scale), MAX, MANT, BIAS, MIN_NORMAL_BITS, MAGIC, MAGIC_BITS), mask=in_head
+        )
     elif OUT == 1:
         tl.store(out, _bf16_bits(x), mask=in_head)
     elif OUT == 2:
@@ -124,10 +148,30 @@ def _rotate(n, src, dst, positions, cos_sin_cache, *, rot, is_neox, weight=None,
     dst, d_tok, d_head, _ = _rows(dst.view(store))
     block = max(8, triton.next_power_of_2(width))
     _rope_rows_kernel[(n, heads)](
-        src, dst, positions, cos_sin_cache, weight if weight is not None else src, scale if scale is not None else src,
-        s_tok, s_head, d_tok, d_head, cos_sin_cache.stride(0), cos_sin_cache.shape[0], eps, D=width, ROT=rot,
-        BLOCK_D=block, LOG2_GROUPS=(block // 8).bit_length() - 1, NEOX=is_neox, NORM=weight is not None, OUT=out,
-        num_warps=max(1, min(4, block // 128)), enable_fp_fusion=False, **consts)
+        src,
+        dst,
+        positions,
+        cos_sin_cache,
+        weight if weight is not None else src,
+        scale if scale is not None else src,
+        s_tok,
+        s_head,
+        d_tok,
+        d_head,
+        cos_sin_cache.stride(0),
+        cos_sin_cache.shape[0],
+        eps,
+        D=width,
+        ROT=rot,
+        BLOCK_D=block,
+        LOG2_GROUPS=(block // 8).bit_length() - 1,
+        NEOX=is_neox,
+        NORM=weight is not None,
+        OUT=out,
+        num_warps=max(1, min(4, block // 128)),
+        enable_fp_fusion=False,
+        **consts,
+    )
 
 
 def _scale_tensor(scale, device):
@@ -136,29 +180,83 @@ def _scale_tensor(scale, device):
     return torch.full((1,), scale, dtype=torch.float32, device=device)
 
 
-def rope_store_cache_triton(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, rotary_dim,
-                            q_norm_weight, k_norm_weight, eps, q_out, q_scale, k_out, kv_cache_dtype, k_scale, v_scale,
-                            loc_map, skip_slot) -> None:
+def rope_store_cache_triton(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    is_neox,
+    rotary_dim,
+    q_norm_weight,
+    k_norm_weight,
+    eps,
+    q_out,
+    q_scale,
+    k_out,
+    kv_cache_dtype,
+    k_scale,
+    v_scale,
+    loc_map,
+    skip_slot,
+) -> None:
     """The checked arguments of rope_store_cache, in its order (ops/rope.py ``check``): q [n', Hq, D],
     k [n', Hk, D], v [n', Hk, Dv], caches [num_blocks, block_size, Hk, D(v)], rotary_dim resolved."""
     n = slot_mapping.numel()
     if n == 0:
         return
     kw = dict(rot=rotary_dim, is_neox=is_neox, eps=eps)
-    _rotate(n, q, q if q_out is None else q_out, positions, cos_sin_cache, weight=q_norm_weight,
-            scale=_scale_tensor(q_scale, q.device), **kw)
-    scratch = torch.empty(n, *k.shape[1:], dtype=k.dtype if kv_cache_dtype == "auto" else torch.float32,
-                          device=k.device)
+    _rotate(
+        n,
+        q,
+        q if q_out is None else q_out,
+        positions,
+        cos_sin_cache,
+        weight=q_norm_weight,
+        scale=_scale_tensor(q_scale, q.device),
+        **kw,
+    )
+    scratch = torch.empty(
+        n, *k.shape[1:], dtype=k.dtype if kv_cache_dtype == "auto" else torch.float32, device=k.device
+    )
     _rotate(n, k, scratch, positions, cos_sin_cache, weight=k_norm_weight, **kw)
     if k_out is not None:
         _rotate(n, k, k_out, positions, cos_sin_cache, weight=k_norm_weight, **kw)
     # Float scales as device fills, not host copies: graph-capturable.
-    store_cache_triton(scratch, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, _scale_tensor(k_scale, k.device),
-                       _scale_tensor(v_scale, k.device), loc_map, skip_slot)
+    store_cache_triton(
+        scratch,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        kv_cache_dtype,
+        _scale_tensor(k_scale, k.device),
+        _scale_tensor(v_scale, k.device),
+        loc_map,
+        skip_slot,
+    )
 
 
-def rope_set_mla_kv_buffer_triton(kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out,
-                                  q_scale, k_pe_out, kv_cache_dtype, scale, skip_slot) -> None:
+def rope_set_mla_kv_buffer_triton(
+    kv_buffer,
+    loc,
+    kv_c,
+    k_pe,
+    positions,
+    cos_sin_cache,
+    is_neox,
+    q_pe,
+    q_nope,
+    q_out,
+    q_scale,
+    k_pe_out,
+    kv_cache_dtype,
+    scale,
+    skip_slot,
+) -> None:
     """The checked arguments of rope_set_mla_kv_buffer, in its order (ops/rope.py ``check_mla``):
     kv_buffer [S, W], kv_c [n', nope], k_pe and k_pe_out [n', R], q_pe [n', H, R], q_nope [n', H, nope_q],
     q_out [n', H, nope_q + R]."""

@@ -68,8 +68,10 @@ __device__ __forceinline__ uint2 quantize8(const uint4& v, const Divider& d, flo
 
 template <bool kExact>
 __device__ __forceinline__ void divider_of(float s, Divider& d, float& r) {
-  if constexpr (kExact) d = Divider(s);
-  else r = rcp_approx(s);
+  if constexpr (kExact)
+    d = Divider(s);
+  else
+    r = rcp_approx(s);
 }
 
 template <bool kExact>
@@ -138,7 +140,8 @@ __global__ void latency_floor_rope_kernel(const int64_t* loc, const int64_t* pos
     const float a = __uint_as_float(w[m] << 16), b = __uint_as_float(w[m] & 0xffff0000u);
     const float lo = __fsub_rn(__fmul_rn(a, cs[m]), __fmul_rn(b, sn[m]));
     const float hi = __fadd_rn(__fmul_rn(b, cs[m]), __fmul_rn(a, sn[m]));
-    out[m] = __bfloat16_as_ushort(__float2bfloat16_rn(lo)) | (uint32_t{__bfloat16_as_ushort(__float2bfloat16_rn(hi))} << 16);
+    out[m] =
+        __bfloat16_as_ushort(__float2bfloat16_rn(lo)) | (uint32_t{__bfloat16_as_ushort(__float2bfloat16_rn(hi))} << 16);
   }
   if (slot >= 0 && slot < num_rows) {
     *reinterpret_cast<uint4*>(dst + slot * row_bytes) = make_uint4(out[0], out[1], out[2], out[3]);
@@ -213,8 +216,8 @@ void latency_floor_rope(TensorView dst, TensorView loc, TensorView src, TensorVi
                         TensorView cos_sin_cache) {
   const int64_t row_bytes = check_floor_args("latency_floor_rope", dst, loc, src, 16, 16, 16);
   const TensorView& cs = cos_sin_cache;
-  const bool pos_ok = on_cuda(positions) && positions.dtype().code == kDLInt && positions.dtype().bits == 64 &&
-                      positions.numel() >= 1;
+  const bool pos_ok =
+      on_cuda(positions) && positions.dtype().code == kDLInt && positions.dtype().bits == 64 && positions.numel() >= 1;
   const bool cs_ok = on_cuda(cs) && cs.dtype().code == kDLFloat && cs.dtype().bits == 32 && cs.ndim() == 2 &&
                      cs.size(1) >= 8 && cs.size(1) % 8 == 0 && cs.stride(1) == 1 && cs.stride(0) % 4 == 0 &&
                      jitkv::aligned16(data_ptr(cs));
@@ -223,8 +226,8 @@ void latency_floor_rope(TensorView dst, TensorView loc, TensorView src, TensorVi
                               << "cos_sin_cache [max_pos, rotary_dim >= 8] with 16-byte aligned rows";
   }
   launch_floor("latency_floor_rope", dst, latency_floor_rope_kernel, ptr_of<int64_t>(loc), ptr_of<int64_t>(positions),
-               ptr_of<uint4>(src), ptr_of<float>(cs), cs.stride(0), cs.size(1) / 2, cs.size(0), data_ptr(dst), row_bytes,
-               dst.size(0));
+               ptr_of<uint4>(src), ptr_of<float>(cs), cs.stride(0), cs.size(1) / 2, cs.size(0), data_ptr(dst),
+               row_bytes, dst.size(0));
 }
 
 }  // namespace

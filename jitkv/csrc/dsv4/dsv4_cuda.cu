@@ -30,18 +30,15 @@ constexpr DLDataType kBf16{kDLBfloat, 16, 1};
 constexpr DLDataType kUint8{kDLUInt, 8, 1};
 constexpr DLDataType kInt32{kDLInt, 32, 1};
 
-void check_dtype(const char* op, const char* name, const TensorView& t, DLDataType want,
-                 const char* want_name) {
+void check_dtype(const char* op, const char* name, const TensorView& t, DLDataType want, const char* want_name) {
   if (t.dtype() != want) {
-    TVM_FFI_THROW(TypeError) << op << ": " << name << ": expected dtype " << want_name << ", got "
-                             << t.dtype();
+    TVM_FFI_THROW(TypeError) << op << ": " << name << ": expected dtype " << want_name << ", got " << t.dtype();
   }
 }
 
 void check_block_size(const char* op, int64_t block_size) {
   if (block_size <= 0 || block_size > INT32_MAX) {
-    TVM_FFI_THROW(ValueError) << op << ": block_size: expected 1 <= block_size < 2^31, got "
-                              << block_size;
+    TVM_FFI_THROW(ValueError) << op << ": block_size: expected 1 <= block_size < 2^31, got " << block_size;
   }
 }
 
@@ -57,15 +54,14 @@ struct CacheView {
 // cache holds, a block stride >= block_size*584) are checked once, in Python (DSV4_K_CACHE.validate).
 CacheView check_cache(const char* op, const TensorView& c, int64_t block_size) {
   if (c.device().device_type != kDLCUDA) {
-    TVM_FFI_THROW(ValueError) << op << ": k_cache: expected a CUDA tensor, got device_type "
-                              << c.device().device_type;
+    TVM_FFI_THROW(ValueError) << op << ": k_cache: expected a CUDA tensor, got device_type " << c.device().device_type;
   }
   check_dtype(op, "k_cache", c, kUint8, "uint8");
   if (c.ndim() == 2) {
     if (c.size(1) < block_size * layout::kTokenBytes) {
       TVM_FFI_THROW(ValueError) << op << ": k_cache: expected [num_blocks, >= " << block_size
-                                << " * 584] bytes per block for block_size " << block_size
-                                << ", got shape " << shape_str(c);
+                                << " * 584] bytes per block for block_size " << block_size << ", got shape "
+                                << shape_str(c);
     }
   } else if (c.ndim() == 3) {
     if (c.size(1) != block_size || c.size(2) != layout::kTokenBytes ||
@@ -75,8 +71,7 @@ CacheView check_cache(const char* op, const TensorView& c, int64_t block_size) {
     }
   } else {
     TVM_FFI_THROW(ValueError) << op << ": k_cache: expected a 2-D [num_blocks, block_stride] or 3-D "
-                              << "[num_blocks, block_size, 584] uint8 tensor, got shape "
-                              << shape_str(c);
+                              << "[num_blocks, block_size, 584] uint8 tensor, got shape " << shape_str(c);
   }
   jitkv::check_last_dim_contiguous(op, "k_cache", c);
   const int64_t stride = c.size(0) > 1 ? c.stride(0) : 0;  // one block: never multiplied
@@ -88,13 +83,12 @@ CacheView check_cache(const char* op, const TensorView& c, int64_t block_size) {
 }
 
 // 1-D dense int32 of length num_reqs on the cache's device.
-void check_req_index(const char* op, const char* name, const TensorView& t, int64_t num_reqs,
-                     DLDevice dev) {
+void check_req_index(const char* op, const char* name, const TensorView& t, int64_t num_reqs, DLDevice dev) {
   jitkv::check_index(op, name, t);
   check_dtype(op, name, t, kInt32, "int32");
   if (t.size(0) != num_reqs) {
-    TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected " << num_reqs
-                              << " entries (out.shape[0]), got " << t.size(0);
+    TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected " << num_reqs << " entries (out.shape[0]), got "
+                              << t.size(0);
   }
   jitkv::check_device(op, name, t, dev, "k_cache");
 }
@@ -112,8 +106,8 @@ void launch_quantize_insert(const char* op, int device, cudaStream_t stream, con
   if (grid > 0x7FFFFFFF) jitkv::cuda::check_launch(op, cudaErrorInvalidConfiguration);
   auto kernel = slots64 ? dsv4_quant_insert_kernel<int64_t> : dsv4_quant_insert_kernel<int32_t>;
   jitkv::cuda::DeviceGuard guard(device);
-  jitkv::cuda::check_launch(op, jitkv::cuda::launch(kernel, dim3(static_cast<unsigned>(grid)), dim3(per_cta * 32),
-                                                    stream, info.pdl(), p));
+  jitkv::cuda::check_launch(
+      op, jitkv::cuda::launch(kernel, dim3(static_cast<unsigned>(grid)), dim3(per_cta * 32), stream, info.pdl(), p));
 }
 
 // Gather grid: one CTA per tile of positions, capped at kGatherWaves waves of resident CTAs (the
@@ -132,8 +126,7 @@ void launch_dequant_gather(const char* op, int device, cudaStream_t stream, Gath
 
 }  // namespace
 
-void quantize_and_insert_k_cache(TensorView k, TensorView k_cache, TensorView slot_mapping,
-                                 int64_t block_size) {
+void quantize_and_insert_k_cache(TensorView k, TensorView k_cache, TensorView slot_mapping, int64_t block_size) {
   constexpr const char* op = "quantize_and_insert_k_cache";
   check_block_size(op, block_size);
   const CacheView cache = check_cache(op, k_cache, block_size);
@@ -154,14 +147,20 @@ void quantize_and_insert_k_cache(TensorView k, TensorView k_cache, TensorView sl
                               << "that is a multiple of 8 elements, got stride " << k_stride;
   }
   if (n == 0) return;
-  const WriteParams p{reinterpret_cast<const uint16_t*>(data_ptr(k)), k_stride, static_cast<uint8_t*>(cache.ptr),
-                      cache.block_stride, cache.num_blocks * block_size, data_ptr(slot_mapping), n, block_size};
+  const WriteParams p{reinterpret_cast<const uint16_t*>(data_ptr(k)),
+                      k_stride,
+                      static_cast<uint8_t*>(cache.ptr),
+                      cache.block_stride,
+                      cache.num_blocks * block_size,
+                      data_ptr(slot_mapping),
+                      n,
+                      block_size};
   launch_quantize_insert(op, dev.device_id, current_stream(dev), p, slots64);
 }
 
 void dequantize_and_gather_k_cache(TensorView out, TensorView k_cache, TensorView seq_lens,
-                                   Optional<TensorView> gather_lens, TensorView block_table,
-                                   int64_t block_size, int64_t offset) {
+                                   Optional<TensorView> gather_lens, TensorView block_table, int64_t block_size,
+                                   int64_t offset) {
   constexpr const char* op = "dequantize_and_gather_k_cache";
   check_block_size(op, block_size);
   if (offset < 0) {
@@ -173,8 +172,7 @@ void dequantize_and_gather_k_cache(TensorView out, TensorView k_cache, TensorVie
   check_dtype(op, "out", out, kBf16, "bfloat16");
   jitkv::check_device(op, "out", out, dev, "k_cache");
   if (out.ndim() != 3 || out.size(2) != layout::kHeadDim) {
-    TVM_FFI_THROW(ValueError) << op << ": out: expected shape [num_reqs, max_tokens, 512], got "
-                              << shape_str(out);
+    TVM_FFI_THROW(ValueError) << op << ": out: expected shape [num_reqs, max_tokens, 512], got " << shape_str(out);
   }
   jitkv::check_last_dim_contiguous(op, "out", out);
   jitkv::check_written(op, "out", out);
@@ -183,8 +181,8 @@ void dequantize_and_gather_k_cache(TensorView out, TensorView k_cache, TensorVie
   const int64_t out_s1 = max_tokens > 1 ? out.stride(1) : 0;
   if (!aligned16(data_ptr(out)) || out_s0 % 8 != 0 || out_s1 % 8 != 0) {
     TVM_FFI_THROW(ValueError) << op << ": out: expected a 16-byte aligned data pointer and strides "
-                              << "that are multiples of 8 elements, got strides (" << out.stride(0)
-                              << ", " << out.stride(1) << ")";
+                              << "that are multiples of 8 elements, got strides (" << out.stride(0) << ", "
+                              << out.stride(1) << ")";
   }
 
   check_req_index(op, "seq_lens", seq_lens, num_reqs, dev);
@@ -197,18 +195,29 @@ void dequantize_and_gather_k_cache(TensorView out, TensorView k_cache, TensorVie
   check_dtype(op, "block_table", block_table, kInt32, "int32");
   jitkv::check_device(op, "block_table", block_table, dev, "k_cache");
   if (block_table.ndim() != 2 || block_table.size(0) != num_reqs) {
-    TVM_FFI_THROW(ValueError) << op << ": block_table: expected shape [" << num_reqs
-                              << ", max_blocks], got " << shape_str(block_table);
+    TVM_FFI_THROW(ValueError) << op << ": block_table: expected shape [" << num_reqs << ", max_blocks], got "
+                              << shape_str(block_table);
   }
   jitkv::check_last_dim_contiguous(op, "block_table", block_table);
 
   const int64_t rows = max_tokens - offset;  // rows past out.shape[1] are never written
   if (num_reqs == 0 || rows <= 0) return;
-  GatherParams p{reinterpret_cast<uint16_t*>(data_ptr(out)), out_s0, out_s1, rows, offset,
-                 static_cast<const uint8_t*>(cache.ptr), cache.block_stride, cache.num_blocks,
-                 static_cast<const int32_t*>(static_cast<void*>(data_ptr(seq_lens))), gl_ptr,
-                 static_cast<const int32_t*>(static_cast<void*>(data_ptr(block_table))), block_table.stride(0),
-                 block_table.size(1), static_cast<int32_t>(block_size), 0, 0};
+  GatherParams p{reinterpret_cast<uint16_t*>(data_ptr(out)),
+                 out_s0,
+                 out_s1,
+                 rows,
+                 offset,
+                 static_cast<const uint8_t*>(cache.ptr),
+                 cache.block_stride,
+                 cache.num_blocks,
+                 static_cast<const int32_t*>(static_cast<void*>(data_ptr(seq_lens))),
+                 gl_ptr,
+                 static_cast<const int32_t*>(static_cast<void*>(data_ptr(block_table))),
+                 block_table.stride(0),
+                 block_table.size(1),
+                 static_cast<int32_t>(block_size),
+                 0,
+                 0};
   launch_dequant_gather(op, dev.device_id, current_stream(dev), p, num_reqs);
 }
 

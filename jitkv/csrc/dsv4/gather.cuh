@@ -27,8 +27,7 @@ namespace jitkv::dsv4 {
 
 // Block-table entry of position pos of request r, or -1 when pred is false or the position lies past
 // the table. Issued as a load that the caller need not wait for yet.
-__device__ __forceinline__ int32_t lookup_block(const GatherParams& p, int64_t r, int64_t pos,
-                                                bool pred) {
+__device__ __forceinline__ int32_t lookup_block(const GatherParams& p, int64_t r, int64_t pos, bool pred) {
   pred = pred && pos >= 0 && pos <= INT32_MAX;
   const uint32_t blk = pred ? static_cast<uint32_t>(pos) / static_cast<uint32_t>(p.block_size) : 0u;
   return cuda::load_or(p.block_table + r * p.bt_stride + blk, pred && blk < p.max_blocks, -1);
@@ -37,9 +36,8 @@ __device__ __forceinline__ int32_t lookup_block(const GatherParams& p, int64_t r
 // One tile: tokens i = first + t * kGatherWarps (t < kGatherTok) of request r for this warp, at
 // positions start + i; rows i >= limit are not written. Lane t resolves token t; phys is its
 // block-table entry if have_phys (whole-sequence gathers look it up early).
-__device__ __forceinline__ void gather_tokens(const GatherParams& p, int64_t r, int64_t first,
-                                              int64_t start, int64_t limit, int32_t phys,
-                                              bool have_phys, int lane) {
+__device__ __forceinline__ void gather_tokens(const GatherParams& p, int64_t r, int64_t first, int64_t start,
+                                              int64_t limit, int32_t phys, bool have_phys, int lane) {
   const int64_t i = first + lane * kGatherWarps;
   const bool write = lane < kGatherTok && i < limit;
   const int64_t pos = start + i;  // < seq_len <= INT32_MAX when written
@@ -76,14 +74,15 @@ __device__ __forceinline__ void gather_tokens(const GatherParams& p, int64_t r, 
     uint16_t* orow = p.out + r * p.out_s0 + (p.offset + it) * p.out_s1;
     // e4m3 times a power of two: exact unless the scale leaves the bf16 range
     const uint4 oa = cuda::dequant8<false>(a[t].x, a[t].y, cuda::ue8m0_scale((sc[t].x >> (8 * g)) & 0xFFu));
-    const uint4 ob = lane < 24 ? cuda::dequant8<false>(b[t].x, b[t].y, cuda::ue8m0_scale((sc[t].y >> (8 * g)) & 0xFFu))
-                               : b[t];
-    *reinterpret_cast<uint4*>(orow + 8 * lane) = oa;  // plain stores: the attention kernel reads
+    const uint4 ob =
+        lane < 24 ? cuda::dequant8<false>(b[t].x, b[t].y, cuda::ue8m0_scale((sc[t].y >> (8 * g)) & 0xFFu)) : b[t];
+    *reinterpret_cast<uint4*>(orow + 8 * lane) = oa;        // plain stores: the attention kernel reads
     *reinterpret_cast<uint4*>(orow + 256 + 8 * lane) = ob;  // these rows next, from L2 if they stay
   }
 }
 
-__global__ void __launch_bounds__(kGatherWarps * 32, kGatherMinCtas) dsv4_gather_kernel(const __grid_constant__ GatherParams p) {
+__global__ void __launch_bounds__(kGatherWarps * 32, kGatherMinCtas)
+    dsv4_gather_kernel(const __grid_constant__ GatherParams p) {
   jitkv::cuda::warm_params(p, p.rows);
   jitkv::cuda::pdl_wait();  // the cache, seq_lens and block table may come from the previous kernel
   jitkv::cuda::pdl_launch_dependents();

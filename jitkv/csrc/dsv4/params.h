@@ -17,13 +17,13 @@ namespace jitkv::dsv4 {
 
 using Record = codes::Dsv4;
 constexpr int kHeadDim = Record::kHeadDim;
-constexpr int kNopeDim = Record::kNope;          // dims stored as e4m3
-constexpr int kRopeDim = Record::kRope;          // dims stored as bf16
-constexpr int kGroupSize = Record::kGroup;       // dims per UE8M0 scale
+constexpr int kNopeDim = Record::kNope;            // dims stored as e4m3
+constexpr int kRopeDim = Record::kRope;            // dims stored as bf16
+constexpr int kGroupSize = Record::kGroup;         // dims per UE8M0 scale
 constexpr int kNumGroups = kNopeDim / kGroupSize;  // real scales
-constexpr int kNopeBytes = kNopeDim;             // one e4m3 byte per dim
-constexpr int kDataBytes = Record::kDataBytes;   // e4m3 + bf16
-constexpr int kScaleBytes = Record::kScaleBytes;  // scales + zero padding
+constexpr int kNopeBytes = kNopeDim;               // one e4m3 byte per dim
+constexpr int kDataBytes = Record::kDataBytes;     // e4m3 + bf16
+constexpr int kScaleBytes = Record::kScaleBytes;   // scales + zero padding
 constexpr int kTokenBytes = Record::kTokenBytes;
 static_assert(kHeadDim == 512 && kNopeDim == 448 && kGroupSize == 64 && kScaleBytes == 8 &&
                   kRopeDim == kHeadDim - kNopeDim && kDataBytes == kNopeBytes + 2 * kRopeDim,
@@ -43,23 +43,23 @@ constexpr int kGatherMinCtas = 2048 / (kGatherWarps * 32);
 static_assert(kWriteTok <= 32 && kGatherTok <= 32, "one lane resolves each token of a warp");
 
 struct WriteParams {
-  const uint16_t* k;      // bf16 bits
-  int64_t k_stride;       // elements between rows of k
+  const uint16_t* k;  // bf16 bits
+  int64_t k_stride;   // elements between rows of k
   uint8_t* cache;
-  int64_t block_stride;   // bytes
-  int64_t num_slots;      // num_blocks * block_size
+  int64_t block_stride;  // bytes
+  int64_t num_slots;     // num_blocks * block_size
   const void* slots;
   int64_t n;
   int64_t block_size;
 };
 
 struct GatherParams {
-  uint16_t* out;          // bf16 bits
-  int64_t out_s0, out_s1; // elements
-  int64_t rows;           // out.shape[1] - offset: rows each request may fill
+  uint16_t* out;           // bf16 bits
+  int64_t out_s0, out_s1;  // elements
+  int64_t rows;            // out.shape[1] - offset: rows each request may fill
   int64_t offset;
   const uint8_t* cache;
-  int64_t block_stride;   // bytes
+  int64_t block_stride;  // bytes
   int64_t num_blocks;
   const int32_t* seq_lens;
   const int32_t* gather_lens;  // null: gather whole sequences

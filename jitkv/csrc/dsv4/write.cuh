@@ -35,7 +35,7 @@ __device__ __forceinline__ uint32_t ue8m0_exponent_biased(uint32_t amax16) {
   const uint32_t m = max(amax16 << 16, kMinAmaxBits);  // integer max == float max here, NaN largest
   const uint32_t be = m >> 23;
   if (be == 255) return kNoScaleExp + 127;
-  return be - 8 + ((m & 0x7FFFFFu) > 0x600000u);      // (E - 135 + carry) + 127
+  return be - 8 + ((m & 0x7FFFFFu) > 0x600000u);  // (E - 135 + carry) + 127
 }
 
 // Max |x| over 8 bf16 as magnitude bits (integer max: NaN > inf > finite, so NaN propagates).
@@ -70,8 +70,7 @@ __device__ __forceinline__ uint2 quant8(uint4 x, uint32_t b, bool has_nan) {
 }
 
 // One token: xa = dims [8l, 8l+8), xb = dims [256+8l, 256+8l+8) of lane l.
-__device__ __forceinline__ void quantize_token(uint4 xa, uint4 xb, uint8_t* dst, uint8_t* dst_scale,
-                                               int lane) {
+__device__ __forceinline__ void quantize_token(uint4 xa, uint4 xb, uint8_t* dst, uint8_t* dst_scale, int lane) {
   uint32_t amax = absmax8(xa) | (absmax8(xb) << 16);  // groups lane/8 and 4 + lane/8 (or rope)
 #pragma unroll
   for (int s = 1; s < 8; s <<= 1) amax = __vmaxu2(amax, __shfl_xor_sync(cuda::kFullWarp, amax, s));

@@ -49,8 +49,8 @@ void write_rows(const WriteParams& p, const cpu::RowSlot* rows, int64_t m) {
       const int64_t blk = rows[i].slot / p.block_size, pos = rows[i].slot - blk * p.block_size;
       char* block = p.cache + blk * p.block_stride;
       const float scale = token_scale(reinterpret_cast<const uint16_t*>(src), p.k_f16, p.ue8m0);
-      cpu::quantize_seg(reinterpret_cast<uint8_t*>(block + pos * kHeadDim), kind, src, kHeadDim, scale,
-                        cpu::kFp8E4M3, false);
+      cpu::quantize_seg(reinterpret_cast<uint8_t*>(block + pos * kHeadDim), kind, src, kHeadDim, scale, cpu::kFp8E4M3,
+                        false);
       std::memcpy(block + p.block_size * kHeadDim + pos * kScaleBytes, &scale, kScaleBytes);
     }
   });
@@ -62,11 +62,10 @@ void indexer_k_quant_and_cache_cpu(TensorView k, TensorView kv_cache, TensorView
   const WriteParams p = parse_write(kWriteOp, k, kv_cache, slot_mapping, block_size, scale_fmt);
   if (p.n == 0) return;
   cpu::RowSlotBuffer buf(p.n);
-  const int64_t m =
-      p.slot_i64 ? cpu::resolve_slots(kWriteOp, "slot_mapping", static_cast<const int64_t*>(p.slots), p.n, -1,
-                                      nullptr, false, 0, p.num_slots, buf.data())
-                 : cpu::resolve_slots(kWriteOp, "slot_mapping", static_cast<const int32_t*>(p.slots), p.n, -1,
-                                      nullptr, false, 0, p.num_slots, buf.data());
+  const int64_t m = p.slot_i64 ? cpu::resolve_slots(kWriteOp, "slot_mapping", static_cast<const int64_t*>(p.slots), p.n,
+                                                    -1, nullptr, false, 0, p.num_slots, buf.data())
+                               : cpu::resolve_slots(kWriteOp, "slot_mapping", static_cast<const int32_t*>(p.slots), p.n,
+                                                    -1, nullptr, false, 0, p.num_slots, buf.data());
   if (m > 0) write_rows(p, buf.data(), m);
 }
 
@@ -79,8 +78,8 @@ void gather_indexer_k_quant_cache_cpu(TensorView kv_cache, TensorView dst_k, Ten
   cpu::for_rows(p.num_tokens, threads, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       int64_t start;
-      const int64_t b = request_of(t, p.batch, [&](int64_t i) { return static_cast<int64_t>(p.cu_seq_lens[i]); },
-                                   start);
+      const int64_t b =
+          request_of(t, p.batch, [&](int64_t i) { return static_cast<int64_t>(p.cu_seq_lens[i]); }, start);
       if (b < 0) continue;
       const int64_t i = t - start, j = i / p.block_size;
       const int64_t phys = j < p.max_blocks ? p.block_table[b * p.bt_row_stride + j] : -1;

@@ -52,8 +52,8 @@ cudaError_t launch_write(const WriteParams& p, const DeviceInfo& info, cudaStrea
   const int64_t warps = (p.n + 1) / 2;
   const int per_block = jitkv::cuda::latency_warps_per_block(warps, info.sms);
   const auto blocks = static_cast<unsigned>((warps + per_block - 1) / per_block);
-  return jitkv::cuda::launch(indexer_write_kernel<kSrc, TIdx>, dim3(blocks), dim3(32 * per_block), stream,
-                             info.pdl(), p);
+  return jitkv::cuda::launch(indexer_write_kernel<kSrc, TIdx>, dim3(blocks), dim3(32 * per_block), stream, info.pdl(),
+                             p);
 }
 
 void indexer_k_quant_and_cache(TensorView k, TensorView kv_cache, TensorView slot_mapping, int64_t block_size,
@@ -91,8 +91,8 @@ void gather_indexer_k_quant_cache(TensorView kv_cache, TensorView dst_k, TensorV
   jitkv::cuda::DeviceGuard guard(device);
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
   const auto blocks = static_cast<unsigned>((p.num_tokens + kGatherTokensPerCta - 1) / kGatherTokensPerCta);
-  jitkv::cuda::check_launch(kGatherOp, jitkv::cuda::launch(indexer_gather_kernel, dim3(blocks),
-                                                           dim3(kGatherWarps * 32), stream, info.pdl(), p));
+  jitkv::cuda::check_launch(kGatherOp, jitkv::cuda::launch(indexer_gather_kernel, dim3(blocks), dim3(kGatherWarps * 32),
+                                                           stream, info.pdl(), p));
 }
 
 }  // namespace

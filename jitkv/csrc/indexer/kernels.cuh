@@ -103,18 +103,20 @@ __global__ void __launch_bounds__(kGatherWarps * 32) indexer_gather_kernel(const
   cuda::pdl_launch_dependents();
   if (t >= p.num_tokens) return;
   int64_t start;
-  const int64_t b = request_of(t, p.batch, [&](int64_t i) { return static_cast<int64_t>(cuda::load(p.cu_seq_lens + i)); },
-                               start);
+  const int64_t b =
+      request_of(t, p.batch, [&](int64_t i) { return static_cast<int64_t>(cuda::load(p.cu_seq_lens + i)); }, start);
   if (b < 0) return;
   const int64_t i = t - start, j = i / p.block_size;
-  const int64_t phys = j < p.max_blocks ? static_cast<int64_t>(cuda::load(p.block_table + b * p.bt_row_stride + j)) : -1;
+  const int64_t phys =
+      j < p.max_blocks ? static_cast<int64_t>(cuda::load(p.block_table + b * p.bt_row_stride + j)) : -1;
   uint4 data = make_uint4(0u, 0u, 0u, 0u);
   uint32_t scale = 0;
   if (phys >= 0 && phys < p.num_blocks) {
     const char* block = p.cache + phys * p.block_stride;
     const int64_t pos = i - j * p.block_size;
     data = cuda::load(reinterpret_cast<const uint4*>(block + pos * kHeadDim + sub * 16));
-    if (sub == 0) scale = cuda::load(reinterpret_cast<const unsigned*>(block + p.block_size * kHeadDim + pos * kScaleBytes));
+    if (sub == 0)
+      scale = cuda::load(reinterpret_cast<const unsigned*>(block + p.block_size * kHeadDim + pos * kScaleBytes));
   }
   *reinterpret_cast<uint4*>(dst_k) = data;
   if (sub == 0) *reinterpret_cast<uint32_t*>(dst_scale) = scale;

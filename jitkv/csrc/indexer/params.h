@@ -43,7 +43,7 @@ struct GatherParams {
   char* dst_scale;
   const int32_t* block_table;
   const int32_t* cu_seq_lens;
-  int64_t num_tokens, batch, max_blocks, bt_row_stride;  // bt_row_stride: elements
+  int64_t num_tokens, batch, max_blocks, bt_row_stride;                          // bt_row_stride: elements
   int64_t block_stride, block_size, num_blocks, dst_k_stride, dst_scale_stride;  // strides: bytes
   DLDevice device;
 };

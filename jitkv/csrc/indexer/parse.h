@@ -123,9 +123,9 @@ inline int64_t parse_dst_scale(const char* op, const TensorView& s, DLDevice dev
   if (!f32 && !is_dtype(dt, kDLUInt, 8)) {
     TVM_FFI_THROW(TypeError) << op << ": dst_scale: expected dtype float32 or uint8, got " << dt;
   }
-  const bool ok = s.ndim() >= 1 && s.size(0) == num_tokens &&
-                  (f32 ? s.ndim() == 1 || (s.ndim() == 2 && s.size(1) == 1)
-                       : s.ndim() == 2 && s.size(1) == kScaleBytes);
+  const bool ok =
+      s.ndim() >= 1 && s.size(0) == num_tokens &&
+      (f32 ? s.ndim() == 1 || (s.ndim() == 2 && s.size(1) == 1) : s.ndim() == 2 && s.size(1) == kScaleBytes);
   if (!ok) {
     TVM_FFI_THROW(ValueError) << op << ": dst_scale: expected shape [T] or [T, 1] (float32) or [T, " << kScaleBytes
                               << "] (uint8) with T = dst_k.shape[0] = " << num_tokens << ", got " << shape_str(s);

@@ -67,8 +67,7 @@ struct RowRegs {
 
 // Copies one row of any length from (nope_row, rope_row) to dst_row (global or shared) in chunks.
 template <int kNope, int kRope, int V>
-__device__ __forceinline__ void copy_row_chunked(const char* nope_row, const char* rope_row, char* dst_row,
-                                                 int lane) {
+__device__ __forceinline__ void copy_row_chunked(const char* nope_row, const char* rope_row, char* dst_row, int lane) {
   using S = RowShape<kNope, kRope, V>;
 #pragma unroll
   for (int c = 0; c < S::kIters; c += S::kChunk) {
@@ -83,7 +82,6 @@ __device__ __forceinline__ void copy_row_chunked(const char* nope_row, const cha
     }
   }
 }
-
 
 // ---- TMA bulk store (SM90+) ----
 template <int kBytes>
@@ -133,8 +131,7 @@ __device__ __forceinline__ bool load_slot(const MlaArgs& p, int64_t row, int64_t
 // only when the slot is kept), lets the next kernel launch, and stores: one memory round trip from
 // wait to store. Args: MlaRowArgs, or MlaArgs for the calls it cannot hold.
 template <int kNope, int kRope, int kRowWarps, typename TLoc, typename Args>
-__global__ void __launch_bounds__(32 * 8)
-    set_mla_kv_buffer_latency_kernel(const __grid_constant__ Args p) {
+__global__ void __launch_bounds__(32 * 8) set_mla_kv_buffer_latency_kernel(const __grid_constant__ Args p) {
   using S = RowShape<kNope, kRope, 16>;
   static_assert(kRowWarps == 1 || kRowWarps == S::kIters, "one warp per row or one per register");
   const int lane = threadIdx.x & 31;
@@ -163,8 +160,7 @@ __global__ void __launch_bounds__(32 * 8)
 }
 
 template <int kNope, int kRope, int V, int kWarps, int kRows, bool kTma, typename TLoc>
-__global__ void __launch_bounds__(kWarps * 32)
-    set_mla_kv_buffer_kernel(const __grid_constant__ MlaArgs p) {
+__global__ void __launch_bounds__(kWarps * 32) set_mla_kv_buffer_kernel(const __grid_constant__ MlaArgs p) {
   using S = RowShape<kNope, kRope, V>;
   using Smem = WarpSmem<kTma, kWarps, kRows, S::kBytes>;
   static_assert(kRows == 1 || S::kInRegisters, "several rows per step only when a row fits in registers");

@@ -93,8 +93,7 @@ __device__ __forceinline__ void store_scales(char* dst, const float (&s)[kCount]
 // its scale max(amax / 448, FLT_MIN) (cuda::amax_scale); lane 0 stores the warp's tile scales and the
 // rope vectors are copied unchanged. Args: MlaFp8RowArgs, or MlaFp8Args for the calls it cannot hold.
 template <KvFormat kFmt, SrcDtype kSrc, int kNopeBytes, int kRopeBytes, int kRowWarps, typename TLoc, typename Args>
-__global__ void __launch_bounds__(32 * 8)
-    set_mla_kv_buffer_fp8_kernel(const __grid_constant__ Args p) {
+__global__ void __launch_bounds__(32 * 8) set_mla_kv_buffer_fp8_kernel(const __grid_constant__ Args p) {
   using R = Fp8Row<kNopeBytes, kRopeBytes, kRowWarps>;
   constexpr bool kDs = kFmt == KvFormat::kDsMla;
   const int lane = threadIdx.x & 31;
@@ -191,8 +190,7 @@ __global__ void __launch_bounds__(32 * 8)
 // waits for the scale load (docs/performance.md "set_mla_kv_buffer_fp8_lanes_kernel"). Args:
 // MlaFp8RowArgs, or MlaFp8Args for the calls it cannot hold.
 template <KvFormat kFmt, SrcDtype kSrc, int kNopeBytes, int kRopeBytes, typename TLoc, typename Args>
-__global__ void __launch_bounds__(32 * 8)
-    set_mla_kv_buffer_fp8_lanes_kernel(const __grid_constant__ Args p) {
+__global__ void __launch_bounds__(32 * 8) set_mla_kv_buffer_fp8_lanes_kernel(const __grid_constant__ Args p) {
   using S = RowShape<kNopeBytes, kRopeBytes, 16>;
   static_assert(kFmt != KvFormat::kDsMla, "fp8_ds_mla records are not [nope | rope] fp8 bytes");
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -207,7 +205,7 @@ __global__ void __launch_bounds__(32 * 8)
   const float scale = p.scale_ptr ? cuda::load(p.scale_ptr) : p.scale;
   const uint4 v = cuda::load(reinterpret_cast<const uint4*>(src));
   cuda::pdl_launch_dependents();  // after every load (see set_mla_kv_buffer_latency_kernel)
-  if (!keeps(p, slot)) return;     // padding, skipped and out-of-range slots are never written
+  if (!keeps(p, slot)) return;    // padding, skipped and out-of-range slots are never written
   reinterpret_cast<uint2*>(p.dst + slot * dst_stride(p))[j] = cuda::quantize8<kSrc, kFmt>(v, cuda::Divider(scale));
 }
 
@@ -215,8 +213,7 @@ __global__ void __launch_bounds__(32 * 8)
 // loads, __fdiv_rn per value and byte stores. fp8_ds_mla tile by tile: fmaxf over the lane's values
 // (NaN left out), then a redux.sync max of the lanes' amax bits (non-negative floats order as their bits).
 template <KvFormat kFmt, SrcDtype kSrc, int kNopeBytes, int kRopeBytes, typename TLoc>
-__global__ void __launch_bounds__(32 * 8)
-    set_mla_kv_buffer_fp8_generic_kernel(const __grid_constant__ MlaFp8Args p) {
+__global__ void __launch_bounds__(32 * 8) set_mla_kv_buffer_fp8_generic_kernel(const __grid_constant__ MlaFp8Args p) {
   using T = cuda::SrcTraits<kSrc>;
   cuda::warm_params(p, p.n);
   cuda::pdl_wait();

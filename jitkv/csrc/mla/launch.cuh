@@ -63,8 +63,8 @@ inline void check_cuda(const char* op, const MlaParams& p) {
 // The source bytes per row the module was compiled for.
 inline void check_row_bytes(const char* op, const MlaParams& p, int nope_bytes, int rope_bytes) {
   if (p.nope_bytes != nope_bytes || p.rope_bytes != rope_bytes) {
-    TVM_FFI_THROW(ValueError) << op << ": cache_k_nope/cache_k_rope: this module was compiled for " << nope_bytes << " + "
-                              << rope_bytes << " bytes per row, got " << p.nope_bytes << " + " << p.rope_bytes;
+    TVM_FFI_THROW(ValueError) << op << ": cache_k_nope/cache_k_rope: this module was compiled for " << nope_bytes
+                              << " + " << rope_bytes << " bytes per row, got " << p.nope_bytes << " + " << p.rope_bytes;
   }
 }
 

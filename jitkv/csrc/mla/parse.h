@@ -97,8 +97,8 @@ inline MlaParams parse_params(const char* op, const TensorView& kv_buffer, const
   RowWidths w;
   const MlaParams p = parse_rows(op, kv_buffer, loc, k_nope, k_rope, skip_slot, w);
   if (w.buffer < w.nope + w.rope) {
-    TVM_FFI_THROW(ValueError) << op << ": kv_buffer: row width " << w.buffer << " is smaller than nope + rope = "
-                              << w.nope << " + " << w.rope;
+    TVM_FFI_THROW(ValueError) << op << ": kv_buffer: row width " << w.buffer
+                              << " is smaller than nope + rope = " << w.nope << " + " << w.rope;
   }
   return p;
 }
@@ -136,8 +136,7 @@ inline void check_fp8_buffer(const char* op, const TensorView& kv_buffer, KvForm
 // The per-tensor formats' scale: a 1-element float32 tensor on the buffer's device (read by the kernel,
 // so a CUDA graph replays with its new value), or a Python float (value; codes::kMissingScale exactly
 // means "not given"), finite and > 0 as float32. fp8_ds_mla takes none: it computes one scale per tile.
-inline void parse_fp8_scale(const char* op, KvFormat f, const Optional<TensorView>& scale, double value,
-                            MlaParams& p) {
+inline void parse_fp8_scale(const char* op, KvFormat f, const Optional<TensorView>& scale, double value, MlaParams& p) {
   if (f == KvFormat::kDsMla) {
     if (scale.has_value() || value != codes::kMissingScale) {
       TVM_FFI_THROW(ValueError) << op << ": scale: kv_cache_dtype=\"fp8_ds_mla\" computes one scale per "
@@ -197,8 +196,8 @@ inline MlaParams parse_fp8_params(const char* op, const TensorView& kv_buffer, c
                                 << DsMla::kBytes << "-byte fp8_ds_mla record";
     }
   } else if (w.buffer < w.nope + w.rope) {
-    TVM_FFI_THROW(ValueError) << op << ": kv_buffer: row width " << w.buffer << " is smaller than nope + rope = "
-                              << w.nope << " + " << w.rope;
+    TVM_FFI_THROW(ValueError) << op << ": kv_buffer: row width " << w.buffer
+                              << " is smaller than nope + rope = " << w.nope << " + " << w.rope;
   }
   parse_fp8_scale(op, f, scale, scale_value, p);
   p.kv_format = f;

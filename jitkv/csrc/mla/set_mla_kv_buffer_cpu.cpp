@@ -1,8 +1,8 @@
 // set_mla_kv_buffer on CPU: kv_buffer[loc[i], :nope] = k_nope[i]; kv_buffer[loc[i], nope:nope+rope] = k_rope[i]
 // (set_mla_kv_buffer), or quantized on the way (set_mla_kv_buffer_fp8, set_mla_kv_buffer.cuh's fp8 formats).
 //
-// Algorithm: parse + validate (set_mla_kv_buffer.cuh, its host part); resolve every slot serially (skip rules, IndexError before
-// any write); then one pass over the kept rows writes both segments of each row with AVX-512
+// Algorithm: parse + validate (set_mla_kv_buffer.cuh, its host part); resolve every slot serially (skip rules,
+// IndexError before any write); then one pass over the kept rows writes both segments of each row with AVX-512
 // (row_copy.h copy_two). Bytes beyond nope+rope are never touched. OpenMP above a payload threshold;
 // when the buffer dwarfs the LLC and rows start on 64-byte lines, whole lines are assembled from
 // the two sources and streamed (non-temporal), only a partial last line uses a regular masked store.
@@ -31,7 +31,7 @@ void write_rows(const mla::MlaParams& a, const cpu::RowSlot* rows, int64_t m) {
     for (int64_t i = begin; i < end; ++i) {
       int64_t r = rows[i].row;
       cpu::copy_two(a.dst + rows[i].slot * a.dst_row_stride, a.nope + r * a.nope_row_stride, a.nope_bytes,
-                        a.rope + r * a.rope_row_stride, a.rope_bytes, nt);
+                    a.rope + r * a.rope_row_stride, a.rope_bytes, nt);
     }
     if (nt) cpu::stream_fence();
   });

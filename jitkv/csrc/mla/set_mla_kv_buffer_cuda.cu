@@ -202,8 +202,7 @@ MlaKernel pick_kernel(const MlaParams& p, const DeviceInfo& info) {
   return kKernel;
 }
 
-void set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView k_nope, TensorView k_rope,
-                       int64_t skip_slot) {
+void set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView k_nope, TensorView k_rope, int64_t skip_slot) {
   const MlaParams p = parse_params(kOp, kv_buffer, loc, k_nope, k_rope, skip_slot);
   check_cuda(kOp, p);
   check_row_bytes(kOp, p, kNope, kRope);

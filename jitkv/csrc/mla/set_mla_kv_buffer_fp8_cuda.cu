@@ -98,8 +98,8 @@ cudaError_t launch_fast(const MlaParams& p, const DeviceInfo& info, cudaStream_t
     const dim3 grid(static_cast<unsigned>((p.n * kRowWarps + wpb - 1) / wpb)), block(32 * wpb);
     return with_block(static_cast<const MlaFp8Args&>(p), fp8_row_args, [&](const auto& args) {
       using Args = std::decay_t<decltype(args)>;
-      return jitkv::cuda::launch(set_mla_kv_buffer_fp8_kernel<kFormat, kSrc, kNope, kRope, kRowWarps, TLoc, Args>,
-                                 grid, block, stream, kPdl && info.pdl(), args);
+      return jitkv::cuda::launch(set_mla_kv_buffer_fp8_kernel<kFormat, kSrc, kNope, kRope, kRowWarps, TLoc, Args>, grid,
+                                 block, stream, kPdl && info.pdl(), args);
     });
   }
 }
@@ -129,10 +129,14 @@ cudaError_t launch_generic(const MlaParams& p, const DeviceInfo& info, cudaStrea
 template <typename TLoc>
 cudaError_t launch(MlaFp8Kernel kernel, const MlaParams& p, const DeviceInfo& info, cudaStream_t stream) {
   switch (kernel) {
-    case MlaFp8Kernel::kSplit: return launch_fast<2, TLoc>(p, info, stream);
-    case MlaFp8Kernel::kRow: return launch_fast<1, TLoc>(p, info, stream);
-    case MlaFp8Kernel::kLanes: return launch_lanes<TLoc>(p, info, stream);
-    default: return launch_generic<TLoc>(p, info, stream);
+    case MlaFp8Kernel::kSplit:
+      return launch_fast<2, TLoc>(p, info, stream);
+    case MlaFp8Kernel::kRow:
+      return launch_fast<1, TLoc>(p, info, stream);
+    case MlaFp8Kernel::kLanes:
+      return launch_lanes<TLoc>(p, info, stream);
+    default:
+      return launch_generic<TLoc>(p, info, stream);
   }
 }
 
@@ -160,7 +164,8 @@ void set_mla_kv_buffer_fp8(TensorView kv_buffer, TensorView loc, TensorView k_no
   const MlaFp8Kernel kernel = pick_kernel(p, info);
   jitkv::cuda::DeviceGuard guard(device);
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
-  const cudaError_t err = p.loc_i64 ? launch<int64_t>(kernel, p, info, stream) : launch<int32_t>(kernel, p, info, stream);
+  const cudaError_t err =
+      p.loc_i64 ? launch<int64_t>(kernel, p, info, stream) : launch<int32_t>(kernel, p, info, stream);
   jitkv::cuda::check_launch(kOp, err);
 }
 

@@ -26,7 +26,8 @@ constexpr int64_t kZeroRow = -1;     // entry_offset: written as zeros
 
 JITKV_HOST_DEVICE inline int64_t load_index(const void* p, int64_t i, bool i64) {
 #if defined(__CUDA_ARCH__)
-  return i64 ? cuda::load(static_cast<const int64_t*>(p) + i) : static_cast<int64_t>(cuda::load(static_cast<const int32_t*>(p) + i));
+  return i64 ? cuda::load(static_cast<const int64_t*>(p) + i)
+             : static_cast<int64_t>(cuda::load(static_cast<const int32_t*>(p) + i));
 #else
   return i64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 #endif

@@ -57,8 +57,8 @@ void check_rows(const GatherParams& p) {
   for (int64_t r = 0; r <= p.num_reqs; ++r) {
     const int64_t v = load_index(p.cu_seq_lens, r, p.cu_i64);
     if (r > 0 && v < prev) {
-      TVM_FFI_THROW(ValueError) << kOp << ": cu_seq_lens: expected non-decreasing values, got " << prev << " then "
-                                << v << " at positions " << r - 1 << ", " << r;
+      TVM_FFI_THROW(ValueError) << kOp << ": cu_seq_lens: expected non-decreasing values, got " << prev << " then " << v
+                                << " at positions " << r - 1 << ", " << r;
     }
     prev = v;
   }

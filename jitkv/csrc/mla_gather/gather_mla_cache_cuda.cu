@@ -61,8 +61,7 @@ void check_module(const GatherParams& p) {
 }
 
 void gather_mla_cache(TensorView out, TensorView kv_cache, TensorView block_table, TensorView cu_seq_lens,
-                      Optional<TensorView> seq_starts, int64_t format, Optional<TensorView> scale,
-                      double scale_value) {
+                      Optional<TensorView> seq_starts, int64_t format, Optional<TensorView> scale, double scale_value) {
   const GatherParams p =
       parse_params(kOp, out, kv_cache, block_table, cu_seq_lens, seq_starts, format, scale, scale_value);
   check_module(p);

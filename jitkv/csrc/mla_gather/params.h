@@ -34,7 +34,7 @@ struct GatherParams {
   const float* scale_ptr;  // fp8_e4m3/e5m2: a 1-element float32 tensor read on the device, else nullptr
   int64_t rows;            // out.shape[0]
   int64_t num_reqs;
-  int64_t out_row_stride;  // bytes
+  int64_t out_row_stride;                                      // bytes
   int64_t num_blocks, block_size, block_stride, token_stride;  // strides in bytes
   int64_t bt_row_stride, max_blocks;                           // block_table, in elements
   int64_t entry_bytes, out_row_bytes;  // a cache entry as stored (W elements), an output row (D elements)

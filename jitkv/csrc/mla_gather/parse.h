@@ -13,10 +13,14 @@ namespace jitkv::mla_gather {
 
 inline const char* format_name(KvFormat f) {
   switch (f) {
-    case KvFormat::kCopy: return "auto";
-    case KvFormat::kE4M3: return "fp8_e4m3";
-    case KvFormat::kE5M2: return "fp8_e5m2";
-    default: return "fp8_ds_mla";
+    case KvFormat::kCopy:
+      return "auto";
+    case KvFormat::kE4M3:
+      return "fp8_e4m3";
+    case KvFormat::kE5M2:
+      return "fp8_e5m2";
+    default:
+      return "fp8_ds_mla";
   }
 }
 

@@ -308,7 +308,8 @@ __device__ __forceinline__ void rope_k_pe(const MlaArgs& p, int64_t t, int j) {
   rotate<S::kRope, kNeox, kV, S::kG>(y, j, c, s, mask);
   if (!inside) return;
   const cuda::Divider div(scale);
-  if (p.k_pe_out != nullptr) store_floats<S::kSrc, KvFormat::kCopy>(p.k_pe_out + t * p.k_pe_out_stride + j * 16, y, div);
+  if (p.k_pe_out != nullptr)
+    store_floats<S::kSrc, KvFormat::kCopy>(p.k_pe_out + t * p.k_pe_out_stride + j * 16, y, div);
   if (slot < 0) return;
   char* row = p.dst + slot * p.dst_stride;
   if constexpr (S::kDs) {
@@ -386,17 +387,15 @@ __global__ void __launch_bounds__(kBlockThreads) rope_set_mla_kv_buffer_kernel(c
   if (piece < S::kNopePieces) {
     store_kv_c<S>(p, t, r);
   } else if (piece == S::kNopePieces) {
-    with_rotation<S::kRope, S::kSrc>(p, [&](auto neox, auto cs) {
-      rope_k_pe<S, decltype(neox)::value, decltype(cs)::value>(p, t, j);
-    });
+    with_rotation<S::kRope, S::kSrc>(
+        p, [&](auto neox, auto cs) { rope_k_pe<S, decltype(neox)::value, decltype(cs)::value>(p, t, j); });
   } else if constexpr (S::kWithQ) {
     const int q = piece - S::kKvPieces, h0 = q / per_group * kHpt, part = q % per_group;
     if (part + 1 < per_group) {
       store_q_nope<S, kHpt>(p, t, h0, part * S::kG + j);
     } else {
-      with_rotation<S::kRope, S::kSrc>(p, [&](auto neox, auto cs) {
-        rope_q_pe<S, kHpt, decltype(neox)::value, decltype(cs)::value>(p, t, h0, j);
-      });
+      with_rotation<S::kRope, S::kSrc>(
+          p, [&](auto neox, auto cs) { rope_q_pe<S, kHpt, decltype(neox)::value, decltype(cs)::value>(p, t, h0, j); });
     }
   }
 }

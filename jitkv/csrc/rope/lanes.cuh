@@ -212,7 +212,7 @@ __device__ __forceinline__ cuda::Pack<kV> quantize_floats(const float (&y)[kV], 
 // 16 source bytes as fp8 bytes of kFmt (what store_cache and set_mla_kv_buffer write from a source).
 template <SrcDtype kSrc, KvFormat kFmt>
 __device__ __forceinline__ cuda::Pack<lane_values<kSrc>()> quantize_source(const cuda::Pack<16>& v,
-                                                                            const cuda::Divider& div) {
+                                                                           const cuda::Divider& div) {
   cuda::Pack<lane_values<kSrc>()> out;
   cuda::quantize<kSrc, kFmt, lane_values<kSrc>(), cuda::QuantizeOrder::kValuesThenConvert>(v.w, out.w, div);
   return out;

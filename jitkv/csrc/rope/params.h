@@ -23,11 +23,11 @@ struct Rotation {
   const void* positions;
   bool pos_i64;
   int64_t max_pos;
-  const char* cos_sin;  // [max_pos, rot]: cos half then sin half
-  int64_t cs_stride;    // bytes
+  const char* cos_sin;       // [max_pos, rot]: cos half then sin half
+  int64_t cs_stride;         // bytes
   codes::SrcDtype cs_dtype;  // F32 or the sources' dtype
-  int64_t rot;          // rotary dim (even)
-  bool neox;            // NeoX halves, else GPT-J pairs
+  int64_t rot;               // rotary dim (even)
+  bool neox;                 // NeoX halves, else GPT-J pairs
 };
 
 // The queries: rotated from src into dst (dst == src in place) as mode says.
@@ -46,7 +46,7 @@ struct StoreArgs {
   char *q_dst, *k_out, *k_cache, *v_cache;  // k_out nullptr: none
   const void *slots, *loc_map, *positions;  // loc_map nullptr: no translation
   const char* cos_sin;
-  const char *q_norm, *k_norm;  // nullptr: no norm (the kernel's template says which it reads)
+  const char *q_norm, *k_norm;                           // nullptr: no norm (the kernel's template says which it reads)
   const float *q_scale_ptr, *k_scale_ptr, *v_scale_ptr;  // fp8: device scales, or nullptr: the values
   int64_t q_src_token, q_src_head, q_dst_token, q_dst_head, k_src_token, k_src_head, v_src_token, v_src_head;
   int64_t k_out_token, k_out_head;

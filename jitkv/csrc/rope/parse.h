@@ -35,7 +35,7 @@ struct StoreParams {
   Queries q;
   Rows k_out;  // ptr nullptr: none
   const void* q_norm;
-  const void* k_norm;  // nullptr: no norm
+  const void* k_norm;          // nullptr: no norm
   codes::SrcDtype norm_dtype;  // of both weights
   float eps;
 };
@@ -43,10 +43,10 @@ struct StoreParams {
 struct MlaParams {
   mla::MlaParams kv;  // kv_c, k_pe (unrotated) and the buffer
   Rotation rot;
-  Queries q;        // q_pe: src; q_out's rope part: dst
-  Rows q_nope;      // COPY / fp8 modes: the source of q_out's first nope_q values
-  int64_t nope_q;   // their count
-  Rows k_pe_out;    // ptr nullptr: none
+  Queries q;       // q_pe: src; q_out's rope part: dst
+  Rows q_nope;     // COPY / fp8 modes: the source of q_out's first nope_q values
+  int64_t nope_q;  // their count
+  Rows k_pe_out;   // ptr nullptr: none
 };
 
 inline bool is_float_dtype(DLDataType d) {
@@ -87,8 +87,8 @@ inline Rows rows3(const char* op, const char* name, const TensorView& t, int64_t
 inline Rows rows2(const char* op, const char* name, const TensorView& t, int64_t width, int64_t n, DLDataType dt,
                   DLDevice dev, const char* dev_from) {
   check_device(op, name, t, dev, dev_from);
-  require((t.ndim() == 2 || (t.ndim() == 3 && t.size(1) == 1)) && t.size(t.ndim() - 1) == width && t.size(0) >= n,
-          op, name, "expected [tokens >= n, width]");
+  require((t.ndim() == 2 || (t.ndim() == 3 && t.size(1) == 1)) && t.size(t.ndim() - 1) == width && t.size(0) >= n, op,
+          name, "expected [tokens >= n, width]");
   check_last_dim_contiguous(op, name, t);
   check_dtype(op, name, t, dt);
   return Rows{data_ptr(t), t.stride(0) * elem_bytes(dt), 0};
@@ -204,10 +204,9 @@ inline StoreParams parse_store(const char* op, const TensorView& q, const Tensor
   }
   require(std::isfinite(eps) && eps >= 0.0, op, "eps", "expected a finite float >= 0");
   p.eps = static_cast<float>(eps);
-  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{p.q.mode == RopeQ::kInPlace ? nullptr : "q_out",
-                                                                        &q_dst},
-                                std::pair<const char*, const TensorView*>{"k_out", k_out.has_value() ? &k_out.value()
-                                                                                                      : nullptr}}) {
+  for (const auto& [name, t] :
+       {std::pair<const char*, const TensorView*>{p.q.mode == RopeQ::kInPlace ? nullptr : "q_out", &q_dst},
+        std::pair<const char*, const TensorView*>{"k_out", k_out.has_value() ? &k_out.value() : nullptr}}) {
     if (name == nullptr || t == nullptr) continue;
     check_disjoint(op, name, *t, "k_cache", k_cache);
     check_disjoint(op, name, *t, "v_cache", v_cache);

@@ -217,7 +217,6 @@ inline void store_head(char* dst, SrcKind k, const float* x, int64_t n, const cp
 
 inline char* row_of(const Rows& r, int64_t t, int64_t h) { return r.ptr + t * r.stride_token + h * r.stride_head; }
 
-
 // IndexError at the first of positions[0, n) outside [0, max_pos), before anything is written.
 void check_positions(const char* op, const rope::Rotation& r, int64_t n) {
   for (int64_t t = 0; t < n; ++t) {
@@ -311,17 +310,17 @@ void rope_store_cache_cpu(TensorView q, TensorView k, TensorView v, TensorView k
   if (k_cache.device().device_type != kDLCPU) {
     TVM_FFI_THROW(ValueError) << kOp << ": k_cache: expected a CPU tensor for the CPU kernel";
   }
-  const rope::StoreParams p = rope::parse_store(
-      kOp, q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, rotary_dim, q_norm_weight,
-      k_norm_weight, eps, q_dst, q_mode, q_scale, q_scale_value, k_out, loc_map, skip_slot, kv_format, k_scale,
-      v_scale, k_scale_value, v_scale_value);
+  const rope::StoreParams p =
+      rope::parse_store(kOp, q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, rotary_dim,
+                        q_norm_weight, k_norm_weight, eps, q_dst, q_mode, q_scale, q_scale_value, k_out, loc_map,
+                        skip_slot, kv_format, k_scale, v_scale, k_scale_value, v_scale_value);
   const int64_t n = p.kv.n, d = p.kv.k_head_dim;
   if (n == 0) return;
   check_positions(kOp, p.rot, n);
   const std::vector<int64_t> dest = p.kv.slot_i64 ? store_destinations<int64_t>(p) : store_destinations<int32_t>(p);
   const std::vector<float> qw = weight_f32(p.q_norm, p.norm_dtype, d), kw = weight_f32(p.k_norm, p.norm_dtype, d);
-  const int64_t payload = n * ((p.q.heads + p.kv.num_heads) * d + p.kv.num_heads * p.kv.v_head_dim) *
-                          elem_bytes(p.kv.src_dtype);
+  const int64_t payload =
+      n * ((p.q.heads + p.kv.num_heads) * d + p.kv.num_heads * p.kv.v_head_dim) * elem_bytes(p.kv.src_dtype);
   cpu::for_rows(n, cpu::threads_for(kRopeWeight * payload), [&](int64_t begin, int64_t end) {
     Scratch s(std::max(d, p.kv.v_head_dim), p.rot.rot);
     for (int64_t t = begin; t < end; ++t) {
@@ -380,11 +379,10 @@ void mla_token(const rope::MlaParams& p, int64_t t, int64_t slot, Scratch& s) {
 }
 
 void rope_set_mla_kv_buffer_cpu(TensorView kv_buffer, TensorView loc, TensorView kv_c, TensorView k_pe,
-                                TensorView positions, TensorView cos_sin_cache, bool is_neox,
-                                Optional<TensorView> q_pe, Optional<TensorView> q_nope, Optional<TensorView> q_out,
-                                int64_t q_mode, Optional<TensorView> q_scale, double q_scale_value,
-                                Optional<TensorView> k_pe_out, int64_t skip_slot, int64_t kv_format,
-                                Optional<TensorView> scale, double scale_value) {
+                                TensorView positions, TensorView cos_sin_cache, bool is_neox, Optional<TensorView> q_pe,
+                                Optional<TensorView> q_nope, Optional<TensorView> q_out, int64_t q_mode,
+                                Optional<TensorView> q_scale, double q_scale_value, Optional<TensorView> k_pe_out,
+                                int64_t skip_slot, int64_t kv_format, Optional<TensorView> scale, double scale_value) {
   if (kv_buffer.device().device_type != kDLCPU) {
     TVM_FFI_THROW(ValueError) << kMlaOp << ": kv_buffer: expected a CPU tensor for the CPU kernel";
   }
@@ -394,11 +392,10 @@ void rope_set_mla_kv_buffer_cpu(TensorView kv_buffer, TensorView loc, TensorView
   const int64_t n = p.kv.n;
   if (n == 0) return;
   check_positions(kMlaOp, p.rot, n);
-  const std::vector<int64_t> dest =
-      p.kv.loc_i64 ? destinations(kMlaOp, "loc", static_cast<const int64_t*>(p.kv.loc), n, p.kv.skip_slot, nullptr,
-                                  false, 0, p.kv.num_slots)
-                   : destinations(kMlaOp, "loc", static_cast<const int32_t*>(p.kv.loc), n, p.kv.skip_slot, nullptr,
-                                  false, 0, p.kv.num_slots);
+  const std::vector<int64_t> dest = p.kv.loc_i64 ? destinations(kMlaOp, "loc", static_cast<const int64_t*>(p.kv.loc), n,
+                                                                p.kv.skip_slot, nullptr, false, 0, p.kv.num_slots)
+                                                 : destinations(kMlaOp, "loc", static_cast<const int32_t*>(p.kv.loc), n,
+                                                                p.kv.skip_slot, nullptr, false, 0, p.kv.num_slots);
   const int64_t es = elem_bytes(p.kv.dtype);
   const int64_t payload = n * (p.kv.nope_bytes + p.kv.rope_bytes + p.q.heads * (p.nope_q + p.rot.rot) * es);
   const int64_t width = std::max<int64_t>(p.rot.rot, 1);

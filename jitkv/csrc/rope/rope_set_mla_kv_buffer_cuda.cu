@@ -30,8 +30,8 @@ using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
 
 constexpr const char* kOp = "rope_set_mla_kv_buffer";
-using Shape = MlaShape<JITKV_NOPE, JITKV_ROPE, static_cast<SrcDtype>(JITKV_SRC_DTYPE),
-                       static_cast<RopeQ>(JITKV_Q_MODE), static_cast<KvFormat>(JITKV_KV_DTYPE)>;
+using Shape = MlaShape<JITKV_NOPE, JITKV_ROPE, static_cast<SrcDtype>(JITKV_SRC_DTYPE), static_cast<RopeQ>(JITKV_Q_MODE),
+                       static_cast<KvFormat>(JITKV_KV_DTYPE)>;
 constexpr bool kPdl = JITKV_PDL != 0;
 constexpr int kEs = elem_bytes_of<Shape::kSrc>();
 
@@ -121,9 +121,8 @@ int64_t rope_set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView 
                                Optional<TensorView> q_nope, Optional<TensorView> q_out, int64_t q_mode,
                                Optional<TensorView> q_scale, double q_scale_value, Optional<TensorView> k_pe_out,
                                int64_t skip_slot, int64_t kv_format, Optional<TensorView> scale, double scale_value) {
-  const MlaParams p = parse_mla(kOp, kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope,
-                                q_out, q_mode, q_scale, q_scale_value, k_pe_out, skip_slot, kv_format, scale,
-                                scale_value);
+  const MlaParams p = parse_mla(kOp, kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out,
+                                q_mode, q_scale, q_scale_value, k_pe_out, skip_slot, kv_format, scale, scale_value);
   check_module(p);
   if (!kernel_takes(p)) return status(Status::kNeedsAnyAlignment);
   if (p.kv.n == 0) return status(Status::kDone);
@@ -131,8 +130,10 @@ int64_t rope_set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView 
   const jitkv::cuda::DeviceInfo info = jitkv::cuda::device_info(device);
   const int nope_q_lanes = static_cast<int>(p.nope_q / Shape::kV);
   const bool divides = p.q.heads % kBulkHpt == 0;
-  const int hpt = divides && p.kv.n * Shape::token_threads(p.q.heads, nope_q_lanes, 1) >=
-                                 kThreadsPerSm * std::max(info.sms, 1) ? kBulkHpt : 1;
+  const int hpt =
+      divides && p.kv.n * Shape::token_threads(p.q.heads, nope_q_lanes, 1) >= kThreadsPerSm * std::max(info.sms, 1)
+          ? kBulkHpt
+          : 1;
   const int64_t threads = Shape::token_threads(p.q.heads, nope_q_lanes, hpt);
   if (p.kv.n > INT32_MAX || threads > int64_t(kBlockThreads) * 65535) {
     TVM_FFI_THROW(ValueError) << kOp << ": q_pe: " << p.kv.n << " tokens of " << p.q.heads

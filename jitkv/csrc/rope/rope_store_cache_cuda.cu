@@ -153,10 +153,10 @@ int64_t rope_store_cache(TensorView q, TensorView k, TensorView v, TensorView k_
                          double q_scale_value, Optional<TensorView> k_out, Optional<TensorView> loc_map,
                          int64_t skip_slot, int64_t kv_format, Optional<TensorView> k_scale,
                          Optional<TensorView> v_scale, double k_scale_value, double v_scale_value) {
-  const StoreParams p = parse_store(kOp, q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox,
-                                    rotary_dim, q_norm_weight, k_norm_weight, eps, q_dst, q_mode, q_scale,
-                                    q_scale_value, k_out, loc_map, skip_slot, kv_format, k_scale, v_scale,
-                                    k_scale_value, v_scale_value);
+  const StoreParams p =
+      parse_store(kOp, q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, rotary_dim,
+                  q_norm_weight, k_norm_weight, eps, q_dst, q_mode, q_scale, q_scale_value, k_out, loc_map, skip_slot,
+                  kv_format, k_scale, v_scale, k_scale_value, v_scale_value);
   check_module(p, p.kv.device);
   if (!kernel_takes(p)) return status(Status::kNeedsAnyAlignment);
   if (p.kv.n == 0) return status(Status::kDone);
@@ -165,8 +165,8 @@ int64_t rope_store_cache(TensorView q, TensorView k, TensorView v, TensorView k_
   const int hpt = heads_per_thread(p, info.sms);
   const int64_t threads = Shape::token_threads(p.q.heads, p.kv.num_heads, hpt);
   if (p.kv.n > INT32_MAX || threads > int64_t(kBlockThreads) * 65535) {
-    TVM_FFI_THROW(ValueError) << kOp << ": q: " << p.kv.n << " tokens of " << p.q.heads << " + 2 x "
-                              << p.kv.num_heads << " heads are too many for the CUDA kernel";
+    TVM_FFI_THROW(ValueError) << kOp << ": q: " << p.kv.n << " tokens of " << p.q.heads << " + 2 x " << p.kv.num_heads
+                              << " heads are too many for the CUDA kernel";
   }
   const int block = static_cast<int>(threads < kBlockThreads ? threads : kBlockThreads);
   const dim3 grid(static_cast<unsigned>(p.kv.n), static_cast<unsigned>((threads + block - 1) / block));

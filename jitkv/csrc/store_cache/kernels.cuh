@@ -175,8 +175,10 @@ __device__ __forceinline__ void latency_write(const StoreCacheArgs& p) {
   k.load_scale(first_side);
   if constexpr (!kSplit) v.load_scale(p.v);
   int64_t slot = entry;
-  if (p.loc_map != nullptr) slot = resolve_slot(p, entry);
-  else if (entry == p.skip_slot) return;  // padding (< 0) fails the unsigned range check below
+  if (p.loc_map != nullptr)
+    slot = resolve_slot(p, entry);
+  else if (entry == p.skip_slot)
+    return;  // padding (< 0) fails the unsigned range check below
   // Padding, skipped and out-of-range slots are never written (K and V have the same slot count).
   if (uint64_t(slot) >= uint64_t(p.k.num_slots)) return;
   const cuda::PagedRows dk = paged_rows(first_side);
@@ -218,8 +220,7 @@ __device__ __forceinline__ void bulk_write(const StoreCacheArgs& p) {
 // (token, chunk), writing K and V. With split_sides (sides = 2), one warp per (token, chunk, side),
 // which halves each warp's fp8 conversion chain; bf16 copies stay on one warp (measured slower split).
 template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcDtype kSrc, KvFormat kFmt, bool kBulk, bool kPerHead>
-__global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
-    store_cache_kernel(const __grid_constant__ StoreCacheArgs p) {
+__global__ void __launch_bounds__(32 * kMaxWarpsPerBlock) store_cache_kernel(const __grid_constant__ StoreCacheArgs p) {
   if constexpr (kBulk) {
     bulk_write<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFmt, kPerHead>(p);
   } else {

@@ -20,7 +20,7 @@ struct Side {
   uint32_t block_magic;         // sets these four, exact for every slot of a cache it accepts)
   const float* scale_ptr;       // fp8: a float32 tensor on the caches' device, or nullptr: `scale`
   float scale;
-  int32_t scale_stride;         // elements from one head's scale to the next: 0 for one scale for all heads
+  int32_t scale_stride;  // elements from one head's scale to the next: 0 for one scale for all heads
 };
 
 struct StoreCacheArgs {

@@ -51,8 +51,8 @@ struct StoreCacheParams : StoreCacheArgs {
 };
 
 inline bool is_fp8_source_dtype(DLDataType d) {
-  return d.lanes == 1 && ((d.code == kDLFloat && (d.bits == 16 || d.bits == 32)) ||
-                          (d.code == kDLBfloat && d.bits == 16));
+  return d.lanes == 1 &&
+         ((d.code == kDLFloat && (d.bits == 16 || d.bits == 32)) || (d.code == kDLBfloat && d.bits == 16));
 }
 
 inline KvFormat parse_kv_dtype(const char* op, int64_t code) {
@@ -90,9 +90,8 @@ inline void check_cache_dtype(const char* op, const char* name, const TensorView
                               << kv_dtype_name(kv) << "\" (expected "
                               << (want == kDLFloat8_e4m3fn ? "float8_e4m3fn" : "float8_e5m2") << " or uint8)";
   }
-  TVM_FFI_THROW(ValueError) << op << ": kv_cache_dtype: \"" << kv_dtype_name(kv) << "\" needs an fp8 "
-                            << name << " (" << (want == kDLFloat8_e4m3fn ? "float8_e4m3fn" : "float8_e5m2")
-                            << " or uint8), got " << c;
+  TVM_FFI_THROW(ValueError) << op << ": kv_cache_dtype: \"" << kv_dtype_name(kv) << "\" needs an fp8 " << name << " ("
+                            << (want == kDLFloat8_e4m3fn ? "float8_e4m3fn" : "float8_e5m2") << " or uint8), got " << c;
 }
 
 // Head structure of one tensor: heads = 0 when it has no head dim (2-D).
@@ -125,13 +124,11 @@ inline HeadShape pair_shape(const char* op, const char* src_name, const char* ca
   HeadShape s = head_shape(src), c = head_shape(cache);
   if (s.heads && c.heads && (s.heads != c.heads || s.head_dim != c.head_dim)) {
     TVM_FFI_THROW(ValueError) << op << ": " << cache_name << ": expected heads x head_dim = " << s.heads << " x "
-                              << s.head_dim << " (from " << src_name << "), got " << c.heads << " x "
-                              << c.head_dim;
+                              << s.head_dim << " (from " << src_name << "), got " << c.heads << " x " << c.head_dim;
   }
   if (s.row != c.row) {
-    TVM_FFI_THROW(ValueError) << op << ": " << cache_name << ": expected a row of " << s.row
-                              << " elements (H*D of " << src_name << "), got " << c.row << " (shape "
-                              << shape_str(cache) << ")";
+    TVM_FFI_THROW(ValueError) << op << ": " << cache_name << ": expected a row of " << s.row << " elements (H*D of "
+                              << src_name << "), got " << c.row << " (shape " << shape_str(cache) << ")";
   }
   return s.heads ? s : c;
 }
@@ -163,8 +160,8 @@ inline void set_cache(Side& s, const TensorView& t, int64_t head_bytes) {
 
 // Scale: tensor (pointer; one element, or [heads] per-head scales) or Python float (value;
 // codes::kMissingScale exactly means "not given").
-inline void parse_scale(const char* op, const char* name, const Optional<TensorView>& t, double value,
-                        DLDevice dev, KvFormat kv, int64_t heads, Side& side) {
+inline void parse_scale(const char* op, const char* name, const Optional<TensorView>& t, double value, DLDevice dev,
+                        KvFormat kv, int64_t heads, Side& side) {
   side.scale_ptr = nullptr;
   side.scale = 1.0f;
   side.scale_stride = 0;
@@ -204,8 +201,7 @@ inline StoreCacheParams parse_params(const char* op, const TensorView& k, const 
                                      const TensorView& k_cache, const TensorView& v_cache,
                                      const TensorView& slot_mapping, const Optional<TensorView>& loc_map,
                                      int64_t skip_slot, int64_t kv_cache_dtype, const Optional<TensorView>& k_scale,
-                                     const Optional<TensorView>& v_scale, double k_scale_value,
-                                     double v_scale_value) {
+                                     const Optional<TensorView>& v_scale, double k_scale_value, double v_scale_value) {
   const KvFormat kv = parse_kv_dtype(op, kv_cache_dtype);
   const DLDevice dev = k_cache.device();
   check_device(op, "k", k, dev, "k_cache");
@@ -217,8 +213,9 @@ inline StoreCacheParams parse_params(const char* op, const TensorView& k, const 
   const DLDataType src = k.dtype();
   if (kv == KvFormat::kCopy ? !is_copy_dtype(src) : !is_fp8_source_dtype(src)) {
     TVM_FFI_THROW(TypeError) << op << ": k: expected dtype "
-                             << (kv == KvFormat::kCopy ? "bfloat16, float16, float32, uint8, float8_e4m3fn or float8_e5m2"
-                                                       : "bfloat16, float16 or float32 (quantized to fp8)")
+                             << (kv == KvFormat::kCopy
+                                     ? "bfloat16, float16, float32, uint8, float8_e4m3fn or float8_e5m2"
+                                     : "bfloat16, float16 or float32 (quantized to fp8)")
                              << " with kv_cache_dtype=\"" << kv_dtype_name(kv) << "\", got " << src;
   }
   check_same_dtype(op, "v", v, src, "k");
@@ -244,12 +241,12 @@ inline StoreCacheParams parse_params(const char* op, const TensorView& k, const 
   }
   const int64_t heads = ks.heads ? ks.heads : vs.heads ? vs.heads : 1;
   if (ks.row % heads != 0) {
-    TVM_FFI_THROW(ValueError) << op << ": k: row of " << ks.row << " elements does not split into the "
-                              << heads << " heads of v";
+    TVM_FFI_THROW(ValueError) << op << ": k: row of " << ks.row << " elements does not split into the " << heads
+                              << " heads of v";
   }
   if (vs.row % heads != 0) {
-    TVM_FFI_THROW(ValueError) << op << ": v: row of " << vs.row << " elements does not split into the "
-                              << heads << " heads of k";
+    TVM_FFI_THROW(ValueError) << op << ": v: row of " << vs.row << " elements does not split into the " << heads
+                              << " heads of k";
   }
   const int64_t k_dim = ks.row / heads, v_dim = vs.row / heads;
 

@@ -77,7 +77,7 @@ static_assert(sizeof(RowFp8Args) == 64, "one 64-byte parameter block");
 // Paged caches: a slot's row is dst + slot * dst_stride + (slot / block_size) * block_adj.
 struct RowBlocks {
   int64_t k_block_adj, v_block_adj;  // block_adj(Side), per side
-  uint32_t block_magic;               // the block division of Side (K and V share the block size)
+  uint32_t block_magic;              // the block division of Side (K and V share the block size)
   int32_t block_shift;
 };
 
@@ -85,8 +85,7 @@ struct NoBlocks {};
 
 // The block of one row kernel: RowArgs (copies) or RowFp8Args, then RowBlocks for paged caches.
 template <bool kPaged, bool kQuant>
-struct RowArgsOf : std::conditional_t<kQuant, RowFp8Args, RowArgs>, std::conditional_t<kPaged, RowBlocks, NoBlocks> {
-};
+struct RowArgsOf : std::conditional_t<kQuant, RowFp8Args, RowArgs>, std::conditional_t<kPaged, RowBlocks, NoBlocks> {};
 
 // grid = (ceil(n / warps_per_block), chunks, sides) as the latency kernel; lane l of chunk c moves
 // kVec-byte vector 32 c + l of the K row and of the V row (or, with split sides, of the side

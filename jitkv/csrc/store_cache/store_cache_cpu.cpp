@@ -32,14 +32,12 @@ struct SideRows {
   float scale;                             // fp8, one scale for the side (segment h: scale_of(h))
 
   // Per-head scales (Side::scale_stride != 0; host tensors, values checked by the Python wrapper).
-  float scale_of(int64_t h) const {
-    return side->scale_stride != 0 ? side->scale_ptr[h * side->scale_stride] : scale;
-  }
+  float scale_of(int64_t h) const { return side->scale_stride != 0 ? side->scale_ptr[h * side->scale_stride] : scale; }
 };
 
 SideRows side_rows(const Side& s, int64_t heads, int64_t head_dim, int64_t src_es, int64_t dst_es) {
-  const bool dense = s.scale_stride == 0 && (heads == 1 || (s.src_stride_head == head_dim * src_es &&
-                                                            s.dst_stride_head == head_dim * dst_es));
+  const bool dense = s.scale_stride == 0 &&
+                     (heads == 1 || (s.src_stride_head == head_dim * src_es && s.dst_stride_head == head_dim * dst_es));
   SideRows r;
   r.side = &s;
   r.segs = dense ? 1 : heads;
@@ -117,9 +115,8 @@ void write_all(const StoreCacheParams& p, const SideRows& k, const SideRows& v, 
   const cpu::SrcKind kind = p.src_dtype.code == kDLBfloat ? cpu::SrcKind::kBF16
                             : p.src_dtype.bits == 16      ? cpu::SrcKind::kF16
                                                           : cpu::SrcKind::kF32;
-  write_rows(k, v, rows, m, threads, nt, [&](const SideRows& r, int64_t row, int64_t slot) {
-    quantize_side(r, row, slot, kind, fmt, nt);
-  });
+  write_rows(k, v, rows, m, threads, nt,
+             [&](const SideRows& r, int64_t row, int64_t slot) { quantize_side(r, row, slot, kind, fmt, nt); });
 }
 
 template <class IdxT>
@@ -137,8 +134,7 @@ int64_t store_cache_cpu(TensorView k, TensorView v, TensorView k_cache, TensorVi
                               << k_cache.device().device_type;
   }
   const StoreCacheParams p = store_cache::parse_params(kOp, k, v, k_cache, v_cache, slot_mapping, loc_map, skip_slot,
-                                                       kv_cache_dtype, k_scale, v_scale, k_scale_value,
-                                                       v_scale_value);
+                                                       kv_cache_dtype, k_scale, v_scale, k_scale_value, v_scale_value);
   if (p.n == 0) return store_cache::status(codes::Status::kDone);
 
   cpu::RowSlotBuffer buf(p.n);

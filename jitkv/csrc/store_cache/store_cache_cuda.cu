@@ -107,17 +107,16 @@ void check_module(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_hea
     TVM_FFI_THROW(ValueError) << kOp << ": k_cache: expected a CUDA tensor, got " << jitkv::device_str(p.device);
   }
   if (p.kv_dtype != kFmt) {
-    TVM_FFI_THROW(ValueError) << kOp << ": kv_cache_dtype: this module was built for JITKV_KV_DTYPE="
-                              << JITKV_KV_DTYPE << ", got " << static_cast<int>(p.kv_dtype);
+    TVM_FFI_THROW(ValueError) << kOp << ": kv_cache_dtype: this module was built for JITKV_KV_DTYPE=" << JITKV_KV_DTYPE
+                              << ", got " << static_cast<int>(p.kv_dtype);
   }
   if (kFmt != KvFormat::kCopy && src_type_of(p.src_dtype) != kSrc) {
     TVM_FFI_THROW(ValueError) << kOp << ": k: this module was built for JITKV_SRC_DTYPE=" << JITKV_SRC_DTYPE
                               << ", got dtype " << p.src_dtype;
   }
   if (!kGeneric && (k_head_bytes != kKHeadBytes || v_head_bytes != kVHeadBytes)) {
-    TVM_FFI_THROW(ValueError) << kOp << ": k_cache: this module was built for " << kKHeadBytes << "/"
-                              << kVHeadBytes << " cache bytes per K/V head, got " << k_head_bytes << "/"
-                              << v_head_bytes;
+    TVM_FFI_THROW(ValueError) << kOp << ": k_cache: this module was built for " << kKHeadBytes << "/" << kVHeadBytes
+                              << " cache bytes per K/V head, got " << k_head_bytes << "/" << v_head_bytes;
   }
   const int64_t row_vecs = p.num_heads * std::max(k_head_bytes, v_head_bytes) / vec;
   if ((row_vecs + 31) / 32 > 65535) {  // grid.y = chunks of at least 32 vectors
@@ -261,8 +260,8 @@ cudaError_t launch_row(const StoreCacheParams& p, dim3 grid, dim3 block, cudaStr
     a.block_magic = p.k.block_magic;
     a.block_shift = p.k.block_shift;
   }
-  return jitkv::cuda::launch(store_cache_row_kernel<kKHeadBytes, kVHeadBytes, kRowVec, kSrc, kFmt, kPaged, TSlot>,
-                             grid, block, stream, pdl, a);
+  return jitkv::cuda::launch(store_cache_row_kernel<kKHeadBytes, kVHeadBytes, kRowVec, kSrc, kFmt, kPaged, TSlot>, grid,
+                             block, stream, pdl, a);
 }
 
 // Launches the latency kernel (its row form where the call fits) while its warps fit in
@@ -292,8 +291,8 @@ cudaError_t launch(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_he
   const int wpb = bulk ? jitkv::cuda::spread_warps_per_block(p.n * chunks, info.sms, kMaxWarpsPerBlock)
                        : jitkv::cuda::latency_warps_per_block(p.n * chunks * sides, info.sms);
   const dim3 grid(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks), sides);
-  return jitkv::cuda::launch(bulk ? kernel<kVec, true>(per_head) : kernel<kVec, false>(per_head), grid,
-                             dim3(32 * wpb), stream, pdl, p);
+  return jitkv::cuda::launch(bulk ? kernel<kVec, true>(per_head) : kernel<kVec, false>(per_head), grid, dim3(32 * wpb),
+                             stream, pdl, p);
 }
 
 // kNeedsAnyAlignment when this 16-byte build cannot address the view (an address or a used stride of

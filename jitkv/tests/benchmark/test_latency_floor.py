@@ -12,7 +12,7 @@ from jitkv.tests.conftest import assert_bitwise, gpu, rand
 
 
 def _floor_fn(name="latency_floor"):
-    from jitkv.benchmark.gpu import latency_floor_spec  # noqa: PLC0415
+    from jitkv.benchmark.gpu import latency_floor_spec
 
     return jitkv.jit.get_function(latency_floor_spec(jitkv.jit.cuda_arch(torch.device("cuda"))), name)
 
@@ -71,7 +71,9 @@ def test_ds_mla_floor_writes_two_tiles_and_their_scales_at_the_slot_only(slot):
         tiles = src[0, :256].float().view(2, 128)
         amax = tiles.abs().amax(dim=1)  # divided by a tensor: torch multiplies by 1 / a Python scalar
         scales = (amax / torch.full_like(amax, 448.0)).clamp_min(torch.finfo(torch.float32).tiny)
-        expected[slot, :256] = (tiles / scales[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).flatten()
+        expected[slot, :256] = (
+            (tiles / scales[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).flatten()
+        )
         expected[slot, 512:520] = scales.view(torch.uint8)
     assert_bitwise(dst, expected)
 
@@ -81,8 +83,8 @@ def test_ds_mla_floor_writes_two_tiles_and_their_scales_at_the_slot_only(slot):
 @pytest.mark.parametrize("position", [5, -3, 999])
 def test_rope_floor_writes_the_rotated_pairs_at_the_slot_only(slot, position):
     """8 bf16 values rotated as 4 GPT-J pairs with the (clamped) position's cos/sin: reference.apply_rope."""
-    from jitkv import reference  # noqa: PLC0415
-    from jitkv.ops.rope import cos_sin_table  # noqa: PLC0415
+    from jitkv import reference
+    from jitkv.ops.rope import cos_sin_table
 
     fn = _floor_fn("latency_floor_rope")
     src = rand((1, 576), torch.bfloat16, "cuda")

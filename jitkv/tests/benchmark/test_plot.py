@@ -31,21 +31,36 @@ def _op_rows(op, case, backends, ns=NS, bytes_per_n=2304):
 def gpu_like_report() -> dict:
     """Every kind of row the GPU benchmark writes: reference rows, host-cost rows (no bytes), an op
     with two swept cases, an op whose cases are single points, and a modifier (", paged slots")."""
-    mla = ("torch index", "jitkv auto", "jit latency", "jit vector (bulk)", "jit TMA", "triton",
-           "jitkv auto, L2-warm source", "triton, L2-warm source")
+    mla = (
+        "torch index",
+        "jitkv auto",
+        "jit latency",
+        "jit vector (bulk)",
+        "jit TMA",
+        "triton",
+        "jitkv auto, L2-warm source",
+        "triton, L2-warm source",
+    )
     rows = [
         Row("empty kernel", "triton, graph", 0, "—", 1.8, 0, None, BW).as_dict(),
         Row("latency floor", "1 thread", 1, "jit", FLOOR, 32, None, BW).as_dict(),
         *_op_rows("set_mla_kv_buffer", "512+64 bf16", mla),
         *_op_rows("set_mla_kv_buffer", "512+64 bf16", ("contiguous copy_ of the same bytes (eager)",), ns=NS[-2:]),
         *_op_rows("store_cache", "H8 D128 K+V bf16", ("torch index", "jitkv auto", "triton"), bytes_per_n=8192),
-        *_op_rows("store_cache", "H8 D128 K+V bf16->fp8 e4m3", ("torch index", "jitkv auto", "triton"), bytes_per_n=6144),
+        *_op_rows(
+            "store_cache", "H8 D128 K+V bf16->fp8 e4m3", ("torch index", "jitkv auto", "triton"), bytes_per_n=6144
+        ),
         Row("set_mla_kv_buffer", "eager host cost per call", 1, "jitkv", 4.0, 0).as_dict(),
         *_op_rows("quantize_and_insert_k_cache", "block_size 64", ("jitkv auto", "jitkv auto, paged slots")),
     ]
     for k_len in (512, 2048, 32768):
-        rows += _op_rows("dequantize_and_gather_k_cache", f"1 req x {k_len}", ("torch reference (eager)", "jitkv auto"),
-                         ns=(k_len,), bytes_per_n=1608)
+        rows += _op_rows(
+            "dequantize_and_gather_k_cache",
+            f"1 req x {k_len}",
+            ("torch reference (eager)", "jitkv auto"),
+            ns=(k_len,),
+            bytes_per_n=1608,
+        )
     return {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "rows": rows, "build": {}}
 
 
@@ -57,8 +72,12 @@ def _assert_png(path):
 
 def test_series_split_swept_cases_and_join_single_points():
     panels = plot.op_rows(gpu_like_report()["rows"])
-    assert list(panels) == ["set_mla_kv_buffer", "store_cache", "quantize_and_insert_k_cache",
-                            "dequantize_and_gather_k_cache"]  # no floor, empty kernel or host-cost panel
+    assert list(panels) == [
+        "set_mla_kv_buffer",
+        "store_cache",
+        "quantize_and_insert_k_cache",
+        "dequantize_and_gather_k_cache",
+    ]  # no floor, empty kernel or host-cost panel
     assert all(r["bytes_moved"] > 0 for r in panels["set_mla_kv_buffer"])
     store = plot.series(panels["store_cache"])
     assert ("triton", "H8 D128 K+V bf16->fp8 e4m3") in store and len(store) == 6
@@ -68,11 +87,16 @@ def test_series_split_swept_cases_and_join_single_points():
 
 
 def test_cpu_fp8_rows_join_the_store_cache_panel():
-    rows = [*_op_rows("store_cache", "[4096,8,128] bf16", ("torch index", "jitkv jit")),
-            *_op_rows("store_cache fp8", "[4096,8,128] bf16->e4m3", ("jitkv jit",))]
+    rows = [
+        *_op_rows("store_cache", "[4096,8,128] bf16", ("torch index", "jitkv jit")),
+        *_op_rows("store_cache fp8", "[4096,8,128] bf16->e4m3", ("jitkv jit",)),
+    ]
     lines = plot.series(plot.op_rows(rows)["store_cache"])
-    assert set(lines) == {("torch index", "[4096,8,128] bf16"), ("jitkv jit", "[4096,8,128] bf16"),
-                          ("jitkv jit", "fp8 [4096,8,128] bf16->e4m3")}
+    assert set(lines) == {
+        ("torch index", "[4096,8,128] bf16"),
+        ("jitkv jit", "[4096,8,128] bf16"),
+        ("jitkv jit", "fp8 [4096,8,128] bf16->e4m3"),
+    }
 
 
 def test_styles_color_by_implementation_and_dash_its_variants():

@@ -72,8 +72,9 @@ def test_batches_are_sized_past_a_stall(monkeypatch):
 
 
 def test_gpu_rows_have_no_spread(capsys):
-    print_table("gpu", [Row("set_mla_kv_buffer", "512+64 bf16", 1, "jitkv auto", 2.5, 2304000, None, 3000.0,
-                            {"x_floor": 1.2})])
+    print_table(
+        "gpu", [Row("set_mla_kv_buffer", "512+64 bf16", 1, "jitkv auto", 2.5, 2304000, None, 3000.0, {"x_floor": 1.2})]
+    )
     out = capsys.readouterr().out.splitlines()
     assert out[2] == "| op | case | n | backend | µs | spread | GB/s | vs torch | of copy bw | × floor |"
     assert out[4] == "| set_mla_kv_buffer | 512+64 bf16 | 1 | jitkv auto | 2.50 | — | 921.6 | — | 30.7 % | 1.20 |"

@@ -93,8 +93,13 @@ def _rope_inputs(device, n, hq, hk, rope, nope, mla):
     q_rope, q_nope = rand((n, hq, rope), BF16, device), rand((n, hq, nope), BF16, device)
     if mla:
         return q_rope, q_nope, rand((n, rope), BF16, device), rand((n, nope), BF16, device), None
-    return q_rope, q_nope, rand((n, hk, rope), BF16, device), rand((n, hk, nope), BF16, device), \
-        rand((n, hk, rope + nope), BF16, device)
+    return (
+        q_rope,
+        q_nope,
+        rand((n, hk, rope), BF16, device),
+        rand((n, hk, nope), BF16, device),
+        rand((n, hk, rope + nope), BF16, device),
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -140,8 +145,25 @@ def test_rope_quantize_fp8_append_paged_kv_cache(device, mla, layout, is_neox, o
         both = rand((n, hq, rope + nope), E4M3, device)
         kw = dict(q_rope_out=both[..., :rope], q_nope_out=both[..., rope:])
     got_qr, got_qn = flashinfer.rope_quantize_fp8_append_paged_kv_cache(
-        q_rope, k_rope, q_nope, k_nope, v, cs, pos_ids, caches, indices, indptr, batch, pos, is_neox=is_neox,
-        quant_scale_q=sq, quant_scale_kv=skv, page_size=ps, kv_layout=layout, **kw)
+        q_rope,
+        k_rope,
+        q_nope,
+        k_nope,
+        v,
+        cs,
+        pos_ids,
+        caches,
+        indices,
+        indptr,
+        batch,
+        pos,
+        is_neox=is_neox,
+        quant_scale_q=sq,
+        quant_scale_kv=skv,
+        page_size=ps,
+        kv_layout=layout,
+        **kw,
+    )
     assert_bitwise(got_qr, want_qr)
     assert_bitwise(got_qn, want_qn)
     if kw:
@@ -160,8 +182,22 @@ def test_other_scales_differ_from_multiplying_only_at_ties():
     caches = (torch.zeros(pages, ps, hk, rope, dtype=E4M3), torch.zeros(pages, ps, hk, rope, dtype=E4M3))
     cs, pos_ids = table(64, rope), torch.randint(0, 64, (n,))
     got_q, _ = flashinfer.rope_quantize_fp8_append_paged_kv_cache(
-        q_rope, k_rope, None, None, v, cs, pos_ids, caches, indices, indptr, batch, pos, quant_scale_q=0.37,
-        quant_scale_kv=0.37, page_size=ps)
+        q_rope,
+        k_rope,
+        None,
+        None,
+        v,
+        cs,
+        pos_ids,
+        caches,
+        indices,
+        indptr,
+        batch,
+        pos,
+        quant_scale_q=0.37,
+        quant_scale_kv=0.37,
+        page_size=ps,
+    )
     want_q = torch.stack([_quant(rotate(q_rope[i], pos_ids[i], cs, True), 0.37, E4M3) for i in range(n)])
     step = (got_q.view(torch.uint8).int() - want_q.view(torch.uint8).int()).abs()
     assert int(step.max()) <= 1 and float((step != 0).float().mean()) < 0.01
@@ -171,8 +207,20 @@ def test_bad_input():
     indices, indptr, batch, pos = _page_table([3], 4, 4, "cpu")
     q, qn, k, kn, v = _rope_inputs("cpu", batch.numel(), 2, 2, 16, 0, False)
     caches = (rand((4, 4, 2, 16), E4M3, "cpu"), rand((4, 4, 2, 16), E4M3, "cpu"))
-    args = (q, k, qn, kn, v, table(8, 16), torch.zeros(batch.numel(), dtype=torch.int64), caches, indices, indptr,
-            batch, pos)
+    args = (
+        q,
+        k,
+        qn,
+        kn,
+        v,
+        table(8, 16),
+        torch.zeros(batch.numel(), dtype=torch.int64),
+        caches,
+        indices,
+        indptr,
+        batch,
+        pos,
+    )
     op = "rope_quantize_fp8_append_paged_kv_cache"
     with pytest.raises(ValueError, match=rf"^{op}: cos_sin_cache: expected float32"):
         flashinfer.rope_quantize_fp8_append_paged_kv_cache(*args[:5], table(8, 16).half(), *args[6:], page_size=4)

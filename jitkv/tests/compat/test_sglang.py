@@ -43,7 +43,7 @@ def _pool_sources(n, heads, head_dim, dtype, device, rank):
     [n, H, D]."""
     row = heads * head_dim
     fused = rand((n, 3 * row), dtype, device)
-    k, v = fused[:, row:2 * row], fused[:, 2 * row:]
+    k, v = fused[:, row : 2 * row], fused[:, 2 * row :]
     return (k, v) if rank == 2 else (k.view(n, heads, head_dim), v.view(n, heads, head_dim))
 
 
@@ -164,8 +164,12 @@ def test_store_cache_bad_input(device, case):
 
 # ------------------------------------------------------------------------------- set_mla_kv_buffer
 
-MLA_SHAPES = [(torch.bfloat16, 512, 64), (torch.float16, 512, 64), (torch.uint8, 528, 128),
-              (torch.float8_e4m3fn, 512, 64)]
+MLA_SHAPES = [
+    (torch.bfloat16, 512, 64),
+    (torch.float16, 512, 64),
+    (torch.uint8, 528, 128),
+    (torch.float8_e4m3fn, 512, 64),
+]
 
 
 def _mla_case(dtype, nope, rope, n, num_rows, device, three_d, tail=0):
@@ -263,7 +267,7 @@ def test_apply_rope_with_cos_sin_cache_inplace(device, is_neox, rope_dim, fused,
     """sglang's rule: q and k rotated in place over rope_dim (0: the table's width) dims at their
     positions; with fused_args, k_buffer[cache_loc] = rotated k, v_buffer[cache_loc] = value (row 0 a real
     row); nothing else written."""
-    from jitkv.tests.compat.rope_rule import rotate, table  # noqa: PLC0415
+    from jitkv.tests.compat.rope_rule import rotate, table
 
     q, k, v, k_buffer, v_buffer, positions = _rope_case(device)
     positions = positions.to(idx_dtype)
@@ -277,8 +281,9 @@ def test_apply_rope_with_cos_sin_cache_inplace(device, is_neox, rope_dim, fused,
             _bits(want_kb)[loc[t]] = _bits(want_k[t]).reshape(-1)
             _bits(want_vb)[loc[t]] = _bits(v[t])
     args = sglang.FusedSetKVBufferArg(v, k_buffer, v_buffer, loc) if fused else None
-    sglang.apply_rope_with_cos_sin_cache_inplace(q, k, cs, positions, is_neox=is_neox, rope_dim=rope_dim,
-                                                 fused_args=args)
+    sglang.apply_rope_with_cos_sin_cache_inplace(
+        q, k, cs, positions, is_neox=is_neox, rope_dim=rope_dim, fused_args=args
+    )
     for got, want in ((q, want_q), (k, want_k), (k_buffer, want_kb), (v_buffer, want_vb)):
         assert_bitwise(got, want)
 
@@ -290,7 +295,8 @@ def test_apply_rope_negative_cache_loc_raises_first():
     loc[3] = -1
     before = [t.clone() for t in (q, k, k_buffer, v_buffer)]
     with pytest.raises(IndexError, match=r"apply_rope_with_cos_sin_cache_inplace: cache_loc: position 3 has slot -1"):
-        sglang.apply_rope_with_cos_sin_cache_inplace(q, k, cs, positions, is_neox=True,
-                                                     fused_args=sglang.FusedSetKVBufferArg(v, k_buffer, v_buffer, loc))
+        sglang.apply_rope_with_cos_sin_cache_inplace(
+            q, k, cs, positions, is_neox=True, fused_args=sglang.FusedSetKVBufferArg(v, k_buffer, v_buffer, loc)
+        )
     for got, want in zip((q, k, k_buffer, v_buffer), before):
         assert_bitwise(got, want)

@@ -53,7 +53,7 @@ def _wide_range(shape, dtype, device):
     flat = x.view(-1)
     specials = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-6, -3e-5, 448.5, -500.0, 6e4]
     flat[: len(specials)] = torch.tensor(specials)
-    flat[-len(specials):] = torch.tensor(specials)
+    flat[-len(specials) :] = torch.tensor(specials)
     return x.to(dtype).to(device)
 
 
@@ -86,11 +86,23 @@ def _expected_flash(key, value, key_cache, value_cache, slot_mapping, quant_k=No
         _bits(cache)[s // block_size, s % block_size] = _bits(vals)
 
 
-def _check_flash(key, value, alloc, layout, kv_dim, slot_mapping, kv_cache_dtype, k_scale=None, v_scale=None,
-                 quant_k=None, quant_v=None):
+def _check_flash(
+    key,
+    value,
+    alloc,
+    layout,
+    kv_dim,
+    slot_mapping,
+    kv_cache_dtype,
+    k_scale=None,
+    v_scale=None,
+    quant_k=None,
+    quant_v=None,
+):
     got, want = alloc.clone(), alloc.clone()
-    vllm.reshape_and_cache_flash(key, value, *_caches(got, layout, kv_dim), slot_mapping, kv_cache_dtype, k_scale,
-                                 v_scale)
+    vllm.reshape_and_cache_flash(
+        key, value, *_caches(got, layout, kv_dim), slot_mapping, kv_cache_dtype, k_scale, v_scale
+    )
     _expected_flash(key, value, *_caches(want, layout, kv_dim), slot_mapping, quant_k, quant_v)
     assert not torch.equal(_bits(want), _bits(alloc))  # the reference wrote something
     assert_bitwise(got, want)
@@ -133,8 +145,19 @@ def test_reshape_and_cache_flash_fp8(device, kv_cache_dtype, as_uint8, scale_kin
     alloc = _allocate(layout, 1, num_blocks, block_size, heads, head_size, torch.uint8 if as_uint8 else fp8, device)
     sm = _slot_mapping(num_blocks * block_size, n, torch.int64, device)
     k_scale, v_scale = _scales(scale_kind, heads, device)
-    _check_flash(key, value, alloc, layout, 1, sm, kv_cache_dtype, k_scale, v_scale,
-                 _quantizer(fp8, k_scale, device), _quantizer(fp8, v_scale, device))
+    _check_flash(
+        key,
+        value,
+        alloc,
+        layout,
+        1,
+        sm,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
+        _quantizer(fp8, k_scale, device),
+        _quantizer(fp8, v_scale, device),
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -160,6 +183,7 @@ def _fp8_args(device):
 def _set(i, value):
     def mutate(args, device):
         args[i] = value(args, device) if callable(value) else value
+
     return mutate
 
 
@@ -170,12 +194,24 @@ BAD = [
     ("unknown kv_cache_dtype", _set(5, "int4"), ValueError, r"store_cache: kv_cache_dtype\b"),
     ("e5m2 on an e4m3 cache", _set(5, "fp8_e5m2"), ValueError, r"store_cache: k_cache\b"),
     ("slot_mapping float", _set(4, lambda a, d: a[4].float()), TypeError, r"store_cache: slot_mapping\b"),
-    ("scale sizes differ", _set(7, lambda a, d: torch.ones(2, device=d)), ValueError,
-     r"reshape_and_cache_flash: k_scale\b"),
-    ("scales of 3 for 2 heads", lambda a, d: a.__setitem__(slice(6, 8), [torch.ones(3, device=d)] * 2), ValueError,
-     r"reshape_and_cache_flash: k_scale\b"),
-    ("scale float64", _set(6, lambda a, d: torch.ones(1, dtype=torch.float64, device=d)), TypeError,
-     r"store_cache: k_scale\b"),
+    (
+        "scale sizes differ",
+        _set(7, lambda a, d: torch.ones(2, device=d)),
+        ValueError,
+        r"reshape_and_cache_flash: k_scale\b",
+    ),
+    (
+        "scales of 3 for 2 heads",
+        lambda a, d: a.__setitem__(slice(6, 8), [torch.ones(3, device=d)] * 2),
+        ValueError,
+        r"reshape_and_cache_flash: k_scale\b",
+    ),
+    (
+        "scale float64",
+        _set(6, lambda a, d: torch.ones(1, dtype=torch.float64, device=d)),
+        TypeError,
+        r"store_cache: k_scale\b",
+    ),
     ("scale zero", _set(6, 0.0), ValueError, r"store_cache: k_scale\b"),
 ]
 
@@ -222,7 +258,7 @@ def test_reshape_and_cache_flash_out_of_range_skipped_cuda():
 def _mla_sources(n_rows, rank, pe, dtype, device, pe_3d=False):
     """kv_c and k_pe as column slices of one projection output (row stride rank + pe + 16)."""
     fused = rand((n_rows, rank + pe + 16), dtype, device)
-    kv_c, k_pe = fused[:, :rank], fused[:, rank + 16:]
+    kv_c, k_pe = fused[:, :rank], fused[:, rank + 16 :]
     return kv_c, (k_pe.unsqueeze(1) if pe_3d else k_pe)
 
 
@@ -265,11 +301,19 @@ def _ds_mla_record(kv_c, k_pe):
     4 fp32 scales | the 64 rope values' 16-bit patterns]."""
     n = kv_c.shape[0]
     tiles = kv_c.float().reshape(n, 4, 128)
-    scale = torch.maximum(tiles.abs().amax(-1) / torch.tensor(448.0, device=kv_c.device),
-                          torch.tensor(torch.finfo(torch.float32).tiny, device=kv_c.device))
+    scale = torch.maximum(
+        tiles.abs().amax(-1) / torch.tensor(448.0, device=kv_c.device),
+        torch.tensor(torch.finfo(torch.float32).tiny, device=kv_c.device),
+    )
     q = (tiles / scale.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).reshape(n, 512)
-    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8).reshape(n, 16),
-                      k_pe.reshape(n, 64).contiguous().view(torch.uint8)], dim=1)
+    return torch.cat(
+        [
+            q.view(torch.uint8),
+            scale.view(torch.uint8).reshape(n, 16),
+            k_pe.reshape(n, 64).contiguous().view(torch.uint8),
+        ],
+        dim=1,
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -307,14 +351,30 @@ def test_concat_and_cache_mla_fp8_ds_mla(device, dtype):
 
 
 MLA_BAD = [
-    ("unknown kv_cache_dtype", lambda a, d: a.__setitem__(4, "int8"), ValueError,
-     r"concat_and_cache_mla: kv_cache_dtype\b"),
-    ("wider row", lambda a, d: a.__setitem__(2, rand((4, 16, 584), torch.bfloat16, d)), ValueError,
-     r"concat_and_cache_mla: kv_cache: expected a row width of .* = 576, got 584"),
-    ("blocks not packed", lambda a, d: a.__setitem__(2, rand((4, 32, 576), torch.bfloat16, d)[:, :16]), ValueError,
-     r"concat_and_cache_mla: kv_cache: blocks must be packed"),
-    ("flat cache", lambda a, d: a.__setitem__(2, rand((64, 576), torch.bfloat16, d)), ValueError,
-     r"concat_and_cache_mla: kv_cache: expected shape"),
+    (
+        "unknown kv_cache_dtype",
+        lambda a, d: a.__setitem__(4, "int8"),
+        ValueError,
+        r"concat_and_cache_mla: kv_cache_dtype\b",
+    ),
+    (
+        "wider row",
+        lambda a, d: a.__setitem__(2, rand((4, 16, 584), torch.bfloat16, d)),
+        ValueError,
+        r"concat_and_cache_mla: kv_cache: expected a row width of .* = 576, got 584",
+    ),
+    (
+        "blocks not packed",
+        lambda a, d: a.__setitem__(2, rand((4, 32, 576), torch.bfloat16, d)[:, :16]),
+        ValueError,
+        r"concat_and_cache_mla: kv_cache: blocks must be packed",
+    ),
+    (
+        "flat cache",
+        lambda a, d: a.__setitem__(2, rand((64, 576), torch.bfloat16, d)),
+        ValueError,
+        r"concat_and_cache_mla: kv_cache: expected shape",
+    ),
     ("kv_c dtype", lambda a, d: a.__setitem__(0, a[0].half()), TypeError, r"set_mla_kv_buffer: cache_k_nope\b"),
     ("slot_mapping 2-D", lambda a, d: a.__setitem__(3, a[3].view(2, 4)), ValueError, r"set_mla_kv_buffer: loc\b"),
 ]
@@ -352,7 +412,7 @@ def test_concat_and_cache_mla_rope_fused(device, kv_cache_dtype, is_neox, table_
     """vLLM's rule: q_pe and k_pe rotated in place; kv_cache[slot] = [kv_c | rotated k_pe] (copied, or
     fp8(satfinite(x / scale)) of the rotated value), slot < 0 skipped. Rotations in float32 with one
     rounding (jitkv's arithmetic; vLLM's own rounds in the model dtype, see the shim's docstring)."""
-    from jitkv.tests.compat.rope_rule import rotate, table  # noqa: PLC0415
+    from jitkv.tests.compat.rope_rule import rotate, table
 
     n, h, rank, rot, bs = 19, 4, 128, 32, 8
     bf16 = torch.bfloat16
@@ -388,8 +448,11 @@ def test_concat_and_cache_mla_rope_fused(device, kv_cache_dtype, is_neox, table_
 
 
 def test_concat_and_cache_mla_rope_fused_refuses_ds_mla_and_wide_rows():
-    kv_c, k_pe, q_pe = rand((4, 512), torch.bfloat16, "cpu"), rand((4, 64), torch.bfloat16, "cpu"), \
-        rand((4, 2, 64), torch.bfloat16, "cpu")
+    kv_c, k_pe, q_pe = (
+        rand((4, 512), torch.bfloat16, "cpu"),
+        rand((4, 64), torch.bfloat16, "cpu"),
+        rand((4, 2, 64), torch.bfloat16, "cpu"),
+    )
     args = (torch.arange(4), q_pe, k_pe, kv_c, torch.randn(16, 64).bfloat16(), False, torch.arange(4))
     with pytest.raises(ValueError, match=r"^concat_and_cache_mla_rope_fused: kv_cache_dtype: expected one of auto"):
         vllm.concat_and_cache_mla_rope_fused(*args, rand((2, 4, 656), torch.uint8, "cpu"), "fp8_ds_mla", None)

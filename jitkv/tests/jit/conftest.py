@@ -13,7 +13,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 
 # A process that cannot find a compiler: nvcc hidden from PATH and CUDA_HOME/CUDA_PATH, CXX missing.
-NO_COMPILER = {"PATH": "/nonexistent", "CUDA_HOME": "/nonexistent", "CUDA_PATH": "/nonexistent", "CXX": "/nonexistent/c++"}
+NO_COMPILER = {
+    "PATH": "/nonexistent",
+    "CUDA_HOME": "/nonexistent",
+    "CUDA_PATH": "/nonexistent",
+    "CXX": "/nonexistent/c++",
+}
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="creates files owned by another uid (needs root)")
 
@@ -26,10 +31,16 @@ def child_env(cache, **env) -> dict:
 
 
 def run_py(code: str, cache, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=child_env(cache, **env), timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=child_env(cache, **env),
+        timeout=300,
+    )
 
 
 def run_cli(*args: str, cache, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jitkv", *args], capture_output=True, text=True,
-                          env=child_env(cache, **env), timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "jitkv", *args], capture_output=True, text=True, env=child_env(cache, **env), timeout=600
+    )

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 import jitkv
-from jitkv.jit import JitSpec, JitUnavailable, ensure_built, get_module
-from jitkv.jit import toolchain
+from jitkv.jit import JitSpec, JitUnavailable, ensure_built, get_module, toolchain
 from jitkv.tests.conftest import assert_bitwise, rand, slots
 from jitkv.tests.jit.conftest import NO_COMPILER, child_env, run_cli, run_py
 
@@ -61,7 +60,7 @@ def test_key_tracks_content_args_flags_target_not_location(tmp_path):
 def test_key_reads_a_settled_source_once_and_sees_every_edit(tmp_path, monkeypatch):
     """Sources whose times are older than the racy window are scanned once per process; an edit that
     keeps the size is still seen (its mtime and ctime move)."""
-    from jitkv.jit import spec as spec_module  # noqa: PLC0415
+    from jitkv.jit import spec as spec_module
 
     root = _tree(tmp_path)
     monkeypatch.setattr(spec_module, "_RACY_NS", 0)  # every file counts as settled
@@ -89,8 +88,8 @@ CODES = textwrap.dedent(
 
 def test_generated_codes_header_is_built_with_and_keyed_by_its_text(tmp_path, monkeypatch):
     """A source including jitkv/codes.h sees jitkv.codes' values; its key hashes the header's text."""
-    from jitkv import codes  # noqa: PLC0415
-    from jitkv.jit import spec as spec_module  # noqa: PLC0415
+    from jitkv import codes
+    from jitkv.jit import spec as spec_module
 
     root = _tree(tmp_path / "src", body=CODES)
     monkeypatch.setenv("JITKV_CACHE_DIR", str(tmp_path / "cache"))
@@ -108,7 +107,7 @@ def test_generated_codes_header_is_built_with_and_keyed_by_its_text(tmp_path, mo
 
 
 def test_codes_header_names():
-    from jitkv import codes  # noqa: PLC0415
+    from jitkv import codes
 
     text = codes.header()
     assert "enum class KvFormat : int32_t { kCopy = 0, kE4M3 = 1, kE5M2 = 2, kDsMla = 3 };" in text
@@ -152,8 +151,16 @@ def test_four_processes_racing_a_cold_cache_build_once(tmp_path):
         spec = JitSpec("tiny", ("tiny/add.cpp",), args=(("scale", 2),), exports=("add",), root=Path({str(root)!r}))
         x = torch.arange(4, dtype=torch.float32); get_module(spec).add(x); print("RESULT", x.tolist())
     """
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=child_env(cache)) for _ in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(cache),
+        )
+        for _ in range(4)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
     assert all("RESULT [2.0, 3.0, 4.0, 5.0]" in o[0] for o in outs)
@@ -186,14 +193,18 @@ def test_broken_source_falls_back_and_failure_is_remembered(tmp_path, monkeypatc
 
 
 def test_op_falls_back_to_torch_with_one_warning(tmp_path, monkeypatch):
-    from jitkv.ops import mla  # noqa: PLC0415
+    from jitkv.ops import mla
 
     broken = _tree(tmp_path / "broken", body="#error deliberately broken for this test\n")
     monkeypatch.setenv("JITKV_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(mla, "cpu_spec", lambda: JitSpec("mla_cpu_broken", ("tiny/add.cpp",), root=broken))
     jitkv.ops.reset()
     try:
-        buf, k_nope, k_rope = rand((64, 576), torch.bfloat16), rand((8, 512), torch.bfloat16), rand((8, 64), torch.bfloat16)
+        buf, k_nope, k_rope = (
+            rand((64, 576), torch.bfloat16),
+            rand((8, 512), torch.bfloat16),
+            rand((8, 64), torch.bfloat16),
+        )
         loc = slots(64, 8)
         ref = buf.clone()
         jitkv.reference.set_mla_kv_buffer(ref, loc, k_nope, k_rope)
@@ -272,8 +283,22 @@ def _cuobjdump() -> str | None:
 
 # A SASS line "/*0120*/  @!P0 LDG.E.128 R4, desc[UR4][R2.64] ;": its opcode, predicate skipped.
 _OPCODE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_]+)")
-_GLOBAL_ACCESS = {"LDG", "STG", "LD", "ST", "ATOMG", "ATOM", "RED", "REDG", "LDGSTS", "UTMALDG", "UTMASTG", "UBLKCP",
-                  "UBLKRED", "UBLKPF"}
+_GLOBAL_ACCESS = {
+    "LDG",
+    "STG",
+    "LD",
+    "ST",
+    "ATOMG",
+    "ATOM",
+    "RED",
+    "REDG",
+    "LDGSTS",
+    "UTMALDG",
+    "UTMASTG",
+    "UBLKCP",
+    "UBLKRED",
+    "UBLKPF",
+}
 
 
 def accesses_before_pdl_wait(sass: str) -> dict[str, list[str]]:
@@ -282,8 +307,11 @@ def accesses_before_pdl_wait(sass: str) -> dict[str, list[str]]:
     early = {}
     for body in re.split(r"\n\s*Function : ", sass)[1:]:
         name, code = body.split("\n", 1)
-        ops = [(m.group(1), line.split("*/", 1)[1].split(";")[0].strip())
-               for line in code.splitlines() if (m := _OPCODE.search(line))]
+        ops = [
+            (m.group(1), line.split("*/", 1)[1].split(";")[0].strip())
+            for line in code.splitlines()
+            if (m := _OPCODE.search(line))
+        ]
         wait = next((i for i, (op, _) in enumerate(ops) if op == "ACQBULK"), None)
         if wait is not None and (bad := [text for op, text in ops[:wait] if op in _GLOBAL_ACCESS]):
             early[name.strip()] = bad
@@ -316,10 +344,10 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
     cuobjdump = _cuobjdump()
     if cuobjdump is None and os.environ.get("JITKV_REQUIRE_NVCC"):
         pytest.fail("JITKV_REQUIRE_NVCC is set but cuobjdump was not found (pip install nvidia-cuda-cuobjdump)")
-    from jitkv.benchmark.gpu import latency_floor_spec  # noqa: PLC0415
-    from jitkv.codes import KvFormat, SrcDtype  # noqa: PLC0415
-    from jitkv.ops.mla import cuda_spec as mla_spec  # noqa: PLC0415
-    from jitkv.prebuild import build_specs, specs_for  # noqa: PLC0415
+    from jitkv.benchmark.gpu import latency_floor_spec
+    from jitkv.codes import KvFormat, SrcDtype
+    from jitkv.ops.mla import cuda_spec as mla_spec
+    from jitkv.prebuild import build_specs, specs_for
 
     monkeypatch.setenv("JITKV_CACHE_DIR", str(tmp_path))
     # Every prebuilt module of every op, the forced TMA copy, rows of sglang's odd test widths (13 + 8
@@ -353,7 +381,8 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
         from jitkv.ops.mla import cuda_spec
         from jitkv.codes import KvFormat, SrcDtype
         extra = [cuda_spec("9.0a", 1024, 128, kernel="tma"), cuda_spec("9.0a", 26, 16),
-                 cuda_spec("9.0a", 26, 16, kv_format=KvFormat.E4M3, src_dtype=SrcDtype.BF16), latency_floor_spec("9.0a")]
+                 cuda_spec("9.0a", 26, 16, kv_format=KvFormat.E4M3, src_dtype=SrcDtype.BF16),
+                 latency_floor_spec("9.0a")]
         found = [artifact_dir(s) for s in [*specs_for("9.0a"), *extra] if is_built(s)]
         print("INTACT", sorted(d.name for d in found if verify_artifact(d)))
         """,
@@ -365,12 +394,15 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
 
 
 def test_prebuild_cli_cpu(tmp_path):
-    from jitkv.prebuild import specs_for  # noqa: PLC0415
+    from jitkv.prebuild import specs_for
 
     res = run_cli("prebuild", cache=tmp_path)
     assert res.returncode == 0, res.stderr
     info = run_cli("info", cache=tmp_path)
     assert info.returncode == 0, info.stderr
-    assert f"{len(specs_for('cpu'))} built module(s)" in info.stdout and "not built yet" not in info.stdout.split("backend per op")[1].split("cuda")[0]
+    assert (
+        f"{len(specs_for('cpu'))} built module(s)" in info.stdout
+        and "not built yet" not in info.stdout.split("backend per op")[1].split("cuda")[0]
+    )
     clear = run_cli("cache", "clear", cache=tmp_path)
     assert clear.returncode == 0 and not any((tmp_path / d / "manifest.json").exists() for d in os.listdir(tmp_path))

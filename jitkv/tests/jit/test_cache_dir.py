@@ -110,10 +110,15 @@ def test_refused_temp_dir_is_one_warning_naming_the_layer(tmp_path):
     layer, fallback = _file(tmp_path / "file") / "cache", _file(tmp_path / f"jitkv-{os.geteuid()}")
     listing = f"cache dir {layer} cannot be created: {tmp_path / 'file'} is not a directory"
     out = _lookup(layer, tmp_path)
-    assert out["warnings"] == [f"jitkv: {listing}; refusing temp cache dir {fallback}: not a directory; "
-                               "jit kernels that are not prebuilt fall back"], out
-    assert out["builds"] == f"JitUnavailable: no usable cache dir: {listing}; temp cache dir {fallback} refused " \
-                            "(not a directory)" and out["layers"] == [], out
+    assert out["warnings"] == [
+        f"jitkv: {listing}; refusing temp cache dir {fallback}: not a directory; "
+        "jit kernels that are not prebuilt fall back"
+    ], out
+    assert (
+        out["builds"]
+        == f"JitUnavailable: no usable cache dir: {listing}; temp cache dir {fallback} refused (not a directory)"
+        and out["layers"] == []
+    ), out
 
 
 def test_cache_dir_warning_names_the_callers_file(tmp_path, monkeypatch):
@@ -127,11 +132,17 @@ def test_cache_dir_warning_names_the_callers_file(tmp_path, monkeypatch):
 def test_import_time_warning_names_the_import_line(tmp_path):
     app = tmp_path / "app.py"
     app.write_text("import os\nimport jitkv\n")
-    res = subprocess.run([sys.executable, str(app)], capture_output=True, text=True,
-                         env=child_env(tmp_path / "cache", JITKV_LOG_LEVEL="bogus"), timeout=300)
+    res = subprocess.run(
+        [sys.executable, str(app)],
+        capture_output=True,
+        text=True,
+        env=child_env(tmp_path / "cache", JITKV_LOG_LEVEL="bogus"),
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
-    assert res.stderr.startswith(f"{app}:2: RuntimeWarning: jitkv: JITKV_LOG_LEVEL='bogus' is not a logging level; "
-                                 "using INFO\n"), res.stderr
+    assert res.stderr.startswith(
+        f"{app}:2: RuntimeWarning: jitkv: JITKV_LOG_LEVEL='bogus' is not a logging level; using INFO\n"
+    ), res.stderr
 
 
 def test_importing_the_test_helpers_creates_nothing(tmp_path):
@@ -139,8 +150,11 @@ def test_importing_the_test_helpers_creates_nothing(tmp_path):
     scratch dir."""
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    env = {k: v for k, v in child_env(tmp_path, TMPDIR=str(scratch)).items()
-           if k not in ("JITKV_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    env = {
+        k: v
+        for k, v in child_env(tmp_path, TMPDIR=str(scratch)).items()
+        if k not in ("JITKV_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+    }
     code = "import os, jitkv.tests.conftest; print(os.environ.get('JITKV_CACHE_DIR'))"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import jitkv
-from jitkv.jit import ensure_built, get_function, toolchain
 from jitkv.codes import DsMla
+from jitkv.jit import ensure_built, get_function, toolchain
 from jitkv.tests.conftest import assert_bitwise, every_16_bit_value, rand, slots
 from jitkv.tests.jit.conftest import run_py
 
@@ -31,8 +31,12 @@ LENGTHS = [1, 7, 13, 40, 64, 100, 129]
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_every_cpu_op_matches_the_reference_on_each_isa(isa, tmp_path):
-    res = run_py(f"from jitkv.tests.jit.test_cpu_isa import check_isa; check_isa({isa!r})", tmp_path,
-                 JITKV_CPU_ISA=isa, JITKV_LOG_LEVEL="WARNING")
+    res = run_py(
+        f"from jitkv.tests.jit.test_cpu_isa import check_isa; check_isa({isa!r})",
+        tmp_path,
+        JITKV_CPU_ISA=isa,
+        JITKV_LOG_LEVEL="WARNING",
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     assert f"checked {isa}" in res.stdout
 
@@ -56,7 +60,7 @@ def test_cpu_isa_env(monkeypatch):
 
 
 def test_isa_flags_are_part_of_the_key(monkeypatch):
-    import importlib  # noqa: PLC0415
+    import importlib
 
     store_cache = importlib.import_module("jitkv.ops.store_cache")
     keys = set()
@@ -75,7 +79,7 @@ def check_isa(isa: str) -> None:
     seed = torch.seed()
     print(f"seed {seed}", flush=True)
     torch.set_num_threads(min(torch.get_num_threads(), 2))  # bounds the streamed cases' payload (2 threads' L2)
-    import importlib  # noqa: PLC0415
+    import importlib
 
     assert toolchain.cpu_isa() == isa, toolchain.cpu_isa()
     # The family modules by name: jitkv.ops.store_cache is the op (jitkv.ops exports each family's names).
@@ -143,16 +147,26 @@ def _kv_view(layout: str, base: torch.Tensor, d: int) -> torch.Tensor:
     return (base.permute(0, 2, 1, 3) if layout == "hnd" else base)[..., :d]
 
 
-def _store_cache_case(what, n, h, d, src_dtype, cache_dtype, layout, *, kv="auto", scales=(None, None), src_pad=0,
-                      d_pad=0, k=None):
+def _store_cache_case(
+    what, n, h, d, src_dtype, cache_dtype, layout, *, kv="auto", scales=(None, None), src_pad=0, d_pad=0, k=None
+):
     num_slots = 16 * (-(-2 * n // 16))
     k = rand((n, h, d + src_pad), src_dtype)[..., :d] if k is None else k
     v = rand((n, h, d), src_dtype)
     sm = _with_padding(n, num_slots)
 
     def call(backend, kb, vb):
-        jitkv.store_cache(k, v, _kv_view(layout, kb, d), _kv_view(layout, vb, d), sm, kv_cache_dtype=kv,
-                          k_scale=scales[0], v_scale=scales[1], backend=backend)
+        jitkv.store_cache(
+            k,
+            v,
+            _kv_view(layout, kb, d),
+            _kv_view(layout, vb, d),
+            sm,
+            kv_cache_dtype=kv,
+            k_scale=scales[0],
+            v_scale=scales[1],
+            backend=backend,
+        )
 
     bases = tuple(_kv_cache(layout, num_slots, h, d, cache_dtype, d_pad) for _ in "kv")
     _agree(f"store_cache {what} n={n} H={h} D={d} {src_dtype}->{kv} {layout}", bases, call)
@@ -167,8 +181,17 @@ def check_store_cache_copy():
         _store_cache_case("copy, padded cache", 21, 3, d, torch.bfloat16, torch.bfloat16, "nhd", d_pad=5)
     # Streamed: whole lines, then (D = 40 in 64-value rows) partial ones.
     _store_cache_case("copy, streamed", _streamed_rows(2 * 8 * 128 * 2), 8, 128, torch.bfloat16, torch.bfloat16, "hnd")
-    _store_cache_case("copy, streamed", _streamed_rows(2 * 8 * 40 * 2), 8, 40, torch.bfloat16, torch.bfloat16, "flat",
-                      src_pad=8, d_pad=24)
+    _store_cache_case(
+        "copy, streamed",
+        _streamed_rows(2 * 8 * 40 * 2),
+        8,
+        40,
+        torch.bfloat16,
+        torch.bfloat16,
+        "flat",
+        src_pad=8,
+        d_pad=24,
+    )
 
 
 def check_store_cache_fp8():
@@ -179,11 +202,22 @@ def check_store_cache_fp8():
                 for scales in ((0.37, 2.5), per_head):
                     _store_cache_case("", 13, 3, d, src_dtype, torch.uint8, "flat", kv=kv, scales=scales)
             _store_cache_case("strided", 37, 4, 100, src_dtype, fp8, "hnd", kv=kv, scales=(0.5, 0.25), src_pad=4)
-            _store_cache_case("per-head", 37, 4, 128, src_dtype, fp8, "nhd", kv=kv,
-                              scales=(torch.rand(4) + 0.1, torch.tensor([3.0])))
+            _store_cache_case(
+                "per-head", 37, 4, 128, src_dtype, fp8, "nhd", kv=kv, scales=(torch.rand(4) + 0.1, torch.tensor([3.0]))
+            )
         for d, layout, d_pad in ((128, "hnd", 0), (100, "flat", 28)):
-            _store_cache_case("streamed", _streamed_rows(2 * 8 * d), 8, d, torch.bfloat16, fp8, layout, kv=kv,
-                              scales=(0.5, 0.25), d_pad=d_pad)
+            _store_cache_case(
+                "streamed",
+                _streamed_rows(2 * 8 * d),
+                8,
+                d,
+                torch.bfloat16,
+                fp8,
+                layout,
+                kv=kv,
+                scales=(0.5, 0.25),
+                d_pad=d_pad,
+            )
 
 
 def check_fp8_every_16_bit_value():
@@ -193,19 +227,61 @@ def check_fp8_every_16_bit_value():
         k = x.view(x.shape[0], 8, 125)
         for kv in FP8:
             for scales in ((1.0, 0.37), (torch.exp2(torch.arange(-10.0, 14.0, 3.0)), 1e-3)):
-                _store_cache_case("every value", k.shape[0], 8, 125, dtype, torch.uint8, "flat", kv=kv, scales=scales,
-                                  k=k)
+                _store_cache_case(
+                    "every value", k.shape[0], 8, 125, dtype, torch.uint8, "flat", kv=kv, scales=scales, k=k
+                )
 
 
 def _fp32_specials() -> torch.Tensor:
     """NaNs of both signs and several payloads, ±inf, ±0, fp32 subnormals, the fp8 formats' maxima,
     their rounding edges and values above them, fp8 subnormal edges; then random bit patterns."""
-    bits = [0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7FBFFFFF, 0, 0x80000000,
-            0x00000001, 0x807FFFFF, 0x00400000, 0x00800000, 0x7F7FFFFF, 0xFF7FFFFF]
-    vals = [448.0, 449.0, 464.0, 465.0, 480.0, 1e6, -448.0, -500.0, 57344.0, 61440.0, 61441.0, -1e30, 2.0**-6,
-            2.0**-9, 2.0**-10, 3 * 2.0**-10, 2.0**-14, 2.0**-16, 2.0**-17, 3 * 2.0**-17, 1.5 * 2.0**-7, 0.0625 * 1.0625]
-    special = torch.cat([torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32),
-                         torch.tensor(vals, dtype=torch.float32)])
+    bits = [
+        0x7F800000,
+        0xFF800000,
+        0x7FC00000,
+        0xFFC00000,
+        0x7F800001,
+        0xFFFFFFFF,
+        0x7FBFFFFF,
+        0,
+        0x80000000,
+        0x00000001,
+        0x807FFFFF,
+        0x00400000,
+        0x00800000,
+        0x7F7FFFFF,
+        0xFF7FFFFF,
+    ]
+    vals = [
+        448.0,
+        449.0,
+        464.0,
+        465.0,
+        480.0,
+        1e6,
+        -448.0,
+        -500.0,
+        57344.0,
+        61440.0,
+        61441.0,
+        -1e30,
+        2.0**-6,
+        2.0**-9,
+        2.0**-10,
+        3 * 2.0**-10,
+        2.0**-14,
+        2.0**-16,
+        2.0**-17,
+        3 * 2.0**-17,
+        1.5 * 2.0**-7,
+        0.0625 * 1.0625,
+    ]
+    special = torch.cat(
+        [
+            torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32),
+            torch.tensor(vals, dtype=torch.float32),
+        ]
+    )
     randbits = torch.randint(-(2**31), 2**31, (8 * 1000 - special.numel(),), dtype=torch.int64).to(torch.int32)
     return torch.cat([special, randbits.view(torch.float32)])
 
@@ -214,8 +290,9 @@ def check_fp8_fp32_specials():
     k = _fp32_specials().view(-1, 4, 50)
     for kv in FP8:
         for scales in ((1.0, 1.0), (0.37, 3e5), (torch.tensor([1.0, 2.0**-20, 0.5, 7.0]), 1.0)):
-            _store_cache_case("fp32 specials", k.shape[0], 4, 50, torch.float32, torch.uint8, "flat", kv=kv,
-                              scales=scales, k=k)
+            _store_cache_case(
+                "fp32 specials", k.shape[0], 4, 50, torch.float32, torch.uint8, "flat", kv=kv, scales=scales, k=k
+            )
 
 
 # set_mla_kv_buffer -------------------------------------------------------------------------------------
@@ -238,8 +315,13 @@ def _mla_case(what, nope, rope, width, n, *, src_dtype=torch.bfloat16, kv="auto"
 
 
 def check_mla_copy():
-    cases = ((512, 64, 576, torch.bfloat16), (500, 50, 560, torch.bfloat16), (7, 3, 16, torch.float32),
-             (100, 28, 130, torch.uint8), (13, 1, 20, torch.float16))
+    cases = (
+        (512, 64, 576, torch.bfloat16),
+        (500, 50, 560, torch.bfloat16),
+        (7, 3, 16, torch.float32),
+        (100, 28, 130, torch.uint8),
+        (13, 1, 20, torch.float16),
+    )
     for nope, rope, width, dtype in cases:
         _mla_case("copy", nope, rope, width, 29, src_dtype=dtype)
     for nope, rope in ((512, 64), (500, 50), (500, 12)):  # streamed; the line straddling nope, a partial last line
@@ -251,14 +333,31 @@ def check_mla_fp8():
         for src_dtype in (torch.bfloat16, torch.float16):
             for nope, rope in ((512, 64), (100, 13), (7, 40), (129, 1)):
                 _mla_case("", nope, rope, nope + rope + 3, 29, src_dtype=src_dtype, kv=kv, scale=0.37)
-            _mla_case("every value", 512, 64, 600, 128, src_dtype=src_dtype, kv=kv, scale=torch.tensor([0.02]),
-                      k_nope=every_16_bit_value(src_dtype, 512))
+            _mla_case(
+                "every value",
+                512,
+                64,
+                600,
+                128,
+                src_dtype=src_dtype,
+                kv=kv,
+                scale=torch.tensor([0.02]),
+                k_nope=every_16_bit_value(src_dtype, 512),
+            )
         _mla_case("streamed", 512, 64, 576, _streamed_rows(576), kv=kv, scale=1.5)
         _mla_case("streamed", 500, 40, 576, _streamed_rows(576), kv=kv, scale=1.5)
     for src_dtype in (torch.bfloat16, torch.float16):
         _mla_case("", DsMla.NOPE, DsMla.ROPE, DsMla.BYTES + 5, 29, src_dtype=src_dtype, kv="fp8_ds_mla")
-        _mla_case("every value", DsMla.NOPE, DsMla.ROPE, DsMla.BYTES, 128, src_dtype=src_dtype,
-                  kv="fp8_ds_mla", k_nope=every_16_bit_value(src_dtype, DsMla.NOPE))
+        _mla_case(
+            "every value",
+            DsMla.NOPE,
+            DsMla.ROPE,
+            DsMla.BYTES,
+            128,
+            src_dtype=src_dtype,
+            kv="fp8_ds_mla",
+            k_nope=every_16_bit_value(src_dtype, DsMla.NOPE),
+        )
     _mla_case("streamed", DsMla.NOPE, DsMla.ROPE, 704, _streamed_rows(704), kv="fp8_ds_mla")
 
 
@@ -294,7 +393,7 @@ def check_mla_gather():
             _gather_case(fmt, cache.view(fp8) if width == 576 else cache, width, lens)
     cache = rand((8, 16, DsMla.BYTES), torch.uint8)
     scales = (torch.rand(8, 16, 4) + 1e-3) * torch.exp2(torch.randint(-12, 4, (8, 16, 4)).float())
-    cache[..., DsMla.SCALE_OFFSET:DsMla.ROPE_OFFSET] = scales.view(torch.uint8)
+    cache[..., DsMla.SCALE_OFFSET : DsMla.ROPE_OFFSET] = scales.view(torch.uint8)
     cache[:, 0, :256] = torch.arange(256, dtype=torch.uint8)
     _gather_case("fp8_ds_mla", cache, DsMla.NOPE + DsMla.ROPE, lens)
 
@@ -306,15 +405,21 @@ def check_indexer():
     bs, nb = 16, 40
     layout = jitkv.INDEXER_K_CACHE
     for dtype in (torch.bfloat16, torch.float16):
-        for k in ((torch.randn(77, 128) * torch.exp2(torch.randint(-12, 12, (77, 1)).float())).to(dtype),
-                  every_16_bit_value(dtype, 128)):
+        for k in (
+            (torch.randn(77, 128) * torch.exp2(torch.randint(-12, 12, (77, 1)).float())).to(dtype),
+            every_16_bit_value(dtype, 128),
+        ):
             sm = _with_padding(k.shape[0], nb * bs)
             for fmt in (None, "ue8m0"):
+
                 def call(backend, c, k=k, sm=sm, fmt=fmt):
                     jitkv.indexer_k_quant_and_cache(k, c, sm, block_size=bs, scale_fmt=fmt, backend=backend)
 
-                _agree(f"indexer_k_quant_and_cache {dtype} {k.shape[0]} rows {fmt}", (layout.allocate(nb, bs, "cpu"),),
-                       call)
+                _agree(
+                    f"indexer_k_quant_and_cache {dtype} {k.shape[0]} rows {fmt}",
+                    (layout.allocate(nb, bs, "cpu"),),
+                    call,
+                )
     cache = rand((nb, layout.block_stride(bs)), torch.uint8)
     table = torch.randperm(nb)[:12].int().view(2, 6)
     table[0, 4], table[1, 1] = nb, -1  # zero rows: a block past the cache, a negative one
@@ -332,10 +437,15 @@ def check_indexer():
 def check_rope() -> None:
     """rope_store_cache and rope_set_mla_kv_buffer on head dims ending in each vector tail (8, 40, 72,
     136), partial rotary, NeoX and GPT-J, the fixed-order norm, every source dtype, fp8 and bf16 outputs."""
-    from jitkv.ops.rope import cos_sin_table  # noqa: PLC0415
+    from jitkv.ops.rope import cos_sin_table
 
-    for d, rot, neox, dtype in ((8, 8, True, torch.bfloat16), (40, 24, False, torch.float16), (72, 72, True,
-                                torch.float32), (136, 40, False, torch.bfloat16), (128, 128, True, torch.float16)):
+    for d, rot, neox, dtype in (
+        (8, 8, True, torch.bfloat16),
+        (40, 24, False, torch.float16),
+        (72, 72, True, torch.float32),
+        (136, 40, False, torch.bfloat16),
+        (128, 128, True, torch.float16),
+    ):
         n, hq, hk = 37, 3, 2
         q, k, v = rand((n, hq, d), dtype), rand((n, hk, d), dtype), rand((n, hk, d), dtype)
         cs, pos, sm = cos_sin_table(64, rot), torch.randint(0, 64, (n,)), _with_padding(n, 96)
@@ -345,29 +455,86 @@ def check_rope() -> None:
             q_scale = dict(q_scale=0.05) if q_dtype != dtype else {}
 
             def call(backend, q_out, k_out, kc, vc):
-                jitkv.rope_store_cache(q, k, v, kc, vc, sm, pos, cs, is_neox=neox, rotary_dim=rot, q_out=q_out,
-                                       k_out=k_out, kv_cache_dtype=kv, backend=backend, **weights, **fp8, **q_scale)
+                jitkv.rope_store_cache(
+                    q,
+                    k,
+                    v,
+                    kc,
+                    vc,
+                    sm,
+                    pos,
+                    cs,
+                    is_neox=neox,
+                    rotary_dim=rot,
+                    q_out=q_out,
+                    k_out=k_out,
+                    kv_cache_dtype=kv,
+                    backend=backend,
+                    **weights,
+                    **fp8,
+                    **q_scale,
+                )
 
-            _agree(f"rope_store_cache D{d} rot{rot} {kv}", (torch.empty(n, hq, d, dtype=q_dtype),
-                   torch.empty(n, hk, d, dtype=dtype), torch.empty(96, hk, d, dtype=cache_dtype),
-                   torch.empty(96, hk, d, dtype=cache_dtype)), call)
+            _agree(
+                f"rope_store_cache D{d} rot{rot} {kv}",
+                (
+                    torch.empty(n, hq, d, dtype=q_dtype),
+                    torch.empty(n, hk, d, dtype=dtype),
+                    torch.empty(96, hk, d, dtype=cache_dtype),
+                    torch.empty(96, hk, d, dtype=cache_dtype),
+                ),
+                call,
+            )
     for kv, nope, r in (("auto", 40, 24), ("fp8_e4m3", 100, 56), ("fp8_ds_mla", DsMla.NOPE, DsMla.ROPE)):
         n, h = 29, 3
-        kv_c, k_pe, q_pe, q_nope = rand((n, nope), torch.bfloat16), rand((n, r), torch.bfloat16), \
-            rand((n, h, r), torch.bfloat16), rand((n, h, nope), torch.bfloat16)
+        kv_c, k_pe, q_pe, q_nope = (
+            rand((n, nope), torch.bfloat16),
+            rand((n, r), torch.bfloat16),
+            rand((n, h, r), torch.bfloat16),
+            rand((n, h, nope), torch.bfloat16),
+        )
         cs, pos, loc = cos_sin_table(64, r), torch.randint(0, 64, (n,)), _with_padding(n, 64)
         width = DsMla.BYTES if kv == "fp8_ds_mla" else nope + r
         buf_dtype = torch.bfloat16 if kv == "auto" else torch.uint8
 
         def call_mla(backend, buf, q_out, k_pe_out):
-            jitkv.rope_set_mla_kv_buffer(buf, loc, kv_c, k_pe, pos, cs, is_neox=kv != "auto", q_pe=q_pe,
-                                         q_nope=q_nope, q_out=q_out, q_scale=0.5, k_pe_out=k_pe_out, kv_cache_dtype=kv,
-                                         scale=0.7 if kv == "fp8_e4m3" else None, backend=backend)
+            jitkv.rope_set_mla_kv_buffer(
+                buf,
+                loc,
+                kv_c,
+                k_pe,
+                pos,
+                cs,
+                is_neox=kv != "auto",
+                q_pe=q_pe,
+                q_nope=q_nope,
+                q_out=q_out,
+                q_scale=0.5,
+                k_pe_out=k_pe_out,
+                kv_cache_dtype=kv,
+                scale=0.7 if kv == "fp8_e4m3" else None,
+                backend=backend,
+            )
 
-        _agree(f"rope_set_mla_kv_buffer {kv}", (torch.empty(64, width, dtype=buf_dtype),
-               torch.empty(n, h, nope + r, dtype=torch.float8_e4m3fn), torch.empty(n, r, dtype=torch.bfloat16)),
-               call_mla)
+        _agree(
+            f"rope_set_mla_kv_buffer {kv}",
+            (
+                torch.empty(64, width, dtype=buf_dtype),
+                torch.empty(n, h, nope + r, dtype=torch.float8_e4m3fn),
+                torch.empty(n, r, dtype=torch.bfloat16),
+            ),
+            call_mla,
+        )
 
 
-CHECKS = (check_store_cache_copy, check_store_cache_fp8, check_fp8_every_16_bit_value, check_fp8_fp32_specials,
-          check_mla_copy, check_mla_fp8, check_mla_gather, check_indexer, check_rope)
+CHECKS = (
+    check_store_cache_copy,
+    check_store_cache_fp8,
+    check_fp8_every_16_bit_value,
+    check_fp8_fp32_specials,
+    check_mla_copy,
+    check_mla_fp8,
+    check_mla_gather,
+    check_indexer,
+    check_rope,
+)

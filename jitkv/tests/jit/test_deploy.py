@@ -96,7 +96,7 @@ def _truncate(lib: Path) -> None:
 
 
 def test_key_does_not_probe_the_compiler(monkeypatch):
-    from jitkv.ops import mla  # noqa: PLC0415
+    from jitkv.ops import mla
 
     key = mla.cpu_spec().key()
     monkeypatch.setenv("CXX", NO_COMPILER["CXX"])
@@ -311,7 +311,7 @@ def test_warm_start_reads_each_source_once_and_hashes_no_untouched_library(publi
     process with everything published in a read-only image and no compiler, every op runs its jit
     kernel (where the CPU has one), each source of the keys is read once, and libraries that keep the
     mtime their manifest recorded are loaded without hashing them."""
-    from jitkv.tests.op_calls import BACKENDS  # noqa: PLC0415
+    from jitkv.tests.op_calls import BACKENDS
 
     image = _copy(published, tmp_path / "image")  # copytree keeps mtimes, as tar and image layers do
     _read_only(image)
@@ -349,9 +349,9 @@ def test_library_rewritten_in_place_is_never_loaded(published, tmp_path):
 
 
 def test_benchmark_warm_start_probe_runs_every_op(published, tmp_path):
-    from jitkv.benchmark.warm_start import _samples, probe  # noqa: PLC0415
-    from jitkv.tests.op_calls import BACKENDS  # noqa: PLC0415
-    from jitkv.tests.jit.conftest import child_env  # noqa: PLC0415
+    from jitkv.benchmark.warm_start import _samples, probe
+    from jitkv.tests.jit.conftest import child_env
+    from jitkv.tests.op_calls import BACKENDS
 
     _samples(str(tmp_path / "samples.pt"))
     out = probe("cpu", str(tmp_path / "samples.pt"), env=child_env(_copy(published, tmp_path / "cache"), **NO_COMPILER))
@@ -363,14 +363,16 @@ def test_benchmark_warm_start_probe_runs_every_op(published, tmp_path):
 
 
 def test_bad_log_level_env_warns_and_import_works(tmp_path):
-    res = run_py("import logging, jitkv; print('LEVEL', logging.getLogger('jitkv').level)", tmp_path, JITKV_LOG_LEVEL="bogus")
+    res = run_py(
+        "import logging, jitkv; print('LEVEL', logging.getLogger('jitkv').level)", tmp_path, JITKV_LOG_LEVEL="bogus"
+    )
     assert res.returncode == 0, res.stderr
     assert "LEVEL 20" in res.stdout and res.stderr.count("JITKV_LOG_LEVEL") == 1, res.stderr
 
 
 @pytest.mark.parametrize("value, level", [("10", 10), ("debug", 10), ("Warning", 30), (" error ", 40)])
 def test_log_level_env_values(value, level):
-    import jitkv  # noqa: PLC0415
+    import jitkv
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -51,20 +51,26 @@ def _units(root: Path, headers: list[str], suffix: str) -> list[str]:
 
 
 def _includes(tmp_path: Path) -> list[str]:
-    import tvm_ffi.libinfo  # noqa: PLC0415
+    import tvm_ffi.libinfo
 
     generated = tmp_path / "generated"
     (generated / "jitkv").mkdir(parents=True)
     (generated / "jitkv" / "codes.h").write_text(codes.header())
-    dirs = [generated, CSRC / "include", CSRC, tvm_ffi.libinfo.find_include_path(),
-            tvm_ffi.libinfo.find_dlpack_include_path()]
+    dirs = [
+        generated,
+        CSRC / "include",
+        CSRC,
+        tvm_ffi.libinfo.find_include_path(),
+        tvm_ffi.libinfo.find_dlpack_include_path(),
+    ]
     return [f"-I{d}" for d in dirs]
 
 
 def _check(cmds: list[list[str]], cwd: Path) -> None:
     """Runs the commands side by side; each must succeed."""
-    procs = [subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in cmds]
+    procs = [
+        subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for cmd in cmds
+    ]
     for cmd, proc in zip(cmds, procs):
         out = proc.communicate(timeout=600)[0]
         assert proc.returncode == 0, f"{shlex.join(cmd[:3])} ...:\n{out}"

@@ -13,37 +13,84 @@ from jitkv.tests.conftest import DEV_BACKENDS, assert_bitwise, rand, slots
 
 def _store_args(device):
     bf16 = torch.bfloat16
-    return dict(k=rand((4, 2, 64), bf16, device), v=rand((4, 2, 64), bf16, device),
-                k_cache=rand((32, 2, 64), bf16, device), v_cache=rand((32, 2, 64), bf16, device),
-                slot_mapping=slots(32, 4, torch.int64, device))
+    return dict(
+        k=rand((4, 2, 64), bf16, device),
+        v=rand((4, 2, 64), bf16, device),
+        k_cache=rand((32, 2, 64), bf16, device),
+        v_cache=rand((32, 2, 64), bf16, device),
+        slot_mapping=slots(32, 4, torch.int64, device),
+    )
 
 
 def _fp8(a):
     e4m3 = torch.float8_e4m3fn
-    a.update(k_cache=a["k_cache"].to(e4m3), v_cache=a["v_cache"].to(e4m3), kv_cache_dtype="fp8_e4m3", k_scale=0.5,
-             v_scale=0.5)
+    a.update(
+        k_cache=a["k_cache"].to(e4m3),
+        v_cache=a["v_cache"].to(e4m3),
+        kv_cache_dtype="fp8_e4m3",
+        k_scale=0.5,
+        v_scale=0.5,
+    )
     return a
 
 
 STORE_CACHE = [  # (case, change to the arguments, exception, message after "store_cache: ")
-    ("expanded k_cache", lambda a: a.update(k_cache=a["k_cache"][:1].expand(32, 2, 64)), ValueError,
-     r"k_cache: dim 0 of size 32 has stride 0"),
-    ("k_cache is v_cache", lambda a: a.update(v_cache=a["k_cache"]), ValueError, r"k_cache: shares memory with v_cache"),
-    ("v_cache overlaps k_cache", lambda a: a.update(k_cache=a["k_cache"][:31], v_cache=a["k_cache"][1:]), ValueError,
-     r"k_cache: shares memory with v_cache"),
-    ("k_scale a numeric str", lambda a: _fp8(a).update(k_scale="1.0"), TypeError,
-     r"k_scale: expected a float or a float32 tensor, got str"),
-    ("k_scale a str", lambda a: _fp8(a).update(k_scale="abc"), TypeError,
-     r"k_scale: expected a float or a float32 tensor, got str"),
-    ("k_scale a bool", lambda a: _fp8(a).update(k_scale=True), TypeError,
-     r"k_scale: expected a float or a float32 tensor, got bool"),
-    ("slot_mapping a list", lambda a: a.update(slot_mapping=[1, 2, 3, 4]), TypeError,
-     r"slot_mapping: expected a torch.Tensor, got list"),
+    (
+        "expanded k_cache",
+        lambda a: a.update(k_cache=a["k_cache"][:1].expand(32, 2, 64)),
+        ValueError,
+        r"k_cache: dim 0 of size 32 has stride 0",
+    ),
+    (
+        "k_cache is v_cache",
+        lambda a: a.update(v_cache=a["k_cache"]),
+        ValueError,
+        r"k_cache: shares memory with v_cache",
+    ),
+    (
+        "v_cache overlaps k_cache",
+        lambda a: a.update(k_cache=a["k_cache"][:31], v_cache=a["k_cache"][1:]),
+        ValueError,
+        r"k_cache: shares memory with v_cache",
+    ),
+    (
+        "k_scale a numeric str",
+        lambda a: _fp8(a).update(k_scale="1.0"),
+        TypeError,
+        r"k_scale: expected a float or a float32 tensor, got str",
+    ),
+    (
+        "k_scale a str",
+        lambda a: _fp8(a).update(k_scale="abc"),
+        TypeError,
+        r"k_scale: expected a float or a float32 tensor, got str",
+    ),
+    (
+        "k_scale a bool",
+        lambda a: _fp8(a).update(k_scale=True),
+        TypeError,
+        r"k_scale: expected a float or a float32 tensor, got bool",
+    ),
+    (
+        "slot_mapping a list",
+        lambda a: a.update(slot_mapping=[1, 2, 3, 4]),
+        TypeError,
+        r"slot_mapping: expected a torch.Tensor, got list",
+    ),
     ("k None", lambda a: a.update(k=None), TypeError, r"k: expected a torch.Tensor, got NoneType"),
     ("skip_slot a float", lambda a: a.update(skip_slot=1.5), TypeError, r"skip_slot: expected an int, got float"),
-    ("k a numpy array", lambda a: a.update(k=a["k"].float().cpu().numpy()), TypeError,
-     r"k: expected a torch.Tensor, got ndarray"),
-    ("v dtype", lambda a: a.update(v=a["v"].float()), TypeError, r"v: expected dtype bfloat16 \(the dtype of k\), got float32$"),
+    (
+        "k a numpy array",
+        lambda a: a.update(k=a["k"].float().cpu().numpy()),
+        TypeError,
+        r"k: expected a torch.Tensor, got ndarray",
+    ),
+    (
+        "v dtype",
+        lambda a: a.update(v=a["v"].float()),
+        TypeError,
+        r"v: expected dtype bfloat16 \(the dtype of k\), got float32$",
+    ),
 ]
 
 
@@ -64,20 +111,40 @@ def test_store_cache(device, backend, case):
 
 def _mla_args(device):
     bf16 = torch.bfloat16
-    return dict(kv_buffer=rand((64, 576), bf16, device), loc=slots(64, 4, torch.int64, device),
-                cache_k_nope=rand((4, 512), bf16, device), cache_k_rope=rand((4, 64), bf16, device))
+    return dict(
+        kv_buffer=rand((64, 576), bf16, device),
+        loc=slots(64, 4, torch.int64, device),
+        cache_k_nope=rand((4, 512), bf16, device),
+        cache_k_rope=rand((4, 64), bf16, device),
+    )
 
 
 MLA = [
-    ("cache_k_nope dtype", lambda a: a.update(cache_k_nope=a["cache_k_nope"].half()), TypeError,
-     r"cache_k_nope: expected dtype bfloat16 \(the dtype of kv_buffer\), got float16$"),
-    ("cache_k_rope too few rows", lambda a: a.update(cache_k_rope=a["cache_k_rope"][:2]), ValueError,
-     r"cache_k_rope: expected at least 4 rows"),
-    ("expanded kv_buffer", lambda a: a.update(kv_buffer=a["kv_buffer"][:1].expand(64, 576)), ValueError,
-     r"kv_buffer: dim 0 of size 64 has stride 0"),
+    (
+        "cache_k_nope dtype",
+        lambda a: a.update(cache_k_nope=a["cache_k_nope"].half()),
+        TypeError,
+        r"cache_k_nope: expected dtype bfloat16 \(the dtype of kv_buffer\), got float16$",
+    ),
+    (
+        "cache_k_rope too few rows",
+        lambda a: a.update(cache_k_rope=a["cache_k_rope"][:2]),
+        ValueError,
+        r"cache_k_rope: expected at least 4 rows",
+    ),
+    (
+        "expanded kv_buffer",
+        lambda a: a.update(kv_buffer=a["kv_buffer"][:1].expand(64, 576)),
+        ValueError,
+        r"kv_buffer: dim 0 of size 64 has stride 0",
+    ),
     ("loc a list", lambda a: a.update(loc=[1, 2, 3, 4]), TypeError, r"loc: expected a torch.Tensor, got list"),
-    ("scale a str", lambda a: a.update(kv_cache_dtype="fp8_e4m3", kv_buffer=a["kv_buffer"].view(torch.uint8)[:, :576],
-                                       scale="0.5"), TypeError, r"scale: expected a float or a float32 tensor, got str"),
+    (
+        "scale a str",
+        lambda a: a.update(kv_cache_dtype="fp8_e4m3", kv_buffer=a["kv_buffer"].view(torch.uint8)[:, :576], scale="0.5"),
+        TypeError,
+        r"scale: expected a float or a float32 tensor, got str",
+    ),
 ]
 
 

@@ -85,7 +85,7 @@ def test_torch_compile_fullgraph(name):
 @pytest.mark.parametrize("name", [n for n in NAMES if OPS[n].order["cpu"][0] == "jit"])
 def test_backend_info_names_the_cpu_kernel_path(name):
     """A CPU jit module says which kernel path it was built for, as toolchain.cpu_isa() picks it."""
-    from jitkv.jit.toolchain import cpu_isa  # noqa: PLC0415
+    from jitkv.jit.toolchain import cpu_isa
 
     op = OPS[name]
     op.fn(**op.sample("cpu"))

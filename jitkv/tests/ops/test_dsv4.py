@@ -10,8 +10,8 @@ import torch
 import jitkv
 from jitkv import DSV4_K_CACHE as L
 from jitkv import reference
-from jitkv.tests.triton.interpreter import run_under_interpreter
 from jitkv.tests.conftest import DEVICES, assert_bitwise, gpu, rand, slots
+from jitkv.tests.triton.interpreter import run_under_interpreter
 
 BACKENDS = {"cpu": ["torch"], "cuda": ["jit", "triton", "torch"]}
 DEV_BACKENDS = [(d, b) for d in DEVICES for b in BACKENDS[d]]
@@ -21,8 +21,14 @@ NUM_BLOCKS = {64: 8, 2: 128}  # 512 / 256 slots
 LAYOUTS = ["2d", "3d", "wide", "padded"]
 SPECIAL = [  # (row, dims, value): amax exactly 448 and just above it, amax below the 1e-4 floor, a zero
     # group, ±inf, NaN, bf16 denormals, near the bf16 maximum
-    (0, slice(0, 64), 448.0), (0, 70, -450.0), (1, slice(64, 128), 1e-30), (2, slice(128, 192), 0.0),
-    (3, 3, float("inf")), (3, 70, -float("inf")), (4, 10, float("nan")), (5, slice(0, 448), 3e-39),
+    (0, slice(0, 64), 448.0),
+    (0, 70, -450.0),
+    (1, slice(64, 128), 1e-30),
+    (2, slice(128, 192), 0.0),
+    (3, 3, float("inf")),
+    (3, 70, -float("inf")),
+    (4, 10, float("nan")),
+    (5, slice(0, 448), 3e-39),
     (6, slice(200, 264), 3.3e38),
 ]
 
@@ -87,8 +93,11 @@ def _requests(bs, num_reqs, max_tokens, gl_mode, short_bt, device):
     ("long": leading zero rows); a block table (row stride != width) with -1 entries, an entry equal to
     num_blocks and one of 2^31 - 1 (all read as zero rows)."""
     seq = torch.randint(0, max_tokens + 5, (num_reqs,), dtype=torch.int32)
-    gl = {None: None, "short": torch.minimum(seq, torch.randint(0, max_tokens, (num_reqs,), dtype=torch.int32)),
-          "long": seq + torch.randint(1, 5, (num_reqs,), dtype=torch.int32)}[gl_mode]
+    gl = {
+        None: None,
+        "short": torch.minimum(seq, torch.randint(0, max_tokens, (num_reqs,), dtype=torch.int32)),
+        "long": seq + torch.randint(1, 5, (num_reqs,), dtype=torch.int32),
+    }[gl_mode]
     width = -(-(max_tokens + 5) // bs)
     width = max(1, width // 2) if short_bt else width
     bt = torch.randint(0, NUM_BLOCKS[bs], (num_reqs, width + 3), dtype=torch.int32)
@@ -155,9 +164,14 @@ def test_out_of_range_slot_raises_before_writing_cpu():
 # -------------------------------------------------------------------------------------- gather
 
 GATHER_CASES = [  # (block_size, num_reqs, max_tokens, offset, gather_lens, short block table)
-    (64, 1, 300, 0, None, False), (64, 3, 200, 5, "short", False), (64, 2, 150, 0, "long", True),
-    (64, 4, 100, 60, "short", False), (64, 2, 50, 50, None, False), (2, 5, 120, 17, None, False),
-    (2, 3, 97, 0, "short", True), (2, 2, 64, 3, "long", False),
+    (64, 1, 300, 0, None, False),
+    (64, 3, 200, 5, "short", False),
+    (64, 2, 150, 0, "long", True),
+    (64, 4, 100, 60, "short", False),
+    (64, 2, 50, 50, None, False),
+    (2, 5, 120, 17, None, False),
+    (2, 3, 97, 0, "short", True),
+    (2, 2, 64, 3, "long", False),
 ]
 
 
@@ -230,14 +244,17 @@ def test_round_trip_error_bound(device, backend, block_size, mag):
 
 
 @pytest.mark.parametrize(
-    "device,backend", [(d, b) for d, b in DEV_BACKENDS if (d, b) != ("cuda", "jit")] + [pytest.param("cuda", None, marks=gpu)]
+    "device,backend",
+    [(d, b) for d, b in DEV_BACKENDS if (d, b) != ("cuda", "jit")] + [pytest.param("cuda", None, marks=gpu)],
 )
 def test_unaligned_views(device, backend, monkeypatch):
     """k and out not 16-byte aligned: Triton and torch take them; on CUDA auto falls back from the jit
     backend to Triton, recorded in backend_info and warned about."""
     monkeypatch.setattr(jitkv.ops._op, "_WARNED", set())
     with pytest.warns(jitkv.JitkvFallbackWarning, match="16-byte aligned") if backend is None else _no_warning():
-        c = _write(_k(50, device, col=1), _cache(64, "2d", device), slots(512, 50, torch.int32, device), 64, "2d", backend)
+        c = _write(
+            _k(50, device, col=1), _cache(64, "2d", device), slots(512, 50, torch.int32, device), 64, "2d", backend
+        )
         seq, gl, bt = _requests(64, 2, 100, "short", False, device)
         _gather(c, 64, "2d", seq, gl, bt, 100, 0, backend, col=1)
     if backend is None:
@@ -257,7 +274,7 @@ def test_unaligned_view_forced_jit_raises():
 
 
 def _no_warning():
-    import contextlib  # noqa: PLC0415
+    import contextlib
 
     return contextlib.nullcontext()
 
@@ -282,7 +299,11 @@ def test_layout_numbers():
 LAYOUT_BAD = [  # (case, cache from a good [4, 1168] block_size-2 cache, exception)
     ("int8", lambda c: c.view(torch.int8), TypeError),
     ("not a tensor", lambda c: c.tolist(), TypeError),
-    ("stride short", lambda c: torch.zeros(4 * 1152 + 16, dtype=torch.uint8).as_strided((4, 1168), (1152, 1)), ValueError),
+    (
+        "stride short",
+        lambda c: torch.zeros(4 * 1152 + 16, dtype=torch.uint8).as_strided((4, 1168), (1152, 1)),
+        ValueError,
+    ),
     ("stride not a multiple of 16", lambda c: torch.zeros(4, 1736, dtype=torch.uint8), ValueError),
     ("narrower than 2 * 584", lambda c: c[:, :1000], ValueError),
     ("3-D wrong shape", lambda c: c.view(4, 1, 1168), ValueError),
@@ -307,9 +328,14 @@ def test_block_size_must_match_the_cache(cache_bs, block_size, stride):
     both numbers, from the validator and from both ops, before anything is written."""
     c = L.allocate(4, cache_bs, "cpu", block_stride=None if stride == "padded" else cache_bs * 584).random_(0, 256)
     width = c.shape[1]
-    views = ((c, rf"k_cache: blocks of {width} bytes hold {cache_bs} tokens of 584 bytes, but block_size is {block_size}\b"),
-             (c[:, : cache_bs * 584].view(4, cache_bs, 584),
-              rf"k_cache: expected \[num_blocks, {block_size}, 584\] for block_size {block_size}, got \[4, {cache_bs}, 584\]"))
+    views = (
+        (c, rf"k_cache: blocks of {width} bytes hold {cache_bs} tokens of 584 bytes, but block_size is {block_size}\b"),
+        (
+            c[:, : cache_bs * 584].view(4, cache_bs, 584),
+            rf"k_cache: expected \[num_blocks, {block_size}, 584\] for block_size {block_size}, "
+            rf"got \[4, {cache_bs}, 584\]",
+        ),
+    )
     for cache, message in views:
         with pytest.raises(ValueError, match="DSV4_K_CACHE: " + message):
             L.validate(cache, block_size)
@@ -318,7 +344,9 @@ def test_block_size_must_match_the_cache(cache_bs, block_size, stride):
             WRITE(_k(4, "cpu"), cache, torch.arange(4), block_size=block_size)
         out = rand((1, 8, 512), torch.bfloat16)
         with pytest.raises(ValueError, match=f"{GATHER_OP}: " + message):
-            GATHER(out, cache, torch.tensor([8], dtype=torch.int32), None, torch.zeros(1, 8, dtype=torch.int32), block_size)
+            GATHER(
+                out, cache, torch.tensor([8], dtype=torch.int32), None, torch.zeros(1, 8, dtype=torch.int32), block_size
+            )
         assert_bitwise(c, before)
 
 
@@ -351,7 +379,9 @@ def test_allocate_block_stride():
     assert L.allocate(2, 3, "cpu", block_stride=3 * 584 + 8).shape == (2, 1760)
     L.validate(L.allocate(2, 64, "cpu", block_stride=37376), 64)
     for bad in (37360, 37384, 37960, 37376.0):  # short, not a multiple of 16, a 65th token fits, not an int
-        with pytest.raises(ValueError, match=rf"DSV4_K_CACHE.allocate: block_stride: .* \[37376, 37960\) for block_size 64, got {bad}"):
+        with pytest.raises(
+            ValueError, match=rf"DSV4_K_CACHE.allocate: block_stride: .* \[37376, 37960\) for block_size 64, got {bad}"
+        ):
             L.allocate(2, 64, "cpu", block_stride=bad)
 
 
@@ -360,11 +390,21 @@ def test_allocate_block_stride():
 
 def _args(op, device):
     if op == WRITE_OP:
-        return dict(k=rand((8, 512), torch.bfloat16, device), k_cache=L.allocate(4, 2, device),
-                    slot_mapping=slots(8, 8, torch.int64, device), block_size=2)
-    return dict(out=rand((2, 8, 512), torch.bfloat16, device), k_cache=L.allocate(4, 2, device),
-                seq_lens=torch.tensor([5, 8], dtype=torch.int32, device=device), gather_lens=None,
-                block_table=torch.zeros(2, 4, dtype=torch.int32, device=device), block_size=2, offset=0)
+        return dict(
+            k=rand((8, 512), torch.bfloat16, device),
+            k_cache=L.allocate(4, 2, device),
+            slot_mapping=slots(8, 8, torch.int64, device),
+            block_size=2,
+        )
+    return dict(
+        out=rand((2, 8, 512), torch.bfloat16, device),
+        k_cache=L.allocate(4, 2, device),
+        seq_lens=torch.tensor([5, 8], dtype=torch.int32, device=device),
+        gather_lens=None,
+        block_table=torch.zeros(2, 4, dtype=torch.int32, device=device),
+        block_size=2,
+        offset=0,
+    )
 
 
 def _short_stride(a):
@@ -378,17 +418,34 @@ BAD = [  # (op, case, mutate(args), exception, argument named in the message)
     (WRITE_OP, "k width 448", lambda a: a.update(k=a["k"][:, :448]), ValueError, "k"),
     (WRITE_OP, "k too few rows", lambda a: a.update(k=a["k"][:5]), ValueError, "k"),
     (WRITE_OP, "k not a tensor", lambda a: a.update(k=a["k"].tolist()), TypeError, "k"),
-    (WRITE_OP, "slot_mapping float", lambda a: a.update(slot_mapping=a["slot_mapping"].float()), TypeError, "slot_mapping"),
+    (
+        WRITE_OP,
+        "slot_mapping float",
+        lambda a: a.update(slot_mapping=a["slot_mapping"].float()),
+        TypeError,
+        "slot_mapping",
+    ),
     (WRITE_OP, "k_cache int8", lambda a: a.update(k_cache=a["k_cache"].view(torch.int8)), TypeError, "k_cache"),
     (WRITE_OP, "k_cache stride short", _short_stride, ValueError, "k_cache"),
-    (WRITE_OP, "k_cache 3-D wrong shape", lambda a: a.update(k_cache=a["k_cache"].view(4, 1, 1168)), ValueError, "k_cache"),
+    (
+        WRITE_OP,
+        "k_cache 3-D wrong shape",
+        lambda a: a.update(k_cache=a["k_cache"].view(4, 1, 1168)),
+        ValueError,
+        "k_cache",
+    ),
     (WRITE_OP, "block_size 0", lambda a: a.update(block_size=0), ValueError, "block_size"),
     (WRITE_OP, "block_size 1 on a block_size-2 cache", lambda a: a.update(block_size=1), ValueError, "k_cache"),
     (GATHER_OP, "out float32", lambda a: a.update(out=a["out"].float()), TypeError, "out"),
     (GATHER_OP, "out width 256", lambda a: a.update(out=a["out"][..., :256]), ValueError, "out"),
     (GATHER_OP, "seq_lens int64", lambda a: a.update(seq_lens=a["seq_lens"].long()), TypeError, "seq_lens"),
-    (GATHER_OP, "gather_lens 3 entries", lambda a: a.update(gather_lens=a["seq_lens"].repeat(2)[:3]), ValueError,
-     "gather_lens"),
+    (
+        GATHER_OP,
+        "gather_lens 3 entries",
+        lambda a: a.update(gather_lens=a["seq_lens"].repeat(2)[:3]),
+        ValueError,
+        "gather_lens",
+    ),
     (GATHER_OP, "block_table 1 row", lambda a: a.update(block_table=a["block_table"][:1]), ValueError, "block_table"),
     (GATHER_OP, "block_table int64", lambda a: a.update(block_table=a["block_table"].long()), TypeError, "block_table"),
     (GATHER_OP, "offset negative", lambda a: a.update(offset=-1), ValueError, "offset"),
@@ -468,7 +525,16 @@ def test_every_backend_same_bytes(block_size):
     for device, backend in [("cpu", "torch")] + [("cuda", b) for b in BACKENDS["cuda"]]:
         cd, out = c.to(device), base.to(device)
         WRITE(k.to(device), _view(cd, bs, "3d"), sm.to(device), block_size=bs, backend=backend)
-        GATHER(out[:, :300, :512], _view(cd, bs, "3d"), seq.to(device), gl.to(device), bt.to(device), bs, 1, backend=backend)
+        GATHER(
+            out[:, :300, :512],
+            _view(cd, bs, "3d"),
+            seq.to(device),
+            gl.to(device),
+            bt.to(device),
+            bs,
+            1,
+            backend=backend,
+        )
         results.append((cd.cpu(), out.cpu()))
     for cd, out in results[1:]:
         assert_bitwise(cd, results[0][0])
@@ -505,8 +571,14 @@ def test_cuda_graph_replay_with_new_inputs(backend, block_size):
         new_sm = slots(num_slots, n, torch.int32, "cuda")
         new_sm[3::5] = -1
         new_seq, new_gl, new_bt = _requests(bs, num_reqs, m, "short", False, "cuda")
-        for dst, src in ((k, _k(n, "cuda")), (sm, new_sm), (out, torch.randn_like(out)), (seq, new_seq),
-                         (gl, new_gl), (bt, new_bt)):
+        for dst, src in (
+            (k, _k(n, "cuda")),
+            (sm, new_sm),
+            (out, torch.randn_like(out)),
+            (seq, new_seq),
+            (gl, new_gl),
+            (bt, new_bt),
+        ):
             dst.copy_(src)
         ref_c, ref_out = _reference_step(c, k, sm, bs, out, m, seq, gl, bt, offset)
         graph.replay()
@@ -546,7 +618,7 @@ def test_triton_kernel_under_interpreter():
 
 def triton_interpreter_cases():
     """Run by test_triton_kernel_under_interpreter in a process with TRITON_INTERPRET=1."""
-    from jitkv.triton.dsv4 import dequantize_and_gather_k_cache_triton, quantize_and_insert_k_cache_triton  # noqa: PLC0415  (imports triton)
+    from jitkv.triton.dsv4 import dequantize_and_gather_k_cache_triton, quantize_and_insert_k_cache_triton
 
     for bs, stride in ((64, None), (2, None), (64, 64 * 584)):  # padded, and vLLM's unpadded blocks
         cache = L.allocate(24, bs, "cpu", block_stride=stride).random_(0, 256)

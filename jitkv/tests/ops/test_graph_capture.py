@@ -43,15 +43,28 @@ def _mla():
 def _store_cache(kv_cache_dtype):
     fp8 = kv_cache_dtype != "auto"
     cdt = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    dst = [rand((SLOTS // 16, 8, 16, 64), cdt, "cuda").permute(0, 2, 1, 3), rand((SLOTS, 8, 64), cdt, "cuda")]  # HND, flat
+    dst = [
+        rand((SLOTS // 16, 8, 16, 64), cdt, "cuda").permute(0, 2, 1, 3),
+        rand((SLOTS, 8, 64), cdt, "cuda"),
+    ]  # HND, flat
     k, v = rand((N, 8, 64), torch.bfloat16, "cuda") * 50, rand((N, 8 * 64), torch.bfloat16, "cuda")
     idx = [_slot_values(SLOTS, N)]
     loc_map = torch.randperm(SLOTS, device="cuda")
     scales = dict(k_scale=torch.tensor([0.37], device="cuda"), v_scale=0.5) if fp8 else {}
 
     def call(d, backend):
-        jitkv.store_cache(k, v, d[0], d[1], idx[0], kv_cache_dtype=kv_cache_dtype, loc_map=loc_map, skip_slot=3,
-                          backend=backend, **scales)
+        jitkv.store_cache(
+            k,
+            v,
+            d[0],
+            d[1],
+            idx[0],
+            kv_cache_dtype=kv_cache_dtype,
+            loc_map=loc_map,
+            skip_slot=3,
+            backend=backend,
+            **scales,
+        )
 
     def renew():
         idx[0].copy_(_slot_values(SLOTS, N))
@@ -135,10 +148,15 @@ def _indexer_gather():
     return dst, call, renew
 
 
-CASES = {"set_mla_kv_buffer": _mla, "store_cache auto": lambda: _store_cache("auto"),
-         "store_cache fp8": lambda: _store_cache("fp8_e4m3"), "quantize_and_insert_k_cache": _dsv4_write,
-         "dequantize_and_gather_k_cache": _dsv4_gather, "indexer_k_quant_and_cache": _indexer_write,
-         "gather_indexer_k_quant_cache": _indexer_gather}
+CASES = {
+    "set_mla_kv_buffer": _mla,
+    "store_cache auto": lambda: _store_cache("auto"),
+    "store_cache fp8": lambda: _store_cache("fp8_e4m3"),
+    "quantize_and_insert_k_cache": _dsv4_write,
+    "dequantize_and_gather_k_cache": _dsv4_gather,
+    "indexer_k_quant_and_cache": _indexer_write,
+    "gather_indexer_k_quant_cache": _indexer_gather,
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))

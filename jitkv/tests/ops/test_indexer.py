@@ -11,8 +11,8 @@ import torch
 import jitkv
 from jitkv import INDEXER_K_CACHE as L
 from jitkv import reference
-from jitkv.tests.triton.interpreter import run_under_interpreter
 from jitkv.tests.conftest import BACKENDS, DEV_BACKENDS, assert_bitwise, gpu, rand, slots
+from jitkv.tests.triton.interpreter import run_under_interpreter
 
 WRITE_OP, GATHER_OP = "indexer_k_quant_and_cache", "gather_indexer_k_quant_cache"
 WRITE, GATHER = jitkv.indexer_k_quant_and_cache, jitkv.gather_indexer_k_quant_cache
@@ -26,9 +26,18 @@ DTYPES = [torch.bfloat16, torch.float16]
 FMTS = [None, "ue8m0"]
 SPECIAL = [  # (row, dims, value): amax 3.5 (scale exactly 2^-7) and just above it, amax below the 1e-4
     # floor, a zero row, ±inf, one NaN, an all-NaN row, denormals, near the bf16 and fp16 maxima
-    (0, slice(0, 128), 3.5), (1, slice(0, 128), -3.5), (1, 9, 3.515625), (2, slice(0, 128), 1e-30),
-    (3, slice(0, 128), 0.0), (4, 3, float("inf")), (4, 70, -float("inf")), (5, 10, float("nan")),
-    (6, slice(0, 128), float("nan")), (7, slice(0, 64), 3e-39), (7, slice(64, 128), 5e-8), (8, 100, 3.3e38),
+    (0, slice(0, 128), 3.5),
+    (1, slice(0, 128), -3.5),
+    (1, 9, 3.515625),
+    (2, slice(0, 128), 1e-30),
+    (3, slice(0, 128), 0.0),
+    (4, 3, float("inf")),
+    (4, 70, -float("inf")),
+    (5, 10, float("nan")),
+    (6, slice(0, 128), float("nan")),
+    (7, slice(0, 64), 3e-39),
+    (7, slice(64, 128), 5e-8),
+    (8, 100, 3.3e38),
     (9, 100, -65504.0),
 ]
 
@@ -119,8 +128,9 @@ def _expected_scale(k, fmt):
 @pytest.mark.parametrize("block_size,layout", CACHES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("idx_dtype,n", [(torch.int64, 0), (torch.int32, 1), (torch.int64, 2), (torch.int32, 77),
-                                         (torch.int64, 77)])
+@pytest.mark.parametrize(
+    "idx_dtype,n", [(torch.int64, 0), (torch.int32, 1), (torch.int64, 2), (torch.int32, 77), (torch.int64, 77)]
+)
 def test_writer_matches_reference(device, backend, block_size, layout, dtype, fmt, idx_dtype, n):
     _skip_refused(device, backend, block_size, layout)
     c = _cache(block_size, layout, device)
@@ -154,8 +164,8 @@ def test_writer_special_values(device, backend):
     WRITE(k, c, torch.arange(11, device=device), block_size=16, scale_fmt="ue8m0", backend=backend)
     values, scale = _token_bytes(c, torch.arange(11, device=device), 16)
     scale = scale.cpu().contiguous().view(torch.float32).flatten()
-    floor = float(2.0 ** -22)  # max(amax, 1e-4) / 448 = 2.2e-7, rounded up
-    assert scale[:4].tolist() == [2.0 ** -7, 2.0 ** -6, floor, floor]
+    floor = float(2.0**-22)  # max(amax, 1e-4) / 448 = 2.2e-7, rounded up
+    assert scale[:4].tolist() == [2.0**-7, 2.0**-6, floor, floor]
     assert scale[4] == float("inf") and scale[6] == floor
     assert (values[0] == 0x7E).all() and (values[3] == 0).all()  # 3.5 / 2^-7 = 448: the e4m3 maximum
     nan = values.view(torch.float8_e4m3fn).float().isnan()
@@ -193,8 +203,12 @@ def test_duplicate_slots_write_one_token(device, backend):
 # -------------------------------------------------------------------------------------- gather
 
 GATHER_CASES = [  # (block size, sequence lengths, cu_seq_lens[0], extra dst rows, block-table width)
-    (64, [300], 0, 0, None), (64, [70, 0, 129, 5], 0, 7, None), (64, [40, 64, 65], 9, 3, 1),
-    (3, [7, 1, 0, 25, 3], 0, 4, None), (3, [50, 2], 5, 0, 6), (3, [], 0, 5, None),
+    (64, [300], 0, 0, None),
+    (64, [70, 0, 129, 5], 0, 7, None),
+    (64, [40, 64, 65], 9, 3, 1),
+    (3, [7, 1, 0, 25, 3], 0, 4, None),
+    (3, [50, 2], 5, 0, 6),
+    (3, [], 0, 5, None),
 ]
 
 
@@ -243,10 +257,12 @@ def _gather(c, bs, layout, cu, bt, rows, scale_kind, k_dtype, backend):
 
 
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
-@pytest.mark.parametrize("layout,case", [(layout, case) for bs, layout in CACHES for case in GATHER_CASES if case[0] == bs],
-                         ids=str)
-@pytest.mark.parametrize("scale_kind,k_dtype", [("f32", torch.uint8), ("f32x1", torch.float8_e4m3fn),
-                                                ("u8x4", torch.float8_e4m3fn)])
+@pytest.mark.parametrize(
+    "layout,case", [(layout, case) for bs, layout in CACHES for case in GATHER_CASES if case[0] == bs], ids=str
+)
+@pytest.mark.parametrize(
+    "scale_kind,k_dtype", [("f32", torch.uint8), ("f32x1", torch.float8_e4m3fn), ("u8x4", torch.float8_e4m3fn)]
+)
 def test_gather_matches_reference(device, backend, layout, case, scale_kind, k_dtype):
     bs, lens, first, extra, width = case
     _skip_refused(device, backend, bs, layout)
@@ -375,10 +391,18 @@ def test_block_size_must_match_the_cache(cache_bs, block_size, backend):
     """A cache laid out for cache_bs tokens per block used with another block_size: ValueError naming
     both numbers, from the validator and from both ops, before anything is written."""
     c = L.allocate(4, cache_bs, "cpu", block_stride=cache_bs * 132).random_(0, 256)
-    views = ((c, rf"kv_cache: blocks of {cache_bs * 132} bytes hold {cache_bs} tokens of 132 bytes, but block_size is "
-                 rf"{block_size}\b"),
-             (c.view(4, cache_bs, 132),
-              rf"kv_cache: expected \[num_blocks, {block_size}, 132\] for block_size {block_size}, got \[4, {cache_bs}, 132\]"))
+    views = (
+        (
+            c,
+            rf"kv_cache: blocks of {cache_bs * 132} bytes hold {cache_bs} tokens of 132 bytes, but block_size is "
+            rf"{block_size}\b",
+        ),
+        (
+            c.view(4, cache_bs, 132),
+            rf"kv_cache: expected \[num_blocks, {block_size}, 132\] for block_size {block_size}, "
+            rf"got \[4, {cache_bs}, 132\]",
+        ),
+    )
     for cache, message in views:
         with pytest.raises(ValueError, match="INDEXER_K_CACHE: " + message):
             L.validate(cache, block_size)
@@ -387,8 +411,15 @@ def test_block_size_must_match_the_cache(cache_bs, block_size, backend):
             WRITE(_k(4, "cpu", torch.bfloat16), cache, torch.arange(4), block_size=block_size, backend=backend)
         dk, ds = rand((8, 128), torch.uint8), rand((8, 4), torch.uint8)
         with pytest.raises(ValueError, match=f"{GATHER_OP}: " + message):
-            GATHER(cache, dk, ds, torch.zeros(1, 8, dtype=torch.int32), torch.tensor([0, 8], dtype=torch.int32),
-                   block_size=block_size, backend=backend)
+            GATHER(
+                cache,
+                dk,
+                ds,
+                torch.zeros(1, 8, dtype=torch.int32),
+                torch.tensor([0, 8], dtype=torch.int32),
+                block_size=block_size,
+                backend=backend,
+            )
         assert_bitwise(c, before)
 
 
@@ -396,8 +427,11 @@ def test_allocate_block_stride():
     assert L.allocate(2, 64, "cpu", block_stride=8448).shape == (2, 8448)
     assert L.allocate(2, 3, "cpu", block_stride=396).shape == (2, 396)
     for bad in (8444, 8450, 8580, 8448.0):  # short, not a multiple of 4, a 65th token fits, not an int
-        with pytest.raises(ValueError, match=rf"INDEXER_K_CACHE.allocate: block_stride: .* \[8448, 8580\) for "
-                                             rf"block_size 64, got {bad}"):
+        with pytest.raises(
+            ValueError,
+            match=rf"INDEXER_K_CACHE.allocate: block_stride: .* \[8448, 8580\) for "
+            rf"block_size 64, got {bad}",
+        ):
             L.allocate(2, 64, "cpu", block_stride=bad)
 
 
@@ -407,11 +441,20 @@ def test_allocate_block_stride():
 def _args(op, device):
     cache = L.allocate(4, 3, device)
     if op == WRITE_OP:
-        return dict(k=rand((8, 128), torch.bfloat16, device), kv_cache=cache,
-                    slot_mapping=slots(12, 8, torch.int64, device), block_size=3)
-    return dict(kv_cache=cache, dst_k=rand((8, 128), torch.uint8, device), dst_scale=rand((8,), torch.float32, device),
-                block_table=torch.zeros(2, 4, dtype=torch.int32, device=device),
-                cu_seq_lens=torch.tensor([0, 5, 8], dtype=torch.int32, device=device), block_size=3)
+        return dict(
+            k=rand((8, 128), torch.bfloat16, device),
+            kv_cache=cache,
+            slot_mapping=slots(12, 8, torch.int64, device),
+            block_size=3,
+        )
+    return dict(
+        kv_cache=cache,
+        dst_k=rand((8, 128), torch.uint8, device),
+        dst_scale=rand((8,), torch.float32, device),
+        block_table=torch.zeros(2, 4, dtype=torch.int32, device=device),
+        cu_seq_lens=torch.tensor([0, 5, 8], dtype=torch.int32, device=device),
+        block_size=3,
+    )
 
 
 def _short_stride(a):
@@ -425,42 +468,97 @@ BAD = [  # (op, case, mutate(args), exception, argument named in the message)
     (WRITE_OP, "k width 64", lambda a: a.update(k=a["k"][:, :64]), ValueError, "k"),
     (WRITE_OP, "k 3-D", lambda a: a.update(k=a["k"].view(8, 1, 128)), ValueError, "k"),
     (WRITE_OP, "k too few rows", lambda a: a.update(k=a["k"][:5]), ValueError, "k"),
-    (WRITE_OP, "k not contiguous", lambda a: a.update(k=rand((128, 8), torch.bfloat16, a["k"].device).t()), ValueError,
-     "k"),
+    (
+        WRITE_OP,
+        "k not contiguous",
+        lambda a: a.update(k=rand((128, 8), torch.bfloat16, a["k"].device).t()),
+        ValueError,
+        "k",
+    ),
     (WRITE_OP, "k not a tensor", lambda a: a.update(k=a["k"].tolist()), TypeError, "k"),
-    (WRITE_OP, "slot_mapping float", lambda a: a.update(slot_mapping=a["slot_mapping"].float()), TypeError,
-     "slot_mapping"),
-    (WRITE_OP, "slot_mapping 2-D", lambda a: a.update(slot_mapping=a["slot_mapping"].view(2, 4)), ValueError,
-     "slot_mapping"),
+    (
+        WRITE_OP,
+        "slot_mapping float",
+        lambda a: a.update(slot_mapping=a["slot_mapping"].float()),
+        TypeError,
+        "slot_mapping",
+    ),
+    (
+        WRITE_OP,
+        "slot_mapping 2-D",
+        lambda a: a.update(slot_mapping=a["slot_mapping"].view(2, 4)),
+        ValueError,
+        "slot_mapping",
+    ),
     (WRITE_OP, "kv_cache int8", lambda a: a.update(kv_cache=a["kv_cache"].view(torch.int8)), TypeError, "kv_cache"),
     (WRITE_OP, "kv_cache stride short", _short_stride, ValueError, "kv_cache"),
-    (WRITE_OP, "kv_cache 3-D wrong shape", lambda a: a.update(kv_cache=a["kv_cache"].view(4, 1, 400)), ValueError,
-     "kv_cache"),
+    (
+        WRITE_OP,
+        "kv_cache 3-D wrong shape",
+        lambda a: a.update(kv_cache=a["kv_cache"].view(4, 1, 400)),
+        ValueError,
+        "kv_cache",
+    ),
     (WRITE_OP, "block_size 0", lambda a: a.update(block_size=0), ValueError, "block_size"),
     (WRITE_OP, "block_size float", lambda a: a.update(block_size=3.0), TypeError, "block_size"),
     (WRITE_OP, "block_size 2 on a block_size-3 cache", lambda a: a.update(block_size=2), ValueError, "kv_cache"),
     (WRITE_OP, "scale_fmt unknown", lambda a: a.update(scale_fmt="e8m0"), ValueError, "scale_fmt"),
     (WRITE_OP, "scale_fmt not a string", lambda a: a.update(scale_fmt=["ue8m0"]), ValueError, "scale_fmt"),
-    (GATHER_OP, "dst_k bf16", lambda a: a.update(dst_k=a["dst_k"].view(8, 64, 2).view(torch.bfloat16)[..., 0]),
-     TypeError, "dst_k"),
+    (
+        GATHER_OP,
+        "dst_k bf16",
+        lambda a: a.update(dst_k=a["dst_k"].view(8, 64, 2).view(torch.bfloat16)[..., 0]),
+        TypeError,
+        "dst_k",
+    ),
     (GATHER_OP, "dst_k width 64", lambda a: a.update(dst_k=a["dst_k"][:, :64]), ValueError, "dst_k"),
-    (GATHER_OP, "dst_k not contiguous", lambda a: a.update(dst_k=rand((128, 8), torch.uint8, a["dst_k"].device).t()),
-     ValueError, "dst_k"),
+    (
+        GATHER_OP,
+        "dst_k not contiguous",
+        lambda a: a.update(dst_k=rand((128, 8), torch.uint8, a["dst_k"].device).t()),
+        ValueError,
+        "dst_k",
+    ),
     (GATHER_OP, "dst_scale float16", lambda a: a.update(dst_scale=a["dst_scale"].half()), TypeError, "dst_scale"),
     (GATHER_OP, "dst_scale 7 rows", lambda a: a.update(dst_scale=a["dst_scale"][:7]), ValueError, "dst_scale"),
-    (GATHER_OP, "dst_scale float32 [T, 4]", lambda a: a.update(dst_scale=a["dst_scale"][:, None].expand(8, 4)),
-     ValueError, "dst_scale"),
-    (GATHER_OP, "dst_scale uint8 [T, 8]", lambda a: a.update(dst_scale=rand((8, 8), torch.uint8, a["dst_k"].device)),
-     ValueError, "dst_scale"),
-    (GATHER_OP, "dst_scale strided 1-D", lambda a: a.update(dst_scale=rand((16,), torch.float32, a["dst_k"].device)[::2]),
-     ValueError, "dst_scale"),
+    (
+        GATHER_OP,
+        "dst_scale float32 [T, 4]",
+        lambda a: a.update(dst_scale=a["dst_scale"][:, None].expand(8, 4)),
+        ValueError,
+        "dst_scale",
+    ),
+    (
+        GATHER_OP,
+        "dst_scale uint8 [T, 8]",
+        lambda a: a.update(dst_scale=rand((8, 8), torch.uint8, a["dst_k"].device)),
+        ValueError,
+        "dst_scale",
+    ),
+    (
+        GATHER_OP,
+        "dst_scale strided 1-D",
+        lambda a: a.update(dst_scale=rand((16,), torch.float32, a["dst_k"].device)[::2]),
+        ValueError,
+        "dst_scale",
+    ),
     (GATHER_OP, "block_table int64", lambda a: a.update(block_table=a["block_table"].long()), TypeError, "block_table"),
     (GATHER_OP, "block_table 1-D", lambda a: a.update(block_table=a["block_table"][0]), ValueError, "block_table"),
     (GATHER_OP, "cu_seq_lens int64", lambda a: a.update(cu_seq_lens=a["cu_seq_lens"].long()), TypeError, "cu_seq_lens"),
-    (GATHER_OP, "cu_seq_lens 2 entries", lambda a: a.update(cu_seq_lens=a["cu_seq_lens"][:2]), ValueError,
-     "cu_seq_lens"),
-    (GATHER_OP, "cu_seq_lens strided", lambda a: a.update(cu_seq_lens=a["cu_seq_lens"].repeat_interleave(2)[::2]),
-     ValueError, "cu_seq_lens"),
+    (
+        GATHER_OP,
+        "cu_seq_lens 2 entries",
+        lambda a: a.update(cu_seq_lens=a["cu_seq_lens"][:2]),
+        ValueError,
+        "cu_seq_lens",
+    ),
+    (
+        GATHER_OP,
+        "cu_seq_lens strided",
+        lambda a: a.update(cu_seq_lens=a["cu_seq_lens"].repeat_interleave(2)[::2]),
+        ValueError,
+        "cu_seq_lens",
+    ),
     (GATHER_OP, "kv_cache stride short", _short_stride, ValueError, "kv_cache"),
     (GATHER_OP, "block_size 4 on a block_size-3 cache", lambda a: a.update(block_size=4), ValueError, "kv_cache"),
 ]
@@ -537,8 +635,14 @@ def test_every_backend_same_bytes(block_size, layout, dtype, fmt):
                 continue  # refused: 396-byte blocks (test_unaligned_views_fall_back)
             cd, (dk, ds) = c.to(device), (t.to(device) for t in base)
             WRITE(k.to(device), _view(cd, bs, layout), sm.to(device), block_size=bs, scale_fmt=fmt, backend=backend)
-            GATHER(_view(cd, bs, layout), *_dst_views(dk, ds, "u8x4"), bt.to(device), cu.to(device), block_size=bs,
-                   backend=backend)
+            GATHER(
+                _view(cd, bs, layout),
+                *_dst_views(dk, ds, "u8x4"),
+                bt.to(device),
+                cu.to(device),
+                block_size=bs,
+                backend=backend,
+            )
             results.append((device, cd.cpu(), dk.cpu(), ds.cpu()))
     for device, *r in results[1:]:
         if device != results[0][0]:  # a NaN's e4m3 code keeps its sign on CPU, is 0x7F on CUDA (docs/design.md §4)
@@ -579,8 +683,14 @@ def test_cuda_graph_replay_with_new_inputs(backend, fmt):
         new_sm = slots(512, n, torch.int32, "cuda")
         new_sm[3::5] = -1
         new_cu, new_bt, _ = _requests(bs, [60, 70, 90], 0, 4, None, "cuda")
-        for dst, src in ((k, _k(n, "cuda", torch.bfloat16)), (sm, new_sm), (cu, new_cu), (bt, new_bt),
-                         (dk, rand(dk.shape, torch.uint8, "cuda")), (ds, torch.randn_like(ds))):
+        for dst, src in (
+            (k, _k(n, "cuda", torch.bfloat16)),
+            (sm, new_sm),
+            (cu, new_cu),
+            (bt, new_bt),
+            (dk, rand(dk.shape, torch.uint8, "cuda")),
+            (ds, torch.randn_like(ds)),
+        ):
             dst.copy_(src)
         ref = [c.clone(), dk.clone(), ds.clone()]
         reference.indexer_k_quant_and_cache(k, ref[0], sm, block_size=bs, scale_fmt=fmt)
@@ -618,8 +728,10 @@ def test_side_stream(backend):
 
 
 UNALIGNED = [  # (op, argument, what makes it unaligned for the 16-byte CUDA kernels)
-    (WRITE_OP, "k", "k at column 1"), (WRITE_OP, "kv_cache", "vLLM's 396-byte blocks (block_size 3)"),
-    (GATHER_OP, "dst_k", "dst_k at column 1"), (GATHER_OP, "dst_scale", "uint8 dst_scale at column 1"),
+    (WRITE_OP, "k", "k at column 1"),
+    (WRITE_OP, "kv_cache", "vLLM's 396-byte blocks (block_size 3)"),
+    (GATHER_OP, "dst_k", "dst_k at column 1"),
+    (GATHER_OP, "dst_scale", "uint8 dst_scale at column 1"),
 ]
 
 
@@ -628,8 +740,15 @@ def _unaligned_call(op, arg, backend):
     bs = 3 if arg == "kv_cache" else 64
     c = _cache(bs, "3d" if arg == "kv_cache" else "2d", "cuda")
     if op == WRITE_OP:
-        _write(_k(50, "cuda", torch.bfloat16, col=int(arg == "k")), c, slots(NUM_BLOCKS[bs] * bs, 50, torch.int32, "cuda"),
-               bs, "3d" if arg == "kv_cache" else "2d", backend, "ue8m0")
+        _write(
+            _k(50, "cuda", torch.bfloat16, col=int(arg == "k")),
+            c,
+            slots(NUM_BLOCKS[bs] * bs, 50, torch.int32, "cuda"),
+            bs,
+            "3d" if arg == "kv_cache" else "2d",
+            backend,
+            "ue8m0",
+        )
         return
     cu, bt, rows = _requests(bs, [100, 20], 0, 2, None, "cuda")
     dk, ds = rand((rows, 144), torch.uint8, "cuda"), rand((rows, 8), torch.uint8, "cuda")  # aligned rows
@@ -665,7 +784,7 @@ def test_triton_kernel_under_interpreter():
 
 def triton_interpreter_cases():
     """Run by test_triton_kernel_under_interpreter in a process with TRITON_INTERPRET=1."""
-    from jitkv.triton.indexer import gather_indexer_k_quant_cache_triton, indexer_k_quant_and_cache_triton  # noqa: PLC0415  (imports triton)
+    from jitkv.triton.indexer import gather_indexer_k_quant_cache_triton, indexer_k_quant_and_cache_triton
 
     for bs, stride in ((64, None), (3, 3 * 132)):  # jitkv's blocks, and vLLM's 396-byte ones
         for dtype, ue8m0 in ((torch.bfloat16, True), (torch.float16, False)):

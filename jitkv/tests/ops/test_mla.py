@@ -7,11 +7,18 @@ import torch
 
 import jitkv
 from jitkv import reference
-from jitkv.tests.triton.interpreter import run_under_interpreter
 from jitkv.tests.conftest import BACKENDS, DEV_BACKENDS, HAS_CUDA, assert_bitwise, gpu, rand, slots
+from jitkv.tests.triton.interpreter import run_under_interpreter
 
-SHAPES = [(torch.bfloat16, 512, 64), (torch.float16, 512, 64), (torch.bfloat16, 512, 32), (torch.float16, 256, 64),
-          (torch.bfloat16, 128, 64), (torch.uint8, 528, 128), (torch.float8_e4m3fn, 512, 64)]
+SHAPES = [
+    (torch.bfloat16, 512, 64),
+    (torch.float16, 512, 64),
+    (torch.bfloat16, 512, 32),
+    (torch.float16, 256, 64),
+    (torch.bfloat16, 128, 64),
+    (torch.uint8, 528, 128),
+    (torch.float8_e4m3fn, 512, 64),
+]
 
 
 def _case(dtype, nope, rope, n, device, *, num_slots=4096, extra=0, three_d=True, width=None):
@@ -103,11 +110,21 @@ BAD = [
     ("loc float", lambda a: a.update(loc=a["loc"].float()), TypeError, "loc"),
     ("loc 2-D", lambda a: a.update(loc=a["loc"].view(2, 4)), ValueError, "loc"),
     ("nope dtype", lambda a: a.update(cache_k_nope=a["cache_k_nope"].half()), TypeError, "cache_k_nope"),
-    ("buffer dtype int32", lambda a: a.update(kv_buffer=torch.zeros(64, 576, dtype=torch.int32, device=a["loc"].device)), TypeError, "kv_buffer"),
+    (
+        "buffer dtype int32",
+        lambda a: a.update(kv_buffer=torch.zeros(64, 576, dtype=torch.int32, device=a["loc"].device)),
+        TypeError,
+        "kv_buffer",
+    ),
     ("buffer too narrow", lambda a: a.update(kv_buffer=a["kv_buffer"][:, :500]), ValueError, "kv_buffer"),
     ("buffer rank", lambda a: a.update(kv_buffer=a["kv_buffer"].view(64, 2, 288)), ValueError, "kv_buffer"),
     ("rope too few rows", lambda a: a.update(cache_k_rope=a["cache_k_rope"][:4]), ValueError, "cache_k_rope"),
-    ("nope noncontiguous", lambda a: a.update(cache_k_nope=rand((512, 8), torch.bfloat16, a["loc"].device).t()), ValueError, "cache_k_nope"),
+    (
+        "nope noncontiguous",
+        lambda a: a.update(cache_k_nope=rand((512, 8), torch.bfloat16, a["loc"].device).t()),
+        ValueError,
+        "cache_k_nope",
+    ),
     ("kv_buffer not tensor", lambda a: a.update(kv_buffer=3), TypeError, "kv_buffer"),
 ]
 
@@ -217,9 +234,9 @@ def test_every_backend_same_bytes(dtype, nope, rope):
 @gpu
 def test_build_while_capturing_raises(tmp_path, monkeypatch):
     monkeypatch.setenv("JITKV_CACHE_DIR", str(tmp_path))
-    from jitkv.jit import cache_dir, get_module  # noqa: PLC0415
-    from jitkv.jit.toolchain import cuda_arch  # noqa: PLC0415
-    from jitkv.ops.mla import cuda_spec  # noqa: PLC0415
+    from jitkv.jit import cache_dir, get_module
+    from jitkv.jit.toolchain import cuda_arch
+    from jitkv.ops.mla import cuda_spec
 
     spec = cuda_spec(cuda_arch(torch.device("cuda")), 1000, 48)  # a layout nobody built
     assert cache_dir() is not None
@@ -242,8 +259,8 @@ def test_torch_compile_fullgraph():
     reference.set_mla_kv_buffer(ref, loc, k_nope, k_rope)
 
     @torch.compile(fullgraph=True, backend="eager")
-    def step(b, l, n, r):
-        jitkv.set_mla_kv_buffer(b, l, n, r)
+    def step(b, loc, n, r):
+        jitkv.set_mla_kv_buffer(b, loc, n, r)
 
     step(buf, loc, k_nope, k_rope)
     assert_bitwise(buf, ref)
@@ -261,8 +278,8 @@ def test_every_cuda_kernel_keeps_the_contract(kernel, pdl, n, idx_dtype, skip):
     padding (-1), skip_slot and out-of-range slots are never written, extra source rows never read
     into the buffer, strided sources; PDL on and off. skip_slot 17 (a slot of the buffer) runs the
     latency kernel with its 64-bit parameter block, -1 with the compact one."""
-    from jitkv.jit import cuda_arch, get_function  # noqa: PLC0415
-    from jitkv.ops.mla import cuda_spec  # noqa: PLC0415
+    from jitkv.jit import cuda_arch, get_function
+    from jitkv.ops.mla import cuda_spec
 
     spec = cuda_spec(cuda_arch(torch.device("cuda")), 1024, 128, kernel=kernel, pdl=pdl)
     fn = get_function(spec, "set_mla_kv_buffer")
@@ -296,8 +313,8 @@ def test_latency_kernel_beyond_its_compact_block(n):
 def test_forced_kernel_that_cannot_run_raises():
     """A module forced to the TMA or latency kernel refuses a destination it cannot write (rows not
     16-byte aligned) with a ValueError naming the reason, before writing anything."""
-    from jitkv.jit import cuda_arch, get_function  # noqa: PLC0415
-    from jitkv.ops.mla import cuda_spec  # noqa: PLC0415
+    from jitkv.jit import cuda_arch, get_function
+    from jitkv.ops.mla import cuda_spec
 
     buf = rand((64, 577), torch.bfloat16, "cuda")[:, 1:]  # 2-byte aligned rows
     k_nope, k_rope = rand((4, 512), torch.bfloat16, "cuda"), rand((4, 64), torch.bfloat16, "cuda")
@@ -317,9 +334,13 @@ def test_triton_kernel_under_interpreter():
 
 def triton_interpreter_cases():
     """Run by test_triton_kernel_under_interpreter in a process with TRITON_INTERPRET=1."""
-    from jitkv.triton.mla import set_mla_kv_buffer_triton  # noqa: PLC0415  (imports triton)
+    from jitkv.triton.mla import set_mla_kv_buffer_triton
 
-    for dtype, nope, rope, width in ((torch.bfloat16, 512, 64, 600), (torch.uint8, 528, 128, 656), (torch.float8_e4m3fn, 512, 64, 576)):
+    for dtype, nope, rope, width in (
+        (torch.bfloat16, 512, 64, 600),
+        (torch.uint8, 528, 128, 656),
+        (torch.float8_e4m3fn, 512, 64, 576),
+    ):
         buf = rand((300, width), dtype)
         k_nope, k_rope = rand((40, nope), dtype), rand((40, rope), dtype)
         loc = slots(300, 37, torch.int32)
@@ -328,6 +349,7 @@ def triton_interpreter_cases():
         loc[4] = 300  # out of range: never written
         got, ref = buf.clone(), buf.clone()
         set_mla_kv_buffer_triton(got, loc, k_nope, k_rope, "auto", None, 7)
-        keep = torch.ones(37, dtype=torch.bool); keep[4] = False
+        keep = torch.ones(37, dtype=torch.bool)
+        keep[4] = False
         reference.set_mla_kv_buffer(ref, loc[keep], k_nope[:37][keep], k_rope[:37][keep], skip_slot=7)
         assert_bitwise(got, ref)

@@ -12,7 +12,6 @@ import torch
 import jitkv
 from jitkv import reference
 from jitkv.codes import DsMla
-from jitkv.tests.triton.interpreter import run_under_interpreter
 from jitkv.tests.conftest import (
     BACKENDS,
     DEV_BACKENDS,
@@ -24,10 +23,16 @@ from jitkv.tests.conftest import (
     rand,
     slots,
 )
+from jitkv.tests.triton.interpreter import run_under_interpreter
 
 # (kv_cache_dtype, buffer dtype): every buffer dtype each format writes.
-FORMATS = [("fp8_e4m3", torch.float8_e4m3fn), ("fp8", torch.uint8), ("fp8_e5m2", torch.float8_e5m2),
-           ("fp8_e5m2", torch.uint8), ("fp8_ds_mla", torch.uint8)]
+FORMATS = [
+    ("fp8_e4m3", torch.float8_e4m3fn),
+    ("fp8", torch.uint8),
+    ("fp8_e5m2", torch.float8_e5m2),
+    ("fp8_e5m2", torch.uint8),
+    ("fp8_ds_mla", torch.uint8),
+]
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 SRC_DTYPES = [torch.bfloat16, torch.float16]
 
@@ -57,8 +62,21 @@ def with_specials(x):
     return x
 
 
-def _case(fmt, buf_dtype, src, n, device, *, nope=512, rope=64, num_slots=4096, extra=0, three_d=False, width=None,
-          specials=False):
+def _case(
+    fmt,
+    buf_dtype,
+    src,
+    n,
+    device,
+    *,
+    nope=512,
+    rope=64,
+    num_slots=4096,
+    extra=0,
+    three_d=False,
+    width=None,
+    specials=False,
+):
     width = width or (DsMla.BYTES if fmt == "fp8_ds_mla" else nope + rope)
     buf = rand((num_slots, 1, width) if three_d else (num_slots, width), buf_dtype, device)
     x = values((n + extra, nope + rope), src)
@@ -103,7 +121,7 @@ def test_special_values(device, backend, fmt, buf_dtype, src):
     from 1 (every value then leaves the CUDA kernels' branch-free division window)."""
     buf, k_nope, k_rope = _case(fmt, buf_dtype, src, 96, device, specials=True)
     loc = slots(buf.shape[0], 96, torch.int64, device)
-    for scale in ([None] if fmt == "fp8_ds_mla" else [0.37, 3e-30, 7e29, torch.tensor([1e-20], device=device)]):
+    for scale in [None] if fmt == "fp8_ds_mla" else [0.37, 3e-30, 7e29, torch.tensor([1e-20], device=device)]:
         _check(buf, loc, k_nope, k_rope, backend, kv_cache_dtype=fmt, scale=scale)
 
 
@@ -136,9 +154,10 @@ def test_ds_mla_every_tile_amax(device, backend, src):
 def test_per_tensor_other_widths(device, backend, fmt, nope, rope):
     """Rows that are not 16-byte vectors (100 + 20: CUDA's generic kernel) and a row without rope."""
     buf, k_nope, k_rope = _case(fmt, FP8[fmt], torch.bfloat16, 33, device, nope=nope, rope=rope, width=nope + rope + 9)
-    got = _check(buf, slots(buf.shape[0], 33, torch.int64, device), k_nope, k_rope, backend, kv_cache_dtype=fmt,
-                 scale=0.5)
-    assert_bitwise(got[:, nope + rope:], buf[:, nope + rope:])
+    got = _check(
+        buf, slots(buf.shape[0], 33, torch.int64, device), k_nope, k_rope, backend, kv_cache_dtype=fmt, scale=0.5
+    )
+    assert_bitwise(got[:, nope + rope :], buf[:, nope + rope :])
 
 
 def test_reference_matches_torch_float8_cast():
@@ -178,7 +197,7 @@ def test_padding_skip_extra_rows_wider_rows(device, backend, fmt, buf_dtype):
     loc[5] = 0
     got = _check(buf, loc, k_nope, k_rope, backend, kv_cache_dtype=fmt, scale=_scale(fmt, device, True), skip_slot=0)
     assert_bitwise(got[0], buf[0])
-    assert_bitwise(got[:, width - 40:], buf[:, width - 40:])
+    assert_bitwise(got[:, width - 40 :], buf[:, width - 40 :])
 
 
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
@@ -192,16 +211,30 @@ def test_strided_and_unaligned_views(device, backend, fmt, offset):
     k_nope, k_rope = fused[:, 8 + offset : 520 + offset], fused[:, 600 + offset : 664 + offset]
     width = DsMla.BYTES if fmt == "fp8_ds_mla" else 576
     buf = rand((2048, 3 * width), torch.uint8, device)[:, offset : offset + width]
-    _check(buf, slots(2048, n, torch.int32, device), k_nope, k_rope, backend, kv_cache_dtype=fmt,
-           scale=_scale(fmt, device, False))
+    _check(
+        buf,
+        slots(2048, n, torch.int32, device),
+        k_nope,
+        k_rope,
+        backend,
+        kv_cache_dtype=fmt,
+        scale=_scale(fmt, device, False),
+    )
 
 
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_ds_mla"])
 def test_large_batch(device, backend, fmt):
     buf, k_nope, k_rope = _case(fmt, torch.uint8, torch.bfloat16, 16384, device, num_slots=32768)
-    _check(buf, slots(32768, 16384, torch.int64, device), k_nope, k_rope, backend, kv_cache_dtype=fmt,
-           scale=_scale(fmt, device, True))
+    _check(
+        buf,
+        slots(32768, 16384, torch.int64, device),
+        k_nope,
+        k_rope,
+        backend,
+        kv_cache_dtype=fmt,
+        scale=_scale(fmt, device, True),
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS["cpu"])
@@ -212,8 +245,9 @@ def test_out_of_range_raises_before_writing_cpu(backend, fmt):
     loc = slots(64, 9)
     loc[4] = 64
     with pytest.raises(IndexError, match=r"loc: position 4 has slot 64"):
-        jitkv.set_mla_kv_buffer(buf, loc, k_nope, k_rope, kv_cache_dtype=fmt, scale=_scale(fmt, "cpu", False),
-                                backend=backend)
+        jitkv.set_mla_kv_buffer(
+            buf, loc, k_nope, k_rope, kv_cache_dtype=fmt, scale=_scale(fmt, "cpu", False), backend=backend
+        )
     assert_bitwise(buf, before)
 
 
@@ -235,38 +269,114 @@ def _set(a, **kw):
 
 BAD = [  # (id, format, mutation, exception, argument named)
     ("unknown format", "fp8_e4m3", lambda a: _set(a, kv_cache_dtype="fp8_e3m4"), ValueError, "kv_cache_dtype"),
-    ("format not a string", "fp8_e4m3", lambda a: _set(a, kv_cache_dtype=torch.float8_e4m3fn), ValueError, "kv_cache_dtype"),
+    (
+        "format not a string",
+        "fp8_e4m3",
+        lambda a: _set(a, kv_cache_dtype=torch.float8_e4m3fn),
+        ValueError,
+        "kv_cache_dtype",
+    ),
     ("scale missing", "fp8_e4m3", lambda a: _set(a, scale=None), ValueError, "scale"),
     ("scale 0", "fp8_e5m2", lambda a: _set(a, scale=0.0), ValueError, "scale"),
     ("scale negative", "fp8_e4m3", lambda a: _set(a, scale=-2.0), ValueError, "scale"),
     ("scale nan", "fp8_e4m3", lambda a: _set(a, scale=math.nan), ValueError, "scale"),
     ("scale inf", "fp8_e4m3", lambda a: _set(a, scale=math.inf), ValueError, "scale"),
     ("scale underflows float32", "fp8_e4m3", lambda a: _set(a, scale=1e-50), ValueError, "scale"),
-    ("scale 2 elements", "fp8_e4m3", lambda a: _set(a, scale=torch.ones(2, device=a["loc"].device)), ValueError, "scale"),
-    ("scale float64", "fp8_e4m3", lambda a: _set(a, scale=torch.ones(1, dtype=torch.float64, device=a["loc"].device)),
-     TypeError, "scale"),
+    (
+        "scale 2 elements",
+        "fp8_e4m3",
+        lambda a: _set(a, scale=torch.ones(2, device=a["loc"].device)),
+        ValueError,
+        "scale",
+    ),
+    (
+        "scale float64",
+        "fp8_e4m3",
+        lambda a: _set(a, scale=torch.ones(1, dtype=torch.float64, device=a["loc"].device)),
+        TypeError,
+        "scale",
+    ),
     ("scale string", "fp8_e4m3", lambda a: _set(a, scale="0.5"), TypeError, "scale"),
     ("cpu scale tensor 0", "fp8_e4m3", lambda a: _set(a, scale=torch.zeros(1)), ValueError, "scale"),
     ("scale for ds_mla", "fp8_ds_mla", lambda a: _set(a, scale=0.5), ValueError, "scale"),
-    ("scale tensor for ds_mla", "fp8_ds_mla", lambda a: _set(a, scale=torch.ones(1, device=a["loc"].device)),
-     ValueError, "scale"),
-    ("fp32 sources", "fp8_e4m3", lambda a: _set(a, cache_k_nope=a["cache_k_nope"].float(), cache_k_rope=a["cache_k_rope"].float()), TypeError,
-     "cache_k_nope"),
-    ("fp32 sources ds_mla", "fp8_ds_mla", lambda a: _set(a, cache_k_nope=a["cache_k_nope"].float(), cache_k_rope=a["cache_k_rope"].float()),
-     TypeError, "cache_k_nope"),
-    ("rope dtype differs", "fp8_e4m3", lambda a: _set(a, cache_k_rope=a["cache_k_rope"].half()), TypeError, "cache_k_rope"),
-    ("buffer bf16", "fp8_e4m3", lambda a: _set(a, kv_buffer=rand((64, 576), torch.bfloat16, a["loc"].device)),
-     ValueError, "kv_buffer"),
-    ("buffer e5m2 for e4m3", "fp8_e4m3", lambda a: _set(a, kv_buffer=a["kv_buffer"].view(torch.float8_e5m2)),
-     ValueError, "kv_buffer"),
-    ("buffer float8 for ds_mla", "fp8_ds_mla", lambda a: _set(a, kv_buffer=a["kv_buffer"].view(torch.float8_e4m3fn)),
-     ValueError, "kv_buffer"),
+    (
+        "scale tensor for ds_mla",
+        "fp8_ds_mla",
+        lambda a: _set(a, scale=torch.ones(1, device=a["loc"].device)),
+        ValueError,
+        "scale",
+    ),
+    (
+        "fp32 sources",
+        "fp8_e4m3",
+        lambda a: _set(a, cache_k_nope=a["cache_k_nope"].float(), cache_k_rope=a["cache_k_rope"].float()),
+        TypeError,
+        "cache_k_nope",
+    ),
+    (
+        "fp32 sources ds_mla",
+        "fp8_ds_mla",
+        lambda a: _set(a, cache_k_nope=a["cache_k_nope"].float(), cache_k_rope=a["cache_k_rope"].float()),
+        TypeError,
+        "cache_k_nope",
+    ),
+    (
+        "rope dtype differs",
+        "fp8_e4m3",
+        lambda a: _set(a, cache_k_rope=a["cache_k_rope"].half()),
+        TypeError,
+        "cache_k_rope",
+    ),
+    (
+        "buffer bf16",
+        "fp8_e4m3",
+        lambda a: _set(a, kv_buffer=rand((64, 576), torch.bfloat16, a["loc"].device)),
+        ValueError,
+        "kv_buffer",
+    ),
+    (
+        "buffer e5m2 for e4m3",
+        "fp8_e4m3",
+        lambda a: _set(a, kv_buffer=a["kv_buffer"].view(torch.float8_e5m2)),
+        ValueError,
+        "kv_buffer",
+    ),
+    (
+        "buffer float8 for ds_mla",
+        "fp8_ds_mla",
+        lambda a: _set(a, kv_buffer=a["kv_buffer"].view(torch.float8_e4m3fn)),
+        ValueError,
+        "kv_buffer",
+    ),
     ("buffer too narrow", "fp8_e4m3", lambda a: _set(a, kv_buffer=a["kv_buffer"][:, :575]), ValueError, "kv_buffer"),
-    ("buffer too narrow ds_mla", "fp8_ds_mla", lambda a: _set(a, kv_buffer=a["kv_buffer"][:, :655]), ValueError,
-     "kv_buffer"),
-    ("ds_mla nope 256", "fp8_ds_mla", lambda a: _set(a, cache_k_nope=a["cache_k_nope"][:, :256]), ValueError, "cache_k_nope"),
-    ("ds_mla rope 32", "fp8_ds_mla", lambda a: _set(a, cache_k_rope=a["cache_k_rope"][:, :32]), ValueError, "cache_k_rope"),
-    ("rope too few rows", "fp8_e4m3", lambda a: _set(a, cache_k_rope=a["cache_k_rope"][:4]), ValueError, "cache_k_rope"),
+    (
+        "buffer too narrow ds_mla",
+        "fp8_ds_mla",
+        lambda a: _set(a, kv_buffer=a["kv_buffer"][:, :655]),
+        ValueError,
+        "kv_buffer",
+    ),
+    (
+        "ds_mla nope 256",
+        "fp8_ds_mla",
+        lambda a: _set(a, cache_k_nope=a["cache_k_nope"][:, :256]),
+        ValueError,
+        "cache_k_nope",
+    ),
+    (
+        "ds_mla rope 32",
+        "fp8_ds_mla",
+        lambda a: _set(a, cache_k_rope=a["cache_k_rope"][:, :32]),
+        ValueError,
+        "cache_k_rope",
+    ),
+    (
+        "rope too few rows",
+        "fp8_e4m3",
+        lambda a: _set(a, cache_k_rope=a["cache_k_rope"][:4]),
+        ValueError,
+        "cache_k_rope",
+    ),
     ("loc float", "fp8_ds_mla", lambda a: _set(a, loc=a["loc"].float()), TypeError, "loc"),
     ("nope not a tensor", "fp8_e4m3", lambda a: _set(a, cache_k_nope=3), TypeError, "cache_k_nope"),
 ]
@@ -280,8 +390,9 @@ def test_bad_input(device, backend, case):
     mutate(args)
     before = args["kv_buffer"].clone() if isinstance(args["kv_buffer"], torch.Tensor) else None
     with pytest.raises(exc, match=rf"set_mla_kv_buffer: {name}\b"):
-        jitkv.set_mla_kv_buffer(*list(args.values())[:4], kv_cache_dtype=args["kv_cache_dtype"], scale=args["scale"],
-                                backend=backend)
+        jitkv.set_mla_kv_buffer(
+            *list(args.values())[:4], kv_cache_dtype=args["kv_cache_dtype"], scale=args["scale"], backend=backend
+        )
     assert_bitwise(args["kv_buffer"], before)
 
 
@@ -293,8 +404,9 @@ def test_meta_tensor_named(device, backend, name):
     before = args["kv_buffer"].clone()
     args[name] = args[name].to("meta")
     with pytest.raises(ValueError, match=rf"set_mla_kv_buffer: {name}: expected a .*, got one on meta$"):
-        jitkv.set_mla_kv_buffer(*list(args.values())[:4], kv_cache_dtype="fp8_e4m3", scale=args["scale"],
-                                backend=backend)
+        jitkv.set_mla_kv_buffer(
+            *list(args.values())[:4], kv_cache_dtype="fp8_e4m3", scale=args["scale"], backend=backend
+        )
     if name != "kv_buffer":
         assert_bitwise(args["kv_buffer"], before)
 
@@ -308,8 +420,8 @@ def test_torch_compile_fullgraph():
         reference.set_mla_kv_buffer_fp8(ref, loc, k_nope, k_rope, kv_cache_dtype=fmt, scale=scale)
 
         @torch.compile(fullgraph=True, backend="eager")
-        def step(b, l, n, r, fmt=fmt, scale=scale):
-            jitkv.set_mla_kv_buffer(b, l, n, r, kv_cache_dtype=fmt, scale=scale)
+        def step(b, loc, n, r, fmt=fmt, scale=scale):
+            jitkv.set_mla_kv_buffer(b, loc, n, r, kv_cache_dtype=fmt, scale=scale)
 
         step(buf, loc, k_nope, k_rope)
         assert_bitwise(buf, ref)
@@ -349,8 +461,15 @@ def test_debug_checks_cuda_scale_and_slots(backend, monkeypatch):
         loc = slots(16, 8, torch.int64, "cuda")
         before = buf.clone()
         with pytest.raises(ValueError, match=r"set_mla_kv_buffer: scale\b"):
-            jitkv.set_mla_kv_buffer(buf, loc, k_nope, k_rope, kv_cache_dtype="fp8_e4m3",
-                                    scale=torch.zeros(1, device="cuda"), backend=backend)
+            jitkv.set_mla_kv_buffer(
+                buf,
+                loc,
+                k_nope,
+                k_rope,
+                kv_cache_dtype="fp8_e4m3",
+                scale=torch.zeros(1, device="cuda"),
+                backend=backend,
+            )
         loc[3] = 16
         with pytest.raises(IndexError, match=r"loc: position 3 has slot 16"):
             jitkv.set_mla_kv_buffer(buf, loc, k_nope, k_rope, kv_cache_dtype="fp8_e4m3", scale=0.5, backend=backend)
@@ -397,29 +516,46 @@ def test_every_backend_same_bytes(fmt, buf_dtype, src):
     outs = []
     for backend in BACKENDS["cuda"]:
         out = buf.clone()
-        jitkv.set_mla_kv_buffer(out, loc, k_nope, k_rope, kv_cache_dtype=fmt, scale=_scale(fmt, "cuda", True),
-                                backend=backend)
+        jitkv.set_mla_kv_buffer(
+            out, loc, k_nope, k_rope, kv_cache_dtype=fmt, scale=_scale(fmt, "cuda", True), backend=backend
+        )
         outs.append(out)
     for out in outs[1:]:
         assert_bitwise(out, outs[0])
 
 
 def _fp8_module(fmt, src, kernel, pdl=True):
-    from jitkv.jit import cuda_arch, get_function  # noqa: PLC0415
-    from jitkv.codes import KV_FORMATS as CODES  # noqa: PLC0415
-    from jitkv.ops.mla import FP8_ENTRY, cuda_spec  # noqa: PLC0415
+    from jitkv.codes import KV_FORMATS as CODES
+    from jitkv.jit import cuda_arch, get_function
+    from jitkv.ops.mla import FP8_ENTRY, cuda_spec
 
-    spec = cuda_spec(cuda_arch(torch.device("cuda")), 1024, 128, kernel=kernel, pdl=pdl, kv_format=int(CODES[fmt]),
-                     src_dtype=1 if src == torch.bfloat16 else 2)
+    spec = cuda_spec(
+        cuda_arch(torch.device("cuda")),
+        1024,
+        128,
+        kernel=kernel,
+        pdl=pdl,
+        kv_format=int(CODES[fmt]),
+        src_dtype=1 if src == torch.bfloat16 else 2,
+    )
     return get_function(spec, FP8_ENTRY)
 
 
 # (kernel, pdl, fmt) of the forced-kernel matrix: the lanes kernel writes e4m3 / e5m2 rows only
 # (test_forced_lanes_kernel_refuses_what_it_cannot_write).
-KERNEL_PDL_FORMATS = [(kernel, pdl, fmt)
-                      for kernel, pdl in (("auto", True), ("auto", False), ("split", True), ("row", True),
-                                          ("lanes", True), ("generic", True))
-                      for fmt in ("fp8_e4m3", "fp8_e5m2", "fp8_ds_mla") if (kernel, fmt) != ("lanes", "fp8_ds_mla")]
+KERNEL_PDL_FORMATS = [
+    (kernel, pdl, fmt)
+    for kernel, pdl in (
+        ("auto", True),
+        ("auto", False),
+        ("split", True),
+        ("row", True),
+        ("lanes", True),
+        ("generic", True),
+    )
+    for fmt in ("fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
+    if (kernel, fmt) != ("lanes", "fp8_ds_mla")
+]
 
 
 @gpu
@@ -433,7 +569,7 @@ def test_every_cuda_kernel_keeps_the_contract(kernel, pdl, fmt, src, n, idx_dtyp
     padding (-1), skip_slot and out-of-range slots are never written, extra source rows never read
     into the buffer, strided sources, special values; PDL on and off. skip_slot 17 (a slot of the
     buffer) runs the fast kernel with its 64-bit parameter block, -1 with the compact one."""
-    from jitkv.codes import KV_FORMATS as CODES  # noqa: PLC0415
+    from jitkv.codes import KV_FORMATS as CODES
 
     fn = _fp8_module(fmt, src, kernel, pdl)
     num_slots = 4096
@@ -463,7 +599,7 @@ def test_every_16_bit_value_around_the_quick_division_window(kernel, fmt, src):
     """The fast kernels divide without a branch, a scale outside the quick window first brought into it
     (jitkv/cuda/fp8.cuh Divider): torch's bytes for every bf16/fp16 value
     at scales outside, on the edges of and inside that window, as a float and as a device tensor."""
-    from jitkv.codes import KV_FORMATS as CODES  # noqa: PLC0415
+    from jitkv.codes import KV_FORMATS as CODES
 
     fn = _fp8_module(fmt, src, kernel)
     x = every_16_bit_value(src, 576).cuda()
@@ -517,10 +653,14 @@ def test_triton_kernel_under_interpreter():
 
 def triton_interpreter_cases():
     """Run by test_triton_kernel_under_interpreter in a process with TRITON_INTERPRET=1."""
-    from jitkv.triton.mla import set_mla_kv_buffer_triton  # noqa: PLC0415  (imports triton)
+    from jitkv.triton.mla import set_mla_kv_buffer_triton
 
-    for fmt, src, cdt, width in (("fp8_e4m3", torch.bfloat16, torch.float8_e4m3fn, 600), ("fp8_e5m2", torch.float16, torch.uint8, 576),
-                                 ("fp8_ds_mla", torch.bfloat16, torch.uint8, 660), ("fp8_ds_mla", torch.float16, torch.uint8, 656)):
+    for fmt, src, cdt, width in (
+        ("fp8_e4m3", torch.bfloat16, torch.float8_e4m3fn, 600),
+        ("fp8_e5m2", torch.float16, torch.uint8, 576),
+        ("fp8_ds_mla", torch.bfloat16, torch.uint8, 660),
+        ("fp8_ds_mla", torch.float16, torch.uint8, 656),
+    ):
         buf = rand((300, width), cdt)
         x = with_specials(values((40, 700), src))
         k_nope, k_rope = x[:, 16:528], x[:, 600:664]  # strided views, extra rows
@@ -531,7 +671,9 @@ def triton_interpreter_cases():
         scale = None if fmt == "fp8_ds_mla" else torch.tensor([0.37])
         got, ref = buf.clone(), buf.clone()
         set_mla_kv_buffer_triton(got, loc, k_nope, k_rope, fmt, scale, 7)
-        keep = torch.ones(37, dtype=torch.bool); keep[4] = False
-        reference.set_mla_kv_buffer_fp8(ref, loc[keep], k_nope[:37][keep], k_rope[:37][keep], kv_cache_dtype=fmt,
-                                        scale=scale, skip_slot=7)
+        keep = torch.ones(37, dtype=torch.bool)
+        keep[4] = False
+        reference.set_mla_kv_buffer_fp8(
+            ref, loc[keep], k_nope[:37][keep], k_rope[:37][keep], kv_cache_dtype=fmt, scale=scale, skip_slot=7
+        )
         assert_bitwise(got, ref)

@@ -11,17 +11,25 @@ import torch
 import jitkv
 from jitkv import reference
 from jitkv.codes import DsMla
-from jitkv.tests.triton.interpreter import run_under_interpreter
 from jitkv.tests.conftest import BACKENDS, DEV_BACKENDS, HAS_CUDA, assert_bitwise, gpu, rand
+from jitkv.tests.triton.interpreter import run_under_interpreter
 
 OP = "gather_mla_cache"
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # (kv_cache_dtype, cache dtype, cache entry width W): out is bf16 [T, 576] for the fp8 formats, else
 # the cache's dtype and width.
-FORMATS = [("auto", torch.bfloat16, 576), ("auto", torch.float16, 576), ("auto", torch.float32, 96),
-           ("auto", torch.uint8, 656), ("auto", torch.float8_e4m3fn, 576), ("fp8_e4m3", torch.float8_e4m3fn, 576),
-           ("fp8", torch.uint8, 576), ("fp8_e5m2", torch.float8_e5m2, 576), ("fp8_e5m2", torch.uint8, 576),
-           ("fp8_ds_mla", torch.uint8, DsMla.BYTES)]
+FORMATS = [
+    ("auto", torch.bfloat16, 576),
+    ("auto", torch.float16, 576),
+    ("auto", torch.float32, 96),
+    ("auto", torch.uint8, 656),
+    ("auto", torch.float8_e4m3fn, 576),
+    ("fp8_e4m3", torch.float8_e4m3fn, 576),
+    ("fp8", torch.uint8, 576),
+    ("fp8_e5m2", torch.float8_e5m2, 576),
+    ("fp8_e5m2", torch.uint8, 576),
+    ("fp8_ds_mla", torch.uint8, DsMla.BYTES),
+]
 FORMAT_IDS = [f"{f}-{str(d).split('.')[1]}-{w}" for f, d, w in FORMATS]
 
 
@@ -30,10 +38,14 @@ def _ds_records(num_blocks, block_size, device, *, width=DsMla.BYTES):
     over several binades, random bf16 rope."""
     c = rand((num_blocks, block_size, width), torch.uint8)
     tiles = DsMla.NOPE // DsMla.TILE
-    scales = torch.rand(num_blocks, block_size, tiles) * torch.exp2(torch.randint(-12, 4, (num_blocks, block_size, tiles)).float())
-    c[..., DsMla.SCALE_OFFSET:DsMla.ROPE_OFFSET] = (scales + 1e-6).view(torch.uint8).reshape(num_blocks, block_size, -1)
+    scales = torch.rand(num_blocks, block_size, tiles) * torch.exp2(
+        torch.randint(-12, 4, (num_blocks, block_size, tiles)).float()
+    )
+    c[..., DsMla.SCALE_OFFSET : DsMla.ROPE_OFFSET] = (
+        (scales + 1e-6).view(torch.uint8).reshape(num_blocks, block_size, -1)
+    )
     rope = torch.randn(num_blocks, block_size, DsMla.ROPE).bfloat16()
-    c[..., DsMla.ROPE_OFFSET:DsMla.BYTES] = rope.view(torch.uint8)
+    c[..., DsMla.ROPE_OFFSET : DsMla.BYTES] = rope.view(torch.uint8)
     return c.to(device)
 
 
@@ -76,7 +88,9 @@ def _scale(fmt, device, tensor=True):
 def _check(out, cache, table, cu, seq_starts, fmt, scale, backend):
     """Runs the op on a copy of the poisoned out and compares every byte with the reference's."""
     got, want = out.clone(), out.clone()
-    jitkv.gather_mla_cache(got, cache, table, cu, seq_starts=seq_starts, kv_cache_dtype=fmt, scale=scale, backend=backend)
+    jitkv.gather_mla_cache(
+        got, cache, table, cu, seq_starts=seq_starts, kv_cache_dtype=fmt, scale=scale, backend=backend
+    )
     reference.gather_mla_cache(want, cache, table, cu, seq_starts=seq_starts, kv_cache_dtype=fmt, scale=scale)
     assert_bitwise(got, want)
     return got
@@ -97,7 +111,9 @@ def test_formats_match_reference(device, backend, fmt, dtype, width, block_size,
 
 
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
-@pytest.mark.parametrize("idx_dtypes", [(torch.int64, torch.int32, torch.int64), (torch.int32, torch.int64, torch.int32)])
+@pytest.mark.parametrize(
+    "idx_dtypes", [(torch.int64, torch.int32, torch.int64), (torch.int32, torch.int64, torch.int32)]
+)
 def test_index_dtypes(device, backend, idx_dtypes):
     table, cu, seq_starts = _requests([50, 70], 16, 32, device, starts=[3, 9], idx_dtypes=idx_dtypes)
     cache = _cache("auto", torch.bfloat16, 576, 32, 16, device)
@@ -105,7 +121,9 @@ def test_index_dtypes(device, backend, idx_dtypes):
 
 
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
-@pytest.mark.parametrize("fmt,dtype,width", [FORMATS[0], FORMATS[5], FORMATS[-1]], ids=[FORMAT_IDS[0], FORMAT_IDS[5], FORMAT_IDS[-1]])
+@pytest.mark.parametrize(
+    "fmt,dtype,width", [FORMATS[0], FORMATS[5], FORMATS[-1]], ids=[FORMAT_IDS[0], FORMAT_IDS[5], FORMAT_IDS[-1]]
+)
 def test_zero_rows(device, backend, fmt, dtype, width):
     """Entries < 0 and >= num_blocks, positions past the table and negative positions give zero rows;
     every other row is the cache entry."""
@@ -115,8 +133,16 @@ def test_zero_rows(device, backend, fmt, dtype, width):
     table[2, 0] = nb
     seq_starts = torch.tensor([0, 0, -5], dtype=torch.int64, device=device)
     cache = _cache(fmt, dtype, width, nb, bs, device)
-    got = _check(rand(_out_shape(fmt, width, 62), _out_dtype(fmt, dtype), device), cache, table, cu, seq_starts, fmt,
-                 _scale(fmt, device), backend)
+    got = _check(
+        rand(_out_shape(fmt, width, 62), _out_dtype(fmt, dtype), device),
+        cache,
+        table,
+        cu,
+        seq_starts,
+        fmt,
+        _scale(fmt, device),
+        backend,
+    )
     zero = torch.zeros(got.shape[1], dtype=got.dtype, device=device)
     for row in [*range(8, 16), *range(20 + 24, 50), *range(50, 62)]:
         assert_bitwise(got[row], zero)
@@ -124,7 +150,9 @@ def test_zero_rows(device, backend, fmt, dtype, width):
 
 
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
-@pytest.mark.parametrize("fmt,dtype,width", [FORMATS[0], FORMATS[5], FORMATS[-1]], ids=[FORMAT_IDS[0], FORMAT_IDS[5], FORMAT_IDS[-1]])
+@pytest.mark.parametrize(
+    "fmt,dtype,width", [FORMATS[0], FORMATS[5], FORMATS[-1]], ids=[FORMAT_IDS[0], FORMAT_IDS[5], FORMAT_IDS[-1]]
+)
 def test_strided_views(device, backend, fmt, dtype, width):
     """A padded cache (token stride W + 32, block stride larger still), out rows inside wider rows,
     a block table that is a column slice, extra block_table and seq_starts rows."""
@@ -150,7 +178,21 @@ def test_semantics_without_the_reference(device, backend):
     table = torch.tensor([[5, 2, 9], [0, 11, 7]], dtype=torch.int32, device=device)
     cu = torch.tensor([0, 6, 13], dtype=torch.int32, device=device)
     seq_starts = torch.tensor([1, 4], dtype=torch.int32, device=device)
-    want_entries = [(5, 1), (5, 2), (5, 3), (2, 0), (2, 1), (2, 2), (11, 0), (11, 1), (11, 2), (11, 3), (7, 0), (7, 1), (7, 2)]
+    want_entries = [
+        (5, 1),
+        (5, 2),
+        (5, 3),
+        (2, 0),
+        (2, 1),
+        (2, 2),
+        (11, 0),
+        (11, 1),
+        (11, 2),
+        (11, 3),
+        (7, 0),
+        (7, 1),
+        (7, 2),
+    ]
     cache = rand((nb, bs, 576), torch.bfloat16, device)
     out = rand((13, 576), torch.bfloat16, device)
     jitkv.gather_mla_cache(out, cache, table, cu, seq_starts=seq_starts, backend=backend)
@@ -158,7 +200,9 @@ def test_semantics_without_the_reference(device, backend):
         assert_bitwise(out[row], cache[b, t])
     for fmt in ("fp8_e4m3", "fp8_e5m2"):
         fp8 = rand((nb, bs, 576), FP8[fmt], device)
-        jitkv.gather_mla_cache(out, fp8, table, cu, seq_starts=seq_starts, kv_cache_dtype=fmt, scale=0.25, backend=backend)
+        jitkv.gather_mla_cache(
+            out, fp8, table, cu, seq_starts=seq_starts, kv_cache_dtype=fmt, scale=0.25, backend=backend
+        )
         for row, (b, t) in enumerate(want_entries):
             x = (fp8[b, t].float() * 0.25).bfloat16()
             finite = ~torch.isnan(x)
@@ -172,18 +216,18 @@ def test_ds_mla_round_trip(device, backend):
     e4m3 step of the bf16 source; the rope dims come back exactly."""
     bs, n = 16, 48
     x = (torch.randn(n, DsMla.NOPE + DsMla.ROPE) * torch.logspace(-2, 2, n)[:, None]).bfloat16()
-    nope = x[:, :DsMla.NOPE].float().view(n, -1, DsMla.TILE)
+    nope = x[:, : DsMla.NOPE].float().view(n, -1, DsMla.TILE)
     scale = nope.abs().amax(-1, keepdim=True) / 448
     q = (nope / scale).to(torch.float8_e4m3fn).view(torch.uint8).view(n, DsMla.NOPE)
-    rec = torch.cat([q, scale.view(n, -1).view(torch.uint8), x[:, DsMla.NOPE:].contiguous().view(torch.uint8)], dim=1)
+    rec = torch.cat([q, scale.view(n, -1).view(torch.uint8), x[:, DsMla.NOPE :].contiguous().view(torch.uint8)], dim=1)
     cache = rec.view(n // bs, bs, DsMla.BYTES).to(device)
     table = torch.arange(n // bs, dtype=torch.int32, device=device).view(1, -1)
     cu = torch.tensor([0, n], dtype=torch.int32, device=device)
     out = rand((n, 576), torch.bfloat16, device)
     jitkv.gather_mla_cache(out, cache, table, cu, kv_cache_dtype="fp8_ds_mla", backend=backend)
     out = out.cpu()
-    assert_bitwise(out[:, DsMla.NOPE:], x[:, DsMla.NOPE:])
-    err = (out[:, :DsMla.NOPE].float() - x[:, :DsMla.NOPE].float()).abs().view(n, -1, DsMla.TILE)
+    assert_bitwise(out[:, DsMla.NOPE :], x[:, DsMla.NOPE :])
+    err = (out[:, : DsMla.NOPE].float() - x[:, : DsMla.NOPE].float()).abs().view(n, -1, DsMla.TILE)
     # e4m3 rounding: half a step of 3 mantissa bits (subnormals: of 2^-9 x scale); then bf16 rounding
     assert (err <= nope.abs() * (2**-4 + 2**-7) + scale * 2**-9).all()
 
@@ -213,11 +257,14 @@ def test_scale_as_float_or_tensor_same_bytes():
 
 
 @pytest.mark.parametrize("backend", BACKENDS["cpu"])
-@pytest.mark.parametrize("cu,exc,message", [
-    ([0, 10, 8], ValueError, r"cu_seq_lens: expected non-decreasing values, got 10 then 8 at positions 1, 2"),
-    ([0, 10, 21], ValueError, r"out: has 20 rows, but the requests end at row 21 \(cu_seq_lens\[-1\]\)"),
-    ([-1, 10, 20], ValueError, r"cu_seq_lens: request 0 starts at row -1, below row 0 of out"),
-])
+@pytest.mark.parametrize(
+    "cu,exc,message",
+    [
+        ([0, 10, 8], ValueError, r"cu_seq_lens: expected non-decreasing values, got 10 then 8 at positions 1, 2"),
+        ([0, 10, 21], ValueError, r"out: has 20 rows, but the requests end at row 21 \(cu_seq_lens\[-1\]\)"),
+        ([-1, 10, 20], ValueError, r"cu_seq_lens: request 0 starts at row -1, below row 0 of out"),
+    ],
+)
 def test_rows_outside_out_raise_before_writing_cpu(backend, cu, exc, message):
     table, _, _ = _requests([10, 10], 8, 8, "cpu")
     cache = _cache("auto", torch.bfloat16, 576, 8, 8, "cpu")
@@ -230,13 +277,21 @@ def test_rows_outside_out_raise_before_writing_cpu(backend, cu, exc, message):
 
 def _bad_args(device):
     table, cu, seq_starts = _requests([5, 6], 8, 4, device, starts=[0, 1])
-    return dict(out=rand((11, 576), torch.bfloat16, device), kv_cache=_cache("auto", torch.bfloat16, 576, 4, 8, device),
-                block_table=table, cu_seq_lens=cu, seq_starts=seq_starts, kv_cache_dtype="auto", scale=None)
+    return dict(
+        out=rand((11, 576), torch.bfloat16, device),
+        kv_cache=_cache("auto", torch.bfloat16, 576, 4, 8, device),
+        block_table=table,
+        cu_seq_lens=cu,
+        seq_starts=seq_starts,
+        kv_cache_dtype="auto",
+        scale=None,
+    )
 
 
 def _fp8(a, **kw):
-    a.update(kv_cache=rand(a["kv_cache"].shape, torch.float8_e4m3fn, a["out"].device), kv_cache_dtype="fp8_e4m3",
-             scale=0.5)
+    a.update(
+        kv_cache=rand(a["kv_cache"].shape, torch.float8_e4m3fn, a["out"].device), kv_cache_dtype="fp8_e4m3", scale=0.5
+    )
     a.update(kw)
 
 
@@ -250,16 +305,39 @@ BAD = [
     ("fp8 missing scale", lambda a: _fp8(a, scale=None), ValueError, "scale"),
     ("fp8 zero scale", lambda a: _fp8(a, scale=0.0), ValueError, "scale"),
     ("fp8 nan scale", lambda a: _fp8(a, scale=float("nan")), ValueError, "scale"),
-    ("fp8 negative scale tensor", lambda a: _fp8(a, scale=torch.tensor([-1.0], device=a["out"].device)), ValueError, "scale"),
-    ("fp8 scale float64", lambda a: _fp8(a, scale=torch.tensor([0.5], dtype=torch.float64, device=a["out"].device)),
-     TypeError, "scale"),
-    ("fp8 scale 2 elements", lambda a: _fp8(a, scale=torch.tensor([0.5, 1.0], device=a["out"].device)), ValueError, "scale"),
+    (
+        "fp8 negative scale tensor",
+        lambda a: _fp8(a, scale=torch.tensor([-1.0], device=a["out"].device)),
+        ValueError,
+        "scale",
+    ),
+    (
+        "fp8 scale float64",
+        lambda a: _fp8(a, scale=torch.tensor([0.5], dtype=torch.float64, device=a["out"].device)),
+        TypeError,
+        "scale",
+    ),
+    (
+        "fp8 scale 2 elements",
+        lambda a: _fp8(a, scale=torch.tensor([0.5, 1.0], device=a["out"].device)),
+        ValueError,
+        "scale",
+    ),
     ("ds_mla bf16 cache", lambda a: a.update(kv_cache_dtype="fp8_ds_mla"), ValueError, "kv_cache_dtype"),
-    ("ds_mla width", lambda a: a.update(kv_cache_dtype="fp8_ds_mla", kv_cache=a["kv_cache"].view(torch.uint8)[..., :1024]),
-     ValueError, "kv_cache"),
+    (
+        "ds_mla width",
+        lambda a: a.update(kv_cache_dtype="fp8_ds_mla", kv_cache=a["kv_cache"].view(torch.uint8)[..., :1024]),
+        ValueError,
+        "kv_cache",
+    ),
     ("out width", lambda a: a.update(out=a["out"][:, :512]), ValueError, "out"),
     ("out rank", lambda a: a.update(out=a["out"].view(11, 2, 288)), ValueError, "out"),
-    ("out noncontiguous", lambda a: a.update(out=rand((576, 11), torch.bfloat16, a["out"].device).t()), ValueError, "out"),
+    (
+        "out noncontiguous",
+        lambda a: a.update(out=rand((576, 11), torch.bfloat16, a["out"].device).t()),
+        ValueError,
+        "out",
+    ),
     ("cache rank", lambda a: a.update(kv_cache=a["kv_cache"].view(32, 576)), ValueError, "kv_cache"),
     ("cu float", lambda a: a.update(cu_seq_lens=a["cu_seq_lens"].float()), TypeError, "cu_seq_lens"),
     ("cu empty", lambda a: a.update(cu_seq_lens=a["cu_seq_lens"][:0]), ValueError, "cu_seq_lens"),
@@ -278,26 +356,33 @@ BAD = [
 CPU_ONLY = {"fp8 negative scale tensor"}
 
 
-@pytest.mark.parametrize("device,backend,case", [(d, b, c) for d, b in DEV_BACKENDS for c in BAD
-                                                 if d == "cpu" or c[0] not in CPU_ONLY],
-                         ids=[f"{d}-{b}-{c[0]}" for d, b in DEV_BACKENDS for c in BAD if d == "cpu" or c[0] not in CPU_ONLY])
+@pytest.mark.parametrize(
+    "device,backend,case",
+    [(d, b, c) for d, b in DEV_BACKENDS for c in BAD if d == "cpu" or c[0] not in CPU_ONLY],
+    ids=[f"{d}-{b}-{c[0]}" for d, b in DEV_BACKENDS for c in BAD if d == "cpu" or c[0] not in CPU_ONLY],
+)
 def test_bad_input(device, backend, case):
     _, mutate, exc, name = case
     args = _bad_args(device)
     mutate(args)
     before = args["out"].clone() if isinstance(args["out"], torch.Tensor) else None
     with pytest.raises(exc, match=rf"{OP}: {name}\b"):
-        jitkv.gather_mla_cache(*list(args.values())[:4], seq_starts=args["seq_starts"],
-                               kv_cache_dtype=args["kv_cache_dtype"], scale=args["scale"], backend=backend)
+        jitkv.gather_mla_cache(
+            *list(args.values())[:4],
+            seq_starts=args["seq_starts"],
+            kv_cache_dtype=args["kv_cache_dtype"],
+            scale=args["scale"],
+            backend=backend,
+        )
     if before is not None:
         assert_bitwise(args["out"], before)
 
 
 def test_cuda_compile_only_every_module(tmp_path, monkeypatch):
     """Every prebuilt CUDA module of the family builds for sm_90a with no GPU present."""
-    from jitkv.jit import ensure_built  # noqa: PLC0415
-    from jitkv.ops.mla_gather import specs as jit_specs  # noqa: PLC0415
-    from jitkv.tests.jit.test_build import _need_nvcc  # noqa: PLC0415
+    from jitkv.jit import ensure_built
+    from jitkv.ops.mla_gather import specs as jit_specs
+    from jitkv.tests.jit.test_build import _need_nvcc
 
     _need_nvcc()
     monkeypatch.setenv("JITKV_CACHE_DIR", str(tmp_path))
@@ -356,9 +441,15 @@ def test_rows_outside_out_debug_raises_gpu(backend, monkeypatch):
         with pytest.raises(ValueError, match=r"out: has 20 rows, but the requests end at row 25 \(cu_seq_lens\[-1\]\)"):
             jitkv.gather_mla_cache(out, cache, table, torch.tensor([0, 10, 25], device="cuda"), backend=backend)
         with pytest.raises(ValueError, match=r"scale: must be finite and > 0"):
-            jitkv.gather_mla_cache(out, rand((8, 8, 576), torch.float8_e4m3fn, "cuda"), table,
-                                   torch.tensor([0, 10, 20], device="cuda"), kv_cache_dtype="fp8_e4m3",
-                                   scale=torch.tensor([0.0], device="cuda"), backend=backend)
+            jitkv.gather_mla_cache(
+                out,
+                rand((8, 8, 576), torch.float8_e4m3fn, "cuda"),
+                table,
+                torch.tensor([0, 10, 20], device="cuda"),
+                kv_cache_dtype="fp8_e4m3",
+                scale=torch.tensor([0.0], device="cuda"),
+                backend=backend,
+            )
     finally:
         monkeypatch.undo()
         jitkv.ops.reset()
@@ -374,7 +465,9 @@ def test_every_backend_same_bytes(fmt, dtype, width):
     bs, nb = 64, 1200
     lens = torch.randint(0, 4096, (16,)).tolist()
     starts = torch.randint(0, 300, (16,)).tolist()
-    table, cu, seq_starts = _requests(lens, bs, nb, "cuda", starts=starts, idx_dtypes=(torch.int32, torch.int32, torch.int64))
+    table, cu, seq_starts = _requests(
+        lens, bs, nb, "cuda", starts=starts, idx_dtypes=(torch.int32, torch.int32, torch.int64)
+    )
     table[3, 2] = -1
     table[5, -1] = -1
     cache = _cache(fmt, dtype, width, nb, bs, "cuda")
@@ -383,7 +476,9 @@ def test_every_backend_same_bytes(fmt, dtype, width):
     outs = []
     for backend in BACKENDS["cuda"]:
         got = out.clone()
-        jitkv.gather_mla_cache(got, cache, table, cu, seq_starts=seq_starts, kv_cache_dtype=fmt, scale=scale, backend=backend)
+        jitkv.gather_mla_cache(
+            got, cache, table, cu, seq_starts=seq_starts, kv_cache_dtype=fmt, scale=scale, backend=backend
+        )
         outs.append(got)
     for got in outs[1:]:
         assert_bitwise(got, outs[0])
@@ -394,7 +489,9 @@ def test_every_backend_same_bytes(fmt, dtype, width):
 
 @gpu
 @pytest.mark.parametrize("backend", BACKENDS["cuda"])
-@pytest.mark.parametrize("fmt,dtype,width", [FORMATS[0], FORMATS[5], FORMATS[-1]], ids=[FORMAT_IDS[0], FORMAT_IDS[5], FORMAT_IDS[-1]])
+@pytest.mark.parametrize(
+    "fmt,dtype,width", [FORMATS[0], FORMATS[5], FORMATS[-1]], ids=[FORMAT_IDS[0], FORMAT_IDS[5], FORMAT_IDS[-1]]
+)
 def test_cuda_graph_replay_with_new_inputs(backend, fmt, dtype, width, monkeypatch):
     """Captured once; replayed with new request lengths, tables, starts, scale and cache contents."""
     monkeypatch.delenv("JITKV_DEBUG", raising=False)
@@ -410,7 +507,9 @@ def test_cuda_graph_replay_with_new_inputs(backend, fmt, dtype, width, monkeypat
     out = rand(_out_shape(fmt, width, rows), _out_dtype(fmt, dtype), "cuda")
 
     def call():
-        jitkv.gather_mla_cache(out, cache, table, cu, seq_starts=seq_starts, kv_cache_dtype=fmt, scale=scale, backend=backend)
+        jitkv.gather_mla_cache(
+            out, cache, table, cu, seq_starts=seq_starts, kv_cache_dtype=fmt, scale=scale, backend=backend
+        )
 
     call()  # build / compile outside the capture
     torch.cuda.synchronize()
@@ -441,7 +540,9 @@ def test_side_stream(backend):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        jitkv.gather_mla_cache(out, cache, table, cu, seq_starts=seq_starts, kv_cache_dtype="fp8_ds_mla", backend=backend)
+        jitkv.gather_mla_cache(
+            out, cache, table, cu, seq_starts=seq_starts, kv_cache_dtype="fp8_ds_mla", backend=backend
+        )
     torch.cuda.current_stream().wait_stream(side)
     assert_bitwise(out, want)
 
@@ -471,15 +572,21 @@ def test_unaligned_views_fall_back_from_jit(monkeypatch):
 def test_module_for_another_format_refuses(fmt):
     """A module's binding refuses arguments of another kv_cache_dtype or row width (ValueError), before
     anything runs."""
-    from jitkv.jit import cuda_arch, get_function  # noqa: PLC0415
-    from jitkv.codes import KV_FORMATS as CODES  # noqa: PLC0415
-    from jitkv.ops.mla_gather import cuda_spec  # noqa: PLC0415
+    from jitkv.codes import KV_FORMATS as CODES
+    from jitkv.jit import cuda_arch, get_function
+    from jitkv.ops.mla_gather import cuda_spec
 
     other = "fp8_e4m3" if fmt == "auto" else "auto"
     fn = get_function(cuda_spec(cuda_arch(torch.device("cuda")), int(CODES[other]), 1152), OP)
     table, cu, _ = _requests([5], 8, 4, "cuda")
-    cache = _cache(fmt, FP8.get(fmt, torch.uint8 if fmt == "fp8_ds_mla" else torch.bfloat16),
-                   DsMla.BYTES if fmt == "fp8_ds_mla" else 576, 4, 8, "cuda")
+    cache = _cache(
+        fmt,
+        FP8.get(fmt, torch.uint8 if fmt == "fp8_ds_mla" else torch.bfloat16),
+        DsMla.BYTES if fmt == "fp8_ds_mla" else 576,
+        4,
+        8,
+        "cuda",
+    )
     out = rand((5, 576), torch.bfloat16, "cuda")
     before = out.clone()
     with pytest.raises(ValueError, match=r"gather_mla_cache: out: this module was compiled for"):
@@ -494,10 +601,15 @@ def test_triton_kernel_under_interpreter():
 
 def triton_interpreter_cases():
     """Run by test_triton_kernel_under_interpreter in a process with TRITON_INTERPRET=1."""
-    from jitkv.triton.mla_gather import gather_mla_cache_triton  # noqa: PLC0415  (imports triton)
+    from jitkv.triton.mla_gather import gather_mla_cache_triton
 
-    for fmt, dtype, width in (("auto", torch.bfloat16, 576), ("auto", torch.uint8, 100), ("fp8_e4m3", torch.float8_e4m3fn, 576),
-                              ("fp8_e5m2", torch.uint8, 576), ("fp8_ds_mla", torch.uint8, 656)):
+    for fmt, dtype, width in (
+        ("auto", torch.bfloat16, 576),
+        ("auto", torch.uint8, 100),
+        ("fp8_e4m3", torch.float8_e4m3fn, 576),
+        ("fp8_e5m2", torch.uint8, 576),
+        ("fp8_ds_mla", torch.uint8, 656),
+    ):
         bs, nb = 8, 24
         table, cu, starts = _requests([21, 0, 30, 9], bs, nb, "cpu", max_blocks=4, starts=[3, 0, -2, 1])
         table[0, 1] = -1
@@ -506,8 +618,10 @@ def triton_interpreter_cases():
         d = 576 if fmt != "auto" else width
         out = rand((64, d), dtype if fmt == "auto" else torch.bfloat16)[:55]
         cu += 3  # rows 0..2 are no request's, rows past 55 are clipped: neither is written
-        for scale in ((0.37, torch.tensor([2.5])) if fmt.startswith("fp8_e") else (None,)):
+        for scale in (0.37, torch.tensor([2.5])) if fmt.startswith("fp8_e") else (None,):
             got, want = out.clone(), out.clone()
             gather_mla_cache_triton(got, cache, table, cu, starts, fmt, scale)
-            reference.gather_mla_cache(want, cache, table, cu, seq_starts=starts, kv_cache_dtype=fmt, scale=scale, strict=False)
+            reference.gather_mla_cache(
+                want, cache, table, cu, seq_starts=starts, kv_cache_dtype=fmt, scale=scale, strict=False
+            )
             assert_bitwise(got, want)

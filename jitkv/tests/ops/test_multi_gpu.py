@@ -85,8 +85,9 @@ def test_two_ranks_share_one_cold_cache(tmp_path, monkeypatch):
     assert ranks[0]["errors"] == [] and ranks[1]["errors"] == []
     # "jitkv: building <module> in <artifact dir>": each artifact built once, by whichever rank took
     # its lock first; the other rank loaded what that one published.
-    built = sorted(Path(line.rsplit(" in ", 1)[1]).name for r in ranks for line in r["log"]
-                   if line.startswith("jitkv: building "))
+    built = sorted(
+        Path(line.rsplit(" in ", 1)[1]).name for r in ranks for line in r["log"] if line.startswith("jitkv: building ")
+    )
     artifacts = sorted(p.name for p in cache.iterdir() if (p / "manifest.json").is_file())
     assert built == artifacts, (built, artifacts)
     assert {a.split("_cuda")[0] for a in artifacts} == {"mla", "store_cache", "dsv4", "mla_gather"}

@@ -34,18 +34,40 @@ def _cache(layout, num_slots, h, d, dtype, device, block_size=8):
     return rand((nb, h, block_size, d), dtype, device).permute(0, 2, 1, 3)  # hnd
 
 
-def _mha(device, *, n=37, extra=3, hq=4, hk=2, d=64, dv=None, src=BF16, rot=None, cs_dtype=torch.float32,
-         norm=False, q_out=None, kv="auto", per_head=False, layout="flat3d", k_out=True, idx=torch.int64):
+def _mha(
+    device,
+    *,
+    n=37,
+    extra=3,
+    hq=4,
+    hk=2,
+    d=64,
+    dv=None,
+    src=BF16,
+    rot=None,
+    cs_dtype=torch.float32,
+    norm=False,
+    q_out=None,
+    kv="auto",
+    per_head=False,
+    layout="flat3d",
+    k_out=True,
+    idx=torch.int64,
+):
     """Keyword arguments of one rope_store_cache call on fresh random data; positions span the table."""
     dv = dv or d
     cache_dtype = src if kv == "auto" else (E5M2 if kv == "fp8_e5m2" else E4M3)
-    kw = dict(q=rand((n + extra, hq, d), src, device), k=rand((n + extra, hk, d), src, device),
-              v=rand((n + extra, hk, dv), src, device),
-              k_cache=_cache(layout, NUM_SLOTS, hk, d, cache_dtype, device),
-              v_cache=_cache(layout, NUM_SLOTS, hk, dv, cache_dtype, device),
-              slot_mapping=slots(NUM_SLOTS, n, idx, device),
-              positions=torch.randint(0, MAX_POS, (n + extra,), dtype=idx).to(device),
-              cos_sin_cache=cos_sin_table(MAX_POS, rot or d, dtype=cs_dtype, device=device), is_neox=True)
+    kw = dict(
+        q=rand((n + extra, hq, d), src, device),
+        k=rand((n + extra, hk, d), src, device),
+        v=rand((n + extra, hk, dv), src, device),
+        k_cache=_cache(layout, NUM_SLOTS, hk, d, cache_dtype, device),
+        v_cache=_cache(layout, NUM_SLOTS, hk, dv, cache_dtype, device),
+        slot_mapping=slots(NUM_SLOTS, n, idx, device),
+        positions=torch.randint(0, MAX_POS, (n + extra,), dtype=idx).to(device),
+        cos_sin_cache=cos_sin_table(MAX_POS, rot or d, dtype=cs_dtype, device=device),
+        is_neox=True,
+    )
     if rot is not None:
         kw["rotary_dim"] = rot
     if norm:
@@ -149,7 +171,7 @@ def test_padding_skip_slot_and_loc_map(device, backend, idx):
     sm[::6] = -1
     sm[4] = 7
     loc_map = torch.randperm(NUM_SLOTS * 2)[: NUM_SLOTS * 2].remainder(NUM_SLOTS).to(idx)
-    loc_map[: NUM_SLOTS] = torch.randperm(NUM_SLOTS).to(idx)
+    loc_map[:NUM_SLOTS] = torch.randperm(NUM_SLOTS).to(idx)
     loc_map[sm[1].item()] = -1  # mapped below 0: skipped
     _run_mha(backend, {**kw, "skip_slot": 7, "loc_map": loc_map.to(device)})
 
@@ -165,8 +187,15 @@ def test_packed_qkv_views_and_k_out_is_k(device, backend):
     kw.update(q=q.view(n, hq, d), k=k.view(n, hk, d), v=v.view(n, hk, d))
     want_qkv = qkv.clone()
     wq, wk, wv = want_qkv.split([hq * d, hk * d, hk * d], dim=1)
-    want = {**kw, "q": wq.view(n, hq, d), "k": wk.view(n, hk, d), "v": wv.view(n, hk, d), "k_out": wk.view(n, hk, d),
-            "k_cache": kw["k_cache"].clone(), "v_cache": kw["v_cache"].clone()}
+    want = {
+        **kw,
+        "q": wq.view(n, hq, d),
+        "k": wk.view(n, hk, d),
+        "v": wv.view(n, hk, d),
+        "k_out": wk.view(n, hk, d),
+        "k_cache": kw["k_cache"].clone(),
+        "v_cache": kw["v_cache"].clone(),
+    }
     reference.rope_store_cache(**want)
     jitkv.rope_store_cache(**{**kw, "k_out": kw["k"]}, backend=backend)
     assert_bitwise(qkv, want_qkv)
@@ -214,16 +243,36 @@ def test_out_of_range_raises_before_writing_cpu(backend, what):
 MLA_DESTINATIONS = ("kv_buffer", "q_pe", "q_out", "k_pe_out")
 
 
-def _mla(device, *, n=33, extra=2, h=4, nope=512, rope=64, src=BF16, kv="auto", buf_dtype=None, q="in_place",
-         cs_dtype=torch.float32, idx=torch.int64, width=None):
+def _mla(
+    device,
+    *,
+    n=33,
+    extra=2,
+    h=4,
+    nope=512,
+    rope=64,
+    src=BF16,
+    kv="auto",
+    buf_dtype=None,
+    q="in_place",
+    cs_dtype=torch.float32,
+    idx=torch.int64,
+    width=None,
+):
     widths = {"fp8_ds_mla": 656}
     width = width or widths.get(kv, nope + rope + 8)
     buf_dtype = buf_dtype or (src if kv == "auto" else torch.uint8)
-    kw = dict(kv_buffer=rand((NUM_SLOTS, width), buf_dtype, device), loc=slots(NUM_SLOTS, n, idx, device),
-              kv_c=rand((n + extra, nope), src, device), k_pe=rand((n + extra, rope), src, device),
-              positions=torch.randint(0, MAX_POS, (n + extra,), dtype=idx).to(device),
-              cos_sin_cache=cos_sin_table(MAX_POS, rope, dtype=cs_dtype, device=device), is_neox=False,
-              k_pe_out=rand((n + extra, rope), src, device), kv_cache_dtype=kv)
+    kw = dict(
+        kv_buffer=rand((NUM_SLOTS, width), buf_dtype, device),
+        loc=slots(NUM_SLOTS, n, idx, device),
+        kv_c=rand((n + extra, nope), src, device),
+        k_pe=rand((n + extra, rope), src, device),
+        positions=torch.randint(0, MAX_POS, (n + extra,), dtype=idx).to(device),
+        cos_sin_cache=cos_sin_table(MAX_POS, rope, dtype=cs_dtype, device=device),
+        is_neox=False,
+        k_pe_out=rand((n + extra, rope), src, device),
+        kv_cache_dtype=kv,
+    )
     if kv in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         kw["scale"] = torch.tensor([0.07], device=device)
     if q != "none":
@@ -249,9 +298,17 @@ def _run_mla(backend, kw):
     return got
 
 
-MLA_FORMATS = [("auto", BF16, None), ("auto", torch.float16, None), ("auto", torch.float32, None),
-               ("fp8_e4m3", BF16, None), ("fp8_e4m3", BF16, E4M3), ("fp8_e5m2", torch.float16, E5M2),
-               ("fp8", BF16, None), ("fp8_ds_mla", BF16, None), ("fp8_ds_mla", torch.float16, None)]
+MLA_FORMATS = [
+    ("auto", BF16, None),
+    ("auto", torch.float16, None),
+    ("auto", torch.float32, None),
+    ("fp8_e4m3", BF16, None),
+    ("fp8_e4m3", BF16, E4M3),
+    ("fp8_e5m2", torch.float16, E5M2),
+    ("fp8", BF16, None),
+    ("fp8_ds_mla", BF16, None),
+    ("fp8_ds_mla", torch.float16, None),
+]
 
 
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
@@ -277,8 +334,9 @@ def test_mla_widths_padding_and_skip_slot(device, backend, nope, rope, kv, idx):
     kw = _mla(device, nope=nope, rope=rope, kv=kv, q="none", idx=idx, cs_dtype=BF16)
     kw["loc"][::5] = -1
     kw["loc"][2] = 9
-    kw.update(kv_buffer=kw["kv_buffer"].unsqueeze(1), kv_c=kw["kv_c"].unsqueeze(1), k_pe=kw["k_pe"].unsqueeze(1),
-              skip_slot=9)
+    kw.update(
+        kv_buffer=kw["kv_buffer"].unsqueeze(1), kv_c=kw["kv_c"].unsqueeze(1), k_pe=kw["k_pe"].unsqueeze(1), skip_slot=9
+    )
     _run_mla(backend, kw)
 
 
@@ -291,8 +349,14 @@ def test_mla_strided_rows_and_k_pe_out_is_k_pe(device, backend):
     kw = _mla(device, n=n, extra=0, kv="fp8_e4m3")
     kv_c, k_pe = latent.split([512, 64], dim=1)
     want_latent = latent.clone()
-    want = {**kw, "kv_c": want_latent[:, :512], "k_pe": want_latent[:, 512:], "k_pe_out": want_latent[:, 512:],
-            "kv_buffer": kw["kv_buffer"].clone(), "q_pe": kw["q_pe"].clone()}
+    want = {
+        **kw,
+        "kv_c": want_latent[:, :512],
+        "k_pe": want_latent[:, 512:],
+        "k_pe_out": want_latent[:, 512:],
+        "kv_buffer": kw["kv_buffer"].clone(),
+        "q_pe": kw["q_pe"].clone(),
+    }
     reference.rope_set_mla_kv_buffer(**want)
     jitkv.rope_set_mla_kv_buffer(**{**kw, "kv_c": kv_c, "k_pe": k_pe, "k_pe_out": k_pe}, backend=backend)
     assert_bitwise(latent, want_latent)
@@ -346,7 +410,7 @@ def test_reference_is_transformers_rope_and_qwen3_norm(is_neox):
     """Up to float32 rounding, the reference is HF's Qwen3RMSNorm then apply_rotary_pos_emb (NeoX) or
     DeepSeek's interleaved rope (GPT-J), with cos/sin from the same table."""
     transformers = pytest.importorskip("transformers")
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb  # noqa: PLC0415
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
     n, h, d = 11, 3, 64
     x, pos = torch.randn(n, h, d), torch.randint(0, MAX_POS, (n,))
@@ -357,8 +421,12 @@ def test_reference_is_transformers_rope_and_qwen3_norm(is_neox):
     cos, sin = table[pos].chunk(2, dim=-1)
     y = norm(x)
     if is_neox:
-        want, _ = apply_rotary_pos_emb(y[None].transpose(1, 2), y[None].transpose(1, 2),
-                                       torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None])
+        want, _ = apply_rotary_pos_emb(
+            y[None].transpose(1, 2),
+            y[None].transpose(1, 2),
+            torch.cat([cos, cos], -1)[None],
+            torch.cat([sin, sin], -1)[None],
+        )
         want = want.transpose(1, 2)[0]
     else:
         a, b = y[..., 0::2], y[..., 1::2]
@@ -376,54 +444,142 @@ def _good(device):
 
 
 BAD = [  # (case, change, exception, message after "rope_store_cache: ")
-    ("rotary_dim odd", lambda a: a.update(rotary_dim=33), ValueError,
-     r"rotary_dim: expected an even number in \[2, 64\] \(head_dim\), got 33"),
-    ("rotary_dim > D", lambda a: a.update(rotary_dim=66, cos_sin_cache=cos_sin_table(MAX_POS, 66)), ValueError,
-     r"rotary_dim: expected an even number in \[2, 64\] \(head_dim\), got 66"),
-    ("cos_sin_cache width", lambda a: a.update(rotary_dim=32), ValueError,
-     r"cos_sin_cache: expected \[max_pos, rotary_dim\] = \[max_pos, 32\] \(cos half then sin half\), got \[300, 64\]"),
-    ("cos_sin_cache dtype", lambda a: a.update(cos_sin_cache=a["cos_sin_cache"].half()), TypeError,
-     r"cos_sin_cache: expected dtype float32 or bfloat16, got float16$"),
-    ("cos_sin_cache 1-D", lambda a: a.update(cos_sin_cache=a["cos_sin_cache"][0]), ValueError,
-     r"cos_sin_cache: expected shape \[max_pos, rotary_dim\], got \[64\]"),
-    ("q_norm_weight length", lambda a: a.update(q_norm_weight=a["q_norm_weight"][:32]), ValueError,
-     r"q_norm_weight: expected shape \[head_dim\] = \[64\], got \[32\]"),
-    ("k_norm_weight dtype", lambda a: a.update(k_norm_weight=a["k_norm_weight"].half()), TypeError,
-     r"k_norm_weight: expected dtype bfloat16 or float32, got float16$"),
-    ("norm with D not a multiple of 8", lambda a: a.update(
-        q=rand((6, 4, 36), BF16, "cpu"), k=rand((6, 2, 36), BF16, "cpu"), v=rand((6, 2, 36), BF16, "cpu"),
-        k_cache=rand((NUM_SLOTS, 2, 36), E4M3, "cpu"), v_cache=rand((NUM_SLOTS, 2, 36), E4M3, "cpu"),
-        cos_sin_cache=cos_sin_table(MAX_POS, 36), q_out=rand((6, 4, 36), E4M3, "cpu"), k_out=None,
-        q_norm_weight=rand((36,), BF16, "cpu"), k_norm_weight=None), ValueError,
-     r"q_norm_weight: the fixed-order RMSNorm sums groups of 8 dims; head_dim 36 is not a multiple of 8"),
-    ("k head dim", lambda a: a.update(k=rand((6, 2, 32), BF16, "cpu")), ValueError,
-     r"k: expected head_dim 64, got shape \[6, 2, 32\]"),
+    (
+        "rotary_dim odd",
+        lambda a: a.update(rotary_dim=33),
+        ValueError,
+        r"rotary_dim: expected an even number in \[2, 64\] \(head_dim\), got 33",
+    ),
+    (
+        "rotary_dim > D",
+        lambda a: a.update(rotary_dim=66, cos_sin_cache=cos_sin_table(MAX_POS, 66)),
+        ValueError,
+        r"rotary_dim: expected an even number in \[2, 64\] \(head_dim\), got 66",
+    ),
+    (
+        "cos_sin_cache width",
+        lambda a: a.update(rotary_dim=32),
+        ValueError,
+        r"cos_sin_cache: expected \[max_pos, rotary_dim\] = \[max_pos, 32\] \(cos half then sin half\), "
+        r"got \[300, 64\]",
+    ),
+    (
+        "cos_sin_cache dtype",
+        lambda a: a.update(cos_sin_cache=a["cos_sin_cache"].half()),
+        TypeError,
+        r"cos_sin_cache: expected dtype float32 or bfloat16, got float16$",
+    ),
+    (
+        "cos_sin_cache 1-D",
+        lambda a: a.update(cos_sin_cache=a["cos_sin_cache"][0]),
+        ValueError,
+        r"cos_sin_cache: expected shape \[max_pos, rotary_dim\], got \[64\]",
+    ),
+    (
+        "q_norm_weight length",
+        lambda a: a.update(q_norm_weight=a["q_norm_weight"][:32]),
+        ValueError,
+        r"q_norm_weight: expected shape \[head_dim\] = \[64\], got \[32\]",
+    ),
+    (
+        "k_norm_weight dtype",
+        lambda a: a.update(k_norm_weight=a["k_norm_weight"].half()),
+        TypeError,
+        r"k_norm_weight: expected dtype bfloat16 or float32, got float16$",
+    ),
+    (
+        "norm with D not a multiple of 8",
+        lambda a: a.update(
+            q=rand((6, 4, 36), BF16, "cpu"),
+            k=rand((6, 2, 36), BF16, "cpu"),
+            v=rand((6, 2, 36), BF16, "cpu"),
+            k_cache=rand((NUM_SLOTS, 2, 36), E4M3, "cpu"),
+            v_cache=rand((NUM_SLOTS, 2, 36), E4M3, "cpu"),
+            cos_sin_cache=cos_sin_table(MAX_POS, 36),
+            q_out=rand((6, 4, 36), E4M3, "cpu"),
+            k_out=None,
+            q_norm_weight=rand((36,), BF16, "cpu"),
+            k_norm_weight=None,
+        ),
+        ValueError,
+        r"q_norm_weight: the fixed-order RMSNorm sums groups of 8 dims; head_dim 36 is not a multiple of 8",
+    ),
+    (
+        "k head dim",
+        lambda a: a.update(k=rand((6, 2, 32), BF16, "cpu")),
+        ValueError,
+        r"k: expected head_dim 64, got shape \[6, 2, 32\]",
+    ),
     ("v head dim vs v_cache", lambda a: a.update(v=rand((6, 2, 32), BF16, "cpu")), ValueError, r"v_cache: "),
-    ("k heads vs k_cache", lambda a: a.update(k=rand((6, 4, 64), BF16, "cpu"), k_out=None), ValueError,
-     r"k_cache: expected 4 heads like k, got 2"),
-    ("q_out shape", lambda a: a.update(q_out=rand((6, 4, 32), E4M3, "cpu")), ValueError,
-     r"q_out: expected shape \[tokens, 4, 64\], got \[6, 4, 32\]"),
-    ("q_out dtype", lambda a: a.update(q_out=rand((6, 4, 64), torch.float16, "cpu")), TypeError,
-     r"q_out: expected dtype bfloat16, float8_e4m3fn or float8_e5m2 \(q's dtype, or fp8 with q_scale\), got float16"),
-    ("fp8 q_out without q_scale", lambda a: a.update(q_scale=None), ValueError,
-     r"q_scale: required for an fp8 kv_cache_dtype"),
-    ("q_scale without fp8 q_out", lambda a: a.update(q_out=None), ValueError,
-     r"q_scale: only an fp8 q_out takes a scale; q_out is None"),
-    ("k_out dtype", lambda a: a.update(k_out=a["k_out"].float()), TypeError,
-     r"k_out: expected dtype bfloat16 \(the dtype of k\), got float32"),
+    (
+        "k heads vs k_cache",
+        lambda a: a.update(k=rand((6, 4, 64), BF16, "cpu"), k_out=None),
+        ValueError,
+        r"k_cache: expected 4 heads like k, got 2",
+    ),
+    (
+        "q_out shape",
+        lambda a: a.update(q_out=rand((6, 4, 32), E4M3, "cpu")),
+        ValueError,
+        r"q_out: expected shape \[tokens, 4, 64\], got \[6, 4, 32\]",
+    ),
+    (
+        "q_out dtype",
+        lambda a: a.update(q_out=rand((6, 4, 64), torch.float16, "cpu")),
+        TypeError,
+        r"q_out: expected dtype bfloat16, float8_e4m3fn or float8_e5m2 \(q's dtype, or fp8 with q_scale\), got float16",
+    ),
+    (
+        "fp8 q_out without q_scale",
+        lambda a: a.update(q_scale=None),
+        ValueError,
+        r"q_scale: required for an fp8 kv_cache_dtype",
+    ),
+    (
+        "q_scale without fp8 q_out",
+        lambda a: a.update(q_out=None),
+        ValueError,
+        r"q_scale: only an fp8 q_out takes a scale; q_out is None",
+    ),
+    (
+        "k_out dtype",
+        lambda a: a.update(k_out=a["k_out"].float()),
+        TypeError,
+        r"k_out: expected dtype bfloat16 \(the dtype of k\), got float32",
+    ),
     ("k_out rows", lambda a: a.update(k_out=a["k_out"][:3]), ValueError, r"k_out: expected at least 6 rows"),
-    ("positions too short", lambda a: a.update(positions=a["positions"][:4]), ValueError,
-     r"positions: expected at least 6 entries \(one per token\), got 4"),
-    ("positions float", lambda a: a.update(positions=a["positions"].float()), TypeError,
-     r"positions: expected dtype int32 or int64, got float32"),
+    (
+        "positions too short",
+        lambda a: a.update(positions=a["positions"][:4]),
+        ValueError,
+        r"positions: expected at least 6 entries \(one per token\), got 4",
+    ),
+    (
+        "positions float",
+        lambda a: a.update(positions=a["positions"].float()),
+        TypeError,
+        r"positions: expected dtype int32 or int64, got float32",
+    ),
     ("is_neox missing a bool", lambda a: a.update(is_neox=1), TypeError, r"is_neox: expected a bool, got int"),
     ("eps a str", lambda a: a.update(eps="1e-6"), TypeError, r"eps: expected a float, got str"),
-    ("q float16", lambda a: a.update(q=a["q"].half()), TypeError,
-     r"q: expected dtype bfloat16, float16 or float32, got float16|k: expected dtype float16"),
-    ("q_out is k_cache", lambda a: a.update(q_out=a["k_cache"][:6].view(6, 4, 32)[..., :64].reshape(6, 4, 32)),
-     ValueError, r"q_out: "),
-    ("q_out shares k_cache's memory", lambda a: a.update(q_out=a["k_cache"].view(-1)[: 6 * 256].view(6, 4, 64)),
-     ValueError, r"q_out: shares memory with k_cache"),
+    (
+        "q float16",
+        lambda a: a.update(q=a["q"].half()),
+        TypeError,
+        r"q: expected dtype bfloat16, float16 or float32, got float16|k: expected dtype float16",
+    ),
+    (
+        "q_out is k_cache",
+        lambda a: a.update(q_out=a["k_cache"][:6].view(6, 4, 32)[..., :64].reshape(6, 4, 32)),
+        ValueError,
+        r"q_out: ",
+    ),
+    (
+        "q_out shares k_cache's memory",
+        lambda a: a.update(q_out=a["k_cache"].view(-1)[: 6 * 256].view(6, 4, 64)),
+        ValueError,
+        r"q_out: shares memory with k_cache",
+    ),
 ]
 
 
@@ -443,30 +599,85 @@ def test_bad_input(device, backend, case):
 
 
 MLA_BAD = [
-    ("k_pe odd width", lambda a: a.update(k_pe=rand((6, 63), BF16, "cpu"), k_pe_out=None, q_pe=None, q_nope=None,
-                                          q_out=None, cos_sin_cache=cos_sin_table(MAX_POS, 64)[:, :63]), ValueError,
-     r"k_pe: expected an even width \(RoPE rotates pairs of dims\), got 63"),
-    ("cos_sin_cache width", lambda a: a.update(cos_sin_cache=cos_sin_table(MAX_POS, 32)), ValueError,
-     r"cos_sin_cache: expected \[max_pos, rotary_dim\] = \[max_pos, 64\]"),
-    ("q_out without q_nope", lambda a: a.update(q_nope=None), ValueError,
-     r"q_nope: q_out = \[q_nope \| rope\(q_pe\)\] needs both q_nope and q_pe, got None"),
-    ("q_nope without q_out", lambda a: a.update(q_out=None), ValueError,
-     r"q_nope: only copied into q_out; expected q_out with it, got None"),
-    ("q_pe heads vs q_nope", lambda a: a.update(q_nope=rand((6, 2, 512), BF16, "cpu")), ValueError,
-     r"q_nope: expected shape \[tokens, 4, nope\] \(q_pe's heads\), got \[6, 2, 512\]"),
-    ("q_out width", lambda a: a.update(q_out=rand((6, 4, 512), BF16, "cpu")), ValueError,
-     r"q_out: expected shape \[tokens, 4, 576\], got \[6, 4, 512\]"),
-    ("q_pe width", lambda a: a.update(q_pe=rand((6, 4, 32), BF16, "cpu")), ValueError,
-     r"q_pe: expected shape \[tokens, heads, 64\] \(k_pe's width\), got \[6, 4, 32\]"),
-    ("k_pe_out dtype", lambda a: a.update(k_pe_out=a["k_pe_out"].half()), TypeError,
-     r"k_pe_out: expected dtype bfloat16 \(the dtype of k_pe\), got float16"),
-    ("kv_c dtype", lambda a: a.update(kv_c=a["kv_c"].half()), TypeError,
-     r"kv_c: expected dtype bfloat16 \(the dtype of kv_buffer\), got float16"),
-    ("ds_mla widths", lambda a: a.update(kv_cache_dtype="fp8_ds_mla", kv_buffer=rand((NUM_SLOTS, 656), torch.uint8,
-                                         "cpu"), kv_c=rand((6, 256), BF16, "cpu"), q_nope=None, q_out=None),
-     ValueError, r"kv_c: fp8_ds_mla takes rows of 512 values, got 256"),
-    ("e4m3 without scale", lambda a: a.update(kv_cache_dtype="fp8_e4m3", kv_buffer=rand((NUM_SLOTS, 576), E4M3, "cpu")),
-     ValueError, r"scale: required for an fp8 kv_cache_dtype"),
+    (
+        "k_pe odd width",
+        lambda a: a.update(
+            k_pe=rand((6, 63), BF16, "cpu"),
+            k_pe_out=None,
+            q_pe=None,
+            q_nope=None,
+            q_out=None,
+            cos_sin_cache=cos_sin_table(MAX_POS, 64)[:, :63],
+        ),
+        ValueError,
+        r"k_pe: expected an even width \(RoPE rotates pairs of dims\), got 63",
+    ),
+    (
+        "cos_sin_cache width",
+        lambda a: a.update(cos_sin_cache=cos_sin_table(MAX_POS, 32)),
+        ValueError,
+        r"cos_sin_cache: expected \[max_pos, rotary_dim\] = \[max_pos, 64\]",
+    ),
+    (
+        "q_out without q_nope",
+        lambda a: a.update(q_nope=None),
+        ValueError,
+        r"q_nope: q_out = \[q_nope \| rope\(q_pe\)\] needs both q_nope and q_pe, got None",
+    ),
+    (
+        "q_nope without q_out",
+        lambda a: a.update(q_out=None),
+        ValueError,
+        r"q_nope: only copied into q_out; expected q_out with it, got None",
+    ),
+    (
+        "q_pe heads vs q_nope",
+        lambda a: a.update(q_nope=rand((6, 2, 512), BF16, "cpu")),
+        ValueError,
+        r"q_nope: expected shape \[tokens, 4, nope\] \(q_pe's heads\), got \[6, 2, 512\]",
+    ),
+    (
+        "q_out width",
+        lambda a: a.update(q_out=rand((6, 4, 512), BF16, "cpu")),
+        ValueError,
+        r"q_out: expected shape \[tokens, 4, 576\], got \[6, 4, 512\]",
+    ),
+    (
+        "q_pe width",
+        lambda a: a.update(q_pe=rand((6, 4, 32), BF16, "cpu")),
+        ValueError,
+        r"q_pe: expected shape \[tokens, heads, 64\] \(k_pe's width\), got \[6, 4, 32\]",
+    ),
+    (
+        "k_pe_out dtype",
+        lambda a: a.update(k_pe_out=a["k_pe_out"].half()),
+        TypeError,
+        r"k_pe_out: expected dtype bfloat16 \(the dtype of k_pe\), got float16",
+    ),
+    (
+        "kv_c dtype",
+        lambda a: a.update(kv_c=a["kv_c"].half()),
+        TypeError,
+        r"kv_c: expected dtype bfloat16 \(the dtype of kv_buffer\), got float16",
+    ),
+    (
+        "ds_mla widths",
+        lambda a: a.update(
+            kv_cache_dtype="fp8_ds_mla",
+            kv_buffer=rand((NUM_SLOTS, 656), torch.uint8, "cpu"),
+            kv_c=rand((6, 256), BF16, "cpu"),
+            q_nope=None,
+            q_out=None,
+        ),
+        ValueError,
+        r"kv_c: fp8_ds_mla takes rows of 512 values, got 256",
+    ),
+    (
+        "e4m3 without scale",
+        lambda a: a.update(kv_cache_dtype="fp8_e4m3", kv_buffer=rand((NUM_SLOTS, 576), E4M3, "cpu")),
+        ValueError,
+        r"scale: required for an fp8 kv_cache_dtype",
+    ),
 ]
 
 
@@ -485,14 +696,15 @@ def test_mla_bad_input(backend, case):
 
 def test_cuda_variants():
     """The variant fields a CUDA kernel is built for, read from the arguments."""
-    from jitkv.codes import KvFormat, RopeQ, SrcDtype  # noqa: PLC0415
-    from jitkv.ops.rope import MlaVariant, Variant, variant, variant_mla  # noqa: PLC0415
-    from jitkv.ops import OPS  # noqa: PLC0415
+    from jitkv.codes import KvFormat, RopeQ, SrcDtype
+    from jitkv.ops import OPS
+    from jitkv.ops.rope import MlaVariant, Variant, variant, variant_mla
 
     kw = _mha("cpu", d=128, rot=64, norm=True, q_out=E4M3, kv="fp8_e4m3", dv=64)
     got = Variant(*variant(*OPS["rope_store_cache"].args_of(kw)))
-    assert got == Variant(128, 64, 64, True, True, True, SrcDtype.BF16, SrcDtype.F32, SrcDtype.BF16, RopeQ.E4M3,
-                          KvFormat.E4M3, True)
+    assert got == Variant(
+        128, 64, 64, True, True, True, SrcDtype.BF16, SrcDtype.F32, SrcDtype.BF16, RopeQ.E4M3, KvFormat.E4M3, True
+    )
     kw = _mla("cpu", kv="fp8_ds_mla", q="none")
     got = MlaVariant(*variant_mla(*OPS["rope_set_mla_kv_buffer"].args_of(kw)))
     assert got == MlaVariant(512, 64, False, SrcDtype.BF16, SrcDtype.F32, RopeQ.NONE, KvFormat.DS_MLA, True)
@@ -505,8 +717,7 @@ def test_cuda_variants():
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("n", [1, 64, 3000])
 def test_every_cuda_backend_same_bytes(kv, n):
-    kw = _mha("cuda", n=n, hq=32, hk=8, d=128, norm=True, q_out=E4M3 if kv != "auto" else None, kv=kv,
-              per_head=True)
+    kw = _mha("cuda", n=n, hq=32, hk=8, d=128, norm=True, q_out=E4M3 if kv != "auto" else None, kv=kv, per_head=True)
     kw["slot_mapping"] = slots(NUM_SLOTS * 16, n, torch.int64, "cuda")
     kw["k_cache"], kw["v_cache"] = (_cache("nhd", NUM_SLOTS * 16, 8, 128, kw["k_cache"].dtype, "cuda") for _ in "kv")
     outs = [_run_mha(backend, kw) for backend in CUDA_BACKENDS]
@@ -524,7 +735,7 @@ def test_cuda_graph_replay(backend):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         jitkv.rope_store_cache(**kw, backend=backend)
-    for step in range(3):
+    for _ in range(3):
         fresh = _mha("cuda", n=64, norm=True, q_out=E4M3, kv="fp8_e4m3", per_head=True)
         for name in ("q", "k", "v", "slot_mapping", "positions", "k_scale", "v_scale", "q_scale"):
             kw[name].copy_(fresh[name])
@@ -604,14 +815,16 @@ def test_triton_kernels_under_interpreter():
 
 def triton_interpreter_cases():
     """Run by test_triton_kernels_under_interpreter in a process with TRITON_INTERPRET=1."""
-    from jitkv.ops.rope import check, check_mla  # noqa: PLC0415
-    from jitkv.ops import OPS  # noqa: PLC0415
-    from jitkv.triton.rope import rope_set_mla_kv_buffer_triton, rope_store_cache_triton  # noqa: PLC0415
+    from jitkv.ops import OPS
+    from jitkv.ops.rope import check, check_mla
+    from jitkv.triton.rope import rope_set_mla_kv_buffer_triton, rope_store_cache_triton
 
-    mha_cases = [dict(norm=True, q_out=E4M3, kv="fp8_e4m3", per_head=True, layout="hnd"),
-                 dict(rot=32, cs_dtype=BF16, layout="nhd", dv=32),
-                 dict(src=torch.float16, d=80, rot=48, norm=True, q_out=torch.float16, kv="fp8_e5m2"),
-                 dict(src=torch.float32, d=40, rot=8, k_out=False, layout="flat2d")]
+    mha_cases = [
+        dict(norm=True, q_out=E4M3, kv="fp8_e4m3", per_head=True, layout="hnd"),
+        dict(rot=32, cs_dtype=BF16, layout="nhd", dv=32),
+        dict(src=torch.float16, d=80, rot=48, norm=True, q_out=torch.float16, kv="fp8_e5m2"),
+        dict(src=torch.float32, d=40, rot=8, k_out=False, layout="flat2d"),
+    ]
     for i, case in enumerate(mha_cases):
         kw = _mha("cpu", n=13, **case)
         kw["is_neox"] = i % 2 == 0
@@ -625,8 +838,16 @@ def triton_interpreter_cases():
                 assert_bitwise(got[d], want[d])
     for i, (kv, src, buf_dtype) in enumerate(MLA_FORMATS):
         q = [E4M3, src, "in_place", "none"][i % 4]
-        kw = _mla("cpu", n=9, nope=512 if kv == "fp8_ds_mla" else 96, rope=64 if kv == "fp8_ds_mla" else 24, kv=kv,
-                  src=src, buf_dtype=buf_dtype, q=q)
+        kw = _mla(
+            "cpu",
+            n=9,
+            nope=512 if kv == "fp8_ds_mla" else 96,
+            rope=64 if kv == "fp8_ds_mla" else 24,
+            kv=kv,
+            src=src,
+            buf_dtype=buf_dtype,
+            q=q,
+        )
         kw["is_neox"] = i % 2 == 1
         kw["loc"][::3] = -1
         got = {**kw, **{d: kw[d].clone() for d in MLA_DESTINATIONS if d in kw}}
@@ -636,4 +857,3 @@ def triton_interpreter_cases():
         for d in MLA_DESTINATIONS:
             if d in kw:
                 assert_bitwise(got[d], want[d])
-

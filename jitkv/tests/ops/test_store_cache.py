@@ -12,11 +12,10 @@ import torch
 import jitkv
 from jitkv import reference
 from jitkv.codes import FP8_MAX
-from jitkv.tests.triton.interpreter import run_under_interpreter
 from jitkv.tests.conftest import (
     BACKENDS,
-    DEVICES,
     DEV_BACKENDS,
+    DEVICES,
     QUICK_WINDOW_SCALES,
     assert_bitwise,
     every_16_bit_value,
@@ -24,6 +23,7 @@ from jitkv.tests.conftest import (
     rand,
     slots,
 )
+from jitkv.tests.triton.interpreter import run_under_interpreter
 
 NUM_SLOTS = 1024
 
@@ -172,7 +172,7 @@ def test_16_byte_build_takes_exactly_the_aligned_views(case, n):
     """The 16-byte build writes a call exactly when every head it addresses starts on 16 bytes
     (checked address by address) and otherwise answers NEEDS_ANY_ALIGNMENT with nothing written; the
     op then writes the reference's bytes through the any-alignment build."""
-    from jitkv.codes import Status  # noqa: PLC0415
+    from jitkv.codes import Status
 
     k_strides, k_off, c_shape, c_strides, c_off = ALIGNMENT_CASES[case]
     h, d = c_shape[-2], c_shape[-1]
@@ -205,10 +205,12 @@ def test_cuda_variant_of_heads_not_16_byte_multiples():
 
     k, kc = rand((4, 2, 36), torch.bfloat16), rand((64, 2, 36), torch.bfloat16)
     assert Variant(*variant(k, k, kc, kc, None, "auto", None, None, None, None)) == Variant(
-        0, 0, SrcDtype.NONE, KvFormat.COPY, False)
+        0, 0, SrcDtype.NONE, KvFormat.COPY, False
+    )
     kc8 = rand((64, 2, 36), torch.float8_e5m2)
     assert Variant(*variant(k, k, kc8, kc8, None, "fp8_e5m2", None, None, None, None)) == Variant(
-        0, 0, SrcDtype.BF16, KvFormat.E5M2, False)
+        0, 0, SrcDtype.BF16, KvFormat.E5M2, False
+    )
 
 
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
@@ -286,8 +288,17 @@ def test_fp8_saturates_and_keeps_nan(device, backend):
     x = torch.tensor([1e4, -1e4, 449.0, float("nan"), 1e-12], dtype=torch.float32).repeat(64, 1).view(64, 1, 5 * 1)
     x = torch.cat([x] * 16, dim=2).to(device)  # [64, 1, 80]
     kc = rand((64, 1, 80), torch.float8_e4m3fn, device)
-    jitkv.store_cache(x, x, kc, kc.clone(), torch.arange(64, device=device), kv_cache_dtype="fp8", k_scale=1.0,
-                      v_scale=1.0, backend=backend)
+    jitkv.store_cache(
+        x,
+        x,
+        kc,
+        kc.clone(),
+        torch.arange(64, device=device),
+        kv_cache_dtype="fp8",
+        k_scale=1.0,
+        v_scale=1.0,
+        backend=backend,
+    )
     vals = kc[0, 0, :5].float().tolist()
     assert vals[:3] == [448.0, -448.0, 448.0] and math.isnan(vals[3]) and vals[4] == 0.0
 
@@ -322,8 +333,11 @@ def test_fp8_per_head_scales(device, backend, kv_dtype, fp8, layout, v_kind):
     sm = slots(nb * bs, n, torch.int64, device)
     sm[::6] = -1
     k_scale = (torch.rand(h) * 3 + 0.05).to(device)
-    v_scale = {"per-head view": (torch.rand(2 * h) * 3 + 0.05).to(device)[::2], "float": 0.37,
-               "1-element": torch.tensor([2.5], device=device)}[v_kind]
+    v_scale = {
+        "per-head view": (torch.rand(2 * h) * 3 + 0.05).to(device)[::2],
+        "float": 0.37,
+        "1-element": torch.tensor([2.5], device=device),
+    }[v_kind]
     got_k, got_v = _run(k, v, kc, vc, sm, backend, kv_cache_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
     assert_bitwise(got_k, _per_head_expected(k, kc, sm, k_scale, fp8))
     v_heads = v_scale if isinstance(v_scale, torch.Tensor) and v_scale.numel() == h else None
@@ -362,10 +376,20 @@ BAD = [
     ("k head mismatch", lambda a, kw, d: a.update(k=rand((8, 4, 32), torch.bfloat16, d)), ValueError, "k_cache"),
     ("row mismatch", lambda a, kw, d: a.update(k_cache=rand((32, 2, 32), torch.bfloat16, d)), ValueError, "k_cache"),
     ("too few rows", lambda a, kw, d: a.update(k=a["k"][:5]), ValueError, "k"),
-    ("noncontig last", lambda a, kw, d: a.update(k_cache=rand((32, 64, 2), torch.bfloat16, d).transpose(1, 2)), ValueError, "k_cache"),
+    (
+        "noncontig last",
+        lambda a, kw, d: a.update(k_cache=rand((32, 64, 2), torch.bfloat16, d).transpose(1, 2)),
+        ValueError,
+        "k_cache",
+    ),
     ("cache device", lambda a, kw, d: a.update(v_cache=a["v_cache"].cpu()), ValueError, "v_cache"),
     ("unknown dtype", lambda a, kw, d: kw.update(kv_cache_dtype="int4"), ValueError, "kv_cache_dtype"),
-    ("fp8 on bf16 cache", lambda a, kw, d: kw.update(kv_cache_dtype="fp8", k_scale=1.0, v_scale=1.0), ValueError, "kv_cache_dtype"),
+    (
+        "fp8 on bf16 cache",
+        lambda a, kw, d: kw.update(kv_cache_dtype="fp8", k_scale=1.0, v_scale=1.0),
+        ValueError,
+        "kv_cache_dtype",
+    ),
     ("k not tensor", lambda a, kw, d: a.update(k=[1, 2]), TypeError, "k"),
 ]
 FP8_BAD = [
@@ -435,8 +459,13 @@ def test_bad_per_head_scale_value_cpu(backend):
         jitkv.store_cache(*args.values(), backend=backend, **kw)
 
 
-BAD_SCALE_TENSORS = [("k_scale", 0.0), ("v_scale", float("nan")), ("k_scale", float("inf")), ("v_scale", -1.0),
-                     ("k_scale", -0.0)]
+BAD_SCALE_TENSORS = [
+    ("k_scale", 0.0),
+    ("v_scale", float("nan")),
+    ("k_scale", float("inf")),
+    ("v_scale", -1.0),
+    ("k_scale", -0.0),
+]
 
 
 def _bad_scale_tensor(device, name, value):
@@ -516,8 +545,9 @@ def _kv_case(n, h, dk, dv, num_slots, device, kv_dtype):
     if not fp8:
         return k, v, kc, vc, {}
     if kv_dtype.endswith(" per-head"):
-        scales = dict(k_scale=torch.linspace(0.05, 3.0, h, device=device),
-                      v_scale=torch.linspace(4.0, 0.5, h, device=device))
+        scales = dict(
+            k_scale=torch.linspace(0.05, 3.0, h, device=device), v_scale=torch.linspace(4.0, 0.5, h, device=device)
+        )
     else:
         scales = dict(k_scale=torch.tensor([0.37], device=device), v_scale=torch.tensor([2.5], device=device))
     return k, v, kc, vc, dict(kv_cache_dtype=kv_dtype.split()[0], **scales)
@@ -530,8 +560,15 @@ KV_KINDS = ["auto", "fp8_e4m3", "fp8_e4m3 per-head"]
 @pytest.mark.parametrize("kv_dtype", KV_KINDS)
 @pytest.mark.parametrize(
     "h,dk,dv,n",
-    [(8, 128, 128, 1), (8, 128, 128, 3000), (32, 128, 128, 700), (8, 128, 64, 5), (8, 128, 64, 3000), (4, 36, 36, 9),
-     (4, 36, 36, 2500)],
+    [
+        (8, 128, 128, 1),
+        (8, 128, 128, 3000),
+        (32, 128, 128, 700),
+        (8, 128, 64, 5),
+        (8, 128, 64, 3000),
+        (4, 36, 36, 9),
+        (4, 36, 36, 2500),
+    ],
 )
 def test_latency_and_bulk_kernels(kv_dtype, h, dk, dv, n):
     """Small n runs the CUDA latency kernel (fp8 with equal K and V heads: K and V in separate warps),
@@ -568,12 +605,21 @@ def _fp8_row_views(case, n, num_slots=4096):
     if case == "strides_differ":  # K rows 16 bytes apart in the source and the cache, V rows dense
         src = _wide_range((n * (1032 + 1024),), torch.bfloat16, "cuda")
         cache = rand((num_slots * (1040 + 1024),), torch.float8_e4m3fn, "cuda")
-        views = lambda t: (t[: num_slots * 1040].view(-1, 1040)[:, :1024].view(-1, 8, 128),
-                           t[num_slots * 1040 :].view(-1, 8, 128))
+
+        def views(t):
+            return t[: num_slots * 1040].view(-1, 1040)[:, :1024].view(-1, 8, 128), t[num_slots * 1040 :].view(
+                -1, 8, 128
+            )
+
         return src[: n * 1032].view(n, 1032)[:, :1024].view(n, 8, 128), src[n * 1032 :].view(n, 8, 128), cache, views
     src = _wide_range((2, n, 8, 128), torch.bfloat16, "cuda")
     if case == "paged":
-        return src[0], src[1], rand((2, num_slots // 16, 16, 8, 128), torch.float8_e4m3fn, "cuda"), lambda t: (t[0], t[1])
+        return (
+            src[0],
+            src[1],
+            rand((2, num_slots // 16, 16, 8, 128), torch.float8_e4m3fn, "cuda"),
+            lambda t: (t[0], t[1]),
+        )
     # "v_before_k": V's source and cache at lower addresses than K's
     return src[1], src[0], rand((2, num_slots, 8, 128), torch.float8_e4m3fn, "cuda"), lambda t: (t[1], t[0])
 
@@ -700,12 +746,14 @@ def test_misaligned_view_takes_the_generic_variant(kv_dtype):
         jitkv.ops.reset()
         _run(k, v, kc, vc, sm, backend, **kw)
         info = jitkv.backend_info("store_cache")["cuda:0"]
-        assert info["alignment"] == "16 bytes" and f"k_head_bytes{head_bytes}_v_head_bytes{head_bytes}" in info["key"], info
+        assert (
+            info["alignment"] == "16 bytes" and f"k_head_bytes{head_bytes}_v_head_bytes{head_bytes}" in info["key"]
+        ), info
 
 
 def _binding_args(k, v, kc, vc, sm, kw):
     """The positional arguments of the module's full entry point for a _kv_case call."""
-    from jitkv.codes import KV_FORMATS  # noqa: PLC0415
+    from jitkv.codes import KV_FORMATS
 
     if not kw:
         return (k, v, kc, vc, sm, None, -1, int(KV_FORMATS["auto"]), None, None, -1.0, -1.0)
@@ -713,9 +761,9 @@ def _binding_args(k, v, kc, vc, sm, kw):
 
 
 def _module(kv_dtype, head_bytes, **spec_kw):
-    from jitkv.jit import cuda_arch, get_function  # noqa: PLC0415
-    from jitkv.codes import KV_FORMATS, SrcDtype  # noqa: PLC0415
-    from jitkv.ops.store_cache import cuda_spec  # noqa: PLC0415
+    from jitkv.codes import KV_FORMATS, SrcDtype
+    from jitkv.jit import cuda_arch, get_function
+    from jitkv.ops.store_cache import cuda_spec
 
     kv_dtype = kv_dtype.split()[0]  # a KV_KINDS entry: one module for both kinds of scales
     src = SrcDtype.NONE if kv_dtype == "auto" else SrcDtype.BF16
@@ -728,9 +776,9 @@ def _module(kv_dtype, head_bytes, **spec_kw):
 def test_16_byte_build_answers_a_misaligned_call(kv_dtype):
     """Called directly with a view it cannot address, the 16-byte build returns NEEDS_ANY_ALIGNMENT
     from both entry points and writes nothing (an fp8 build counts source bytes per cache byte)."""
-    from jitkv.jit import cuda_arch, get_function  # noqa: PLC0415
-    from jitkv.codes import Status  # noqa: PLC0415
-    from jitkv.ops.store_cache import COPY_ENTRY  # noqa: PLC0415
+    from jitkv.codes import Status
+    from jitkv.jit import cuda_arch, get_function
+    from jitkv.ops.store_cache import COPY_ENTRY
 
     n, h, d = 5, 8, 128
     k, v, kc, vc, kw = _kv_case(n, h, d, d, 64, "cuda", kv_dtype)
@@ -740,7 +788,7 @@ def test_16_byte_build_answers_a_misaligned_call(kv_dtype):
     sm = slots(64, n, torch.int64, "cuda")
     assert fn(*_binding_args(k, v, kc, vc, sm, kw)) == Status.NEEDS_ANY_ALIGNMENT
     if kv_dtype == "auto":
-        from jitkv.ops.store_cache import cuda_spec  # noqa: PLC0415
+        from jitkv.ops.store_cache import cuda_spec
 
         copy = get_function(cuda_spec(cuda_arch(torch.device("cuda")), 2 * d, 2 * d, 0, 0), COPY_ENTRY)
         assert copy(k, v, kc, vc, sm, None, -1) == Status.NEEDS_ANY_ALIGNMENT
@@ -805,7 +853,7 @@ def test_triton_kernel_under_interpreter():
 
 def triton_interpreter_cases():
     """Run by test_triton_kernel_under_interpreter in a process with TRITON_INTERPRET=1."""
-    from jitkv.triton.store_cache import store_cache_triton  # noqa: PLC0415  (imports triton)
+    from jitkv.triton.store_cache import store_cache_triton
 
     n, h, d = 21, 4, 64
     for kv_dtype, cdt in (("auto", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.uint8)):

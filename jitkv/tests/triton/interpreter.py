@@ -20,7 +20,11 @@ def run_under_interpreter(target: str) -> None:
     pytest.importorskip("triton")
     pytest.importorskip("numpy")
     module, function = target.split(":")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     code = f"import {module} as m; m.{function}(); print('OK')"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]

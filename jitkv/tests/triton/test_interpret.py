@@ -15,7 +15,7 @@ TRITON_OPS = [name for name, op in OPS.items() if op.triton is not None]
 
 def every_sample_call():
     """Run by test_every_triton_kernel_on_its_sample_call under TRITON_INTERPRET=1."""
-    from jitkv.tests.conftest import assert_bitwise  # noqa: PLC0415
+    from jitkv.tests.conftest import assert_bitwise
 
     for name in TRITON_OPS:
         op = OPS[name]

@@ -20,9 +20,7 @@ using tvm::ffi::TensorView;
 inline int64_t elem_bytes(DLDataType t) { return (int64_t(t.bits) * t.lanes + 7) / 8; }
 
 // TensorView::data_ptr() ignores byte_offset (0 for torch tensors, not in general).
-inline char* data_ptr(const TensorView& t) {
-  return static_cast<char*>(t.data_ptr()) + t.byte_offset();
-}
+inline char* data_ptr(const TensorView& t) { return static_cast<char*>(t.data_ptr()) + t.byte_offset(); }
 
 inline std::string dtype_name(DLDataType t) {
   std::ostringstream os;
@@ -38,9 +36,7 @@ inline std::string shape_str(const TensorView& t) {
   return os.str();
 }
 
-inline bool same_device(DLDevice a, DLDevice b) {
-  return a.device_type == b.device_type && a.device_id == b.device_id;
-}
+inline bool same_device(DLDevice a, DLDevice b) { return a.device_type == b.device_type && a.device_id == b.device_id; }
 
 inline std::string device_str(DLDevice d) {
   std::ostringstream os;
@@ -55,19 +51,18 @@ inline std::string device_str(DLDevice d) {
 }
 
 // t on dev, the device of the destination dest_name (the same message as the Python validators).
-inline void check_device(const char* op, const char* name, const TensorView& t, DLDevice dev,
-                         const char* dest_name) {
+inline void check_device(const char* op, const char* name, const TensorView& t, DLDevice dev, const char* dest_name) {
   if (!same_device(t.device(), dev)) {
-    TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected a tensor on " << device_str(dev)
-                              << " like " << dest_name << ", got one on " << device_str(t.device());
+    TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected a tensor on " << device_str(dev) << " like "
+                              << dest_name << ", got one on " << device_str(t.device());
   }
 }
 
 inline void check_same_dtype(const char* op, const char* name, const TensorView& t, DLDataType want,
                              const char* want_from) {
   if (t.dtype() != want) {
-    TVM_FFI_THROW(TypeError) << op << ": " << name << ": expected dtype " << want << " (the dtype of "
-                             << want_from << "), got " << t.dtype();
+    TVM_FFI_THROW(TypeError) << op << ": " << name << ": expected dtype " << want << " (the dtype of " << want_from
+                             << "), got " << t.dtype();
   }
 }
 
@@ -86,12 +81,10 @@ inline bool check_index(const char* op, const char* name, const TensorView& t) {
     TVM_FFI_THROW(TypeError) << op << ": " << name << ": expected dtype int32 or int64, got " << d;
   }
   if (t.ndim() != 1) {
-    TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected a 1-D tensor, got shape "
-                              << shape_str(t);
+    TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected a 1-D tensor, got shape " << shape_str(t);
   }
   if (t.size(0) > 1 && t.stride(0) != 1) {
-    TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected a contiguous tensor, got stride "
-                              << t.stride(0);
+    TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected a contiguous tensor, got stride " << t.stride(0);
   }
   return d.bits == 64;
 }
@@ -204,17 +197,20 @@ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 inline bool is_copy_dtype(DLDataType d) {
   if (d.lanes != 1) return false;
   switch (d.code) {
-    case kDLFloat: return d.bits == 16 || d.bits == 32;
-    case kDLBfloat: return d.bits == 16;
-    case kDLUInt: return d.bits == 8;
+    case kDLFloat:
+      return d.bits == 16 || d.bits == 32;
+    case kDLBfloat:
+      return d.bits == 16;
+    case kDLUInt:
+      return d.bits == 8;
     case kDLFloat8_e4m3fn:
-    case kDLFloat8_e5m2: return d.bits == 8;
-    default: return false;
+    case kDLFloat8_e5m2:
+      return d.bits == 8;
+    default:
+      return false;
   }
 }
 
-inline bool is_float8(DLDataType d) {
-  return d.code == kDLFloat8_e4m3fn || d.code == kDLFloat8_e5m2;
-}
+inline bool is_float8(DLDataType d) { return d.code == kDLFloat8_e4m3fn || d.code == kDLFloat8_e5m2; }
 
 }  // namespace jitkv

@@ -49,8 +49,8 @@ JITKV_CPU_VEC __m512 fp8x16_to_f32(const uint8_t* src, KvFormat f) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
   if (f == KvFormat::kE5M2) return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_slli_epi32(b, 8)));
   const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
-  const __m512i h = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 8),
-                                    _mm512_slli_epi32(mag, 7));
+  const __m512i h =
+      _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 8), _mm512_slli_epi32(mag, 7));
   const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)), _mm512_set1_ps(256.0f));
   return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), _mm512_set1_ps(NAN));
 }

@@ -35,15 +35,24 @@ struct Fp8Format {
   int shift;           // 23 - mantissa bits
   uint32_t inf_code;   // overflowing non-NaN input (unreachable after the clamp)
 };
-constexpr Fp8Format kFp8E4M3{448.0f, 1087u << 20, 121u << 23, 141u << 23, (uint32_t(7 - 127) << 23) + 0x7ffffu, 20, 0x7f};
-constexpr Fp8Format kFp8E5M2{57344.0f, 143u << 23, 113u << 23, 134u << 23, (uint32_t(15 - 127) << 23) + 0xfffffu, 21,
-                             0x7c};
+constexpr Fp8Format kFp8E4M3{448.0f, 1087u << 20, 121u << 23, 141u << 23, (uint32_t(7 - 127) << 23) + 0x7ffffu,
+                             20,     0x7f};
+constexpr Fp8Format kFp8E5M2{57344.0f, 143u << 23, 113u << 23, 134u << 23, (uint32_t(15 - 127) << 23) + 0xfffffu,
+                             21,       0x7c};
 
 // Source element kind: a runtime value; the vector paths dispatch on it once per segment.
 enum class SrcKind { kBF16, kF16, kF32 };
 
-inline uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-inline float f32_from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float f32_from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 inline float bf16_to_f32(uint16_t h) { return f32_from_bits(uint32_t(h) << 16); }
 inline float f16_to_f32(uint16_t h) {
@@ -78,9 +87,12 @@ inline uint8_t quantize_one(float x, float scale, const Fp8Format& F) {
 // Element i of a source row as fp32.
 inline float load_f32(SrcKind k, const void* p, int64_t i) {
   switch (k) {
-    case SrcKind::kBF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    case SrcKind::kF16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
+    case SrcKind::kBF16:
+      return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case SrcKind::kF16:
+      return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    default:
+      return static_cast<const float*>(p)[i];
   }
 }
 
@@ -89,9 +101,12 @@ inline float load_f32(SrcKind k, const void* p, int64_t i) {
 template <class F>
 inline auto with_kind(SrcKind k, F&& f) {
   switch (k) {
-    case SrcKind::kBF16: return f(std::integral_constant<SrcKind, SrcKind::kBF16>{});
-    case SrcKind::kF16: return f(std::integral_constant<SrcKind, SrcKind::kF16>{});
-    default: return f(std::integral_constant<SrcKind, SrcKind::kF32>{});
+    case SrcKind::kBF16:
+      return f(std::integral_constant<SrcKind, SrcKind::kBF16>{});
+    case SrcKind::kF16:
+      return f(std::integral_constant<SrcKind, SrcKind::kF16>{});
+    default:
+      return f(std::integral_constant<SrcKind, SrcKind::kF32>{});
   }
 }
 
@@ -113,8 +128,11 @@ struct Fp8Vec {
   __m512 scale, max, min;
   __m512i emin, magic0, shift;
   Fp8Vec(const Fp8Format& F, float s)
-      : scale(_mm512_set1_ps(s)), max(_mm512_set1_ps(F.max)), min(_mm512_set1_ps(-F.max)),
-        emin(_mm512_set1_epi32(int(F.den_below))), magic0(_mm512_set1_epi32(int(F.magic))),
+      : scale(_mm512_set1_ps(s)),
+        max(_mm512_set1_ps(F.max)),
+        min(_mm512_set1_ps(-F.max)),
+        emin(_mm512_set1_epi32(int(F.den_below))),
+        magic0(_mm512_set1_epi32(int(F.magic))),
         shift(_mm512_set1_epi32(F.shift)) {}
 };
 
@@ -132,8 +150,8 @@ JITKV_CPU_VEC __m512i quantize16(__m512 x, const Fp8Vec& F) {
   const __m512i bits = _mm512_castps_si512(y);
   const __m512i a = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
   // e's exponent field above the smallest normal fp8 exponent's (den_below), >= 0.
-  const __m512i de = _mm512_max_epi32(
-      _mm512_sub_epi32(_mm512_and_si512(a, _mm512_set1_epi32(0x7f800000)), F.emin), _mm512_setzero_si512());
+  const __m512i de = _mm512_max_epi32(_mm512_sub_epi32(_mm512_and_si512(a, _mm512_set1_epi32(0x7f800000)), F.emin),
+                                      _mm512_setzero_si512());
   const __m512i magic = _mm512_add_epi32(de, F.magic0);
   const __m512i sum = _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(magic)));
   __m512i r = _mm512_add_epi32(_mm512_sub_epi32(sum, magic), _mm512_srlv_epi32(de, F.shift));
@@ -204,8 +222,11 @@ struct Fp8Vec {
   __m256 scale, max, min;
   __m256i emin, magic0, shift;
   Fp8Vec(const Fp8Format& F, float s)
-      : scale(_mm256_set1_ps(s)), max(_mm256_set1_ps(F.max)), min(_mm256_set1_ps(-F.max)),
-        emin(_mm256_set1_epi32(int(F.den_below))), magic0(_mm256_set1_epi32(int(F.magic))),
+      : scale(_mm256_set1_ps(s)),
+        max(_mm256_set1_ps(F.max)),
+        min(_mm256_set1_ps(-F.max)),
+        emin(_mm256_set1_epi32(int(F.den_below))),
+        magic0(_mm256_set1_epi32(int(F.magic))),
         shift(_mm256_set1_epi32(F.shift)) {}
 };
 
@@ -217,8 +238,8 @@ JITKV_CPU_VEC __m256i quantize8(__m256 x, const Fp8Vec& F) {
   const __m256i bits = _mm256_castps_si256(y);
   const __m256i a = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
   // e's exponent field above the smallest normal fp8 exponent's (den_below), >= 0.
-  const __m256i de = _mm256_max_epi32(
-      _mm256_sub_epi32(_mm256_and_si256(a, _mm256_set1_epi32(0x7f800000)), F.emin), _mm256_setzero_si256());
+  const __m256i de = _mm256_max_epi32(_mm256_sub_epi32(_mm256_and_si256(a, _mm256_set1_epi32(0x7f800000)), F.emin),
+                                      _mm256_setzero_si256());
   const __m256i magic = _mm256_add_epi32(de, F.magic0);
   const __m256i sum = _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(magic)));
   __m256i r = _mm256_add_epi32(_mm256_sub_epi32(sum, magic), _mm256_srlv_epi32(de, F.shift));
@@ -301,8 +322,7 @@ inline float abs_max(SrcKind k, const void* src, int64_t n) {
 }
 
 // dst[i] = fp8(clamp(src[i] / scale)) for i < n.
-inline void quantize_seg(uint8_t* dst, SrcKind k, const void* src, int64_t n, float scale, const Fp8Format& fmt,
-                         bool) {
+inline void quantize_seg(uint8_t* dst, SrcKind k, const void* src, int64_t n, float scale, const Fp8Format& fmt, bool) {
   for (int64_t i = 0; i < n; ++i) dst[i] = quantize_one(load_f32(k, src, i), scale, fmt);
 }
 #endif

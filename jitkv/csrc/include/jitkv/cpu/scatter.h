@@ -63,8 +63,7 @@ int64_t resolve_slots(const char* op, const char* idx_name, const IdxT* idx, int
       if (t < 0) continue;
       if (t >= num_slots) {
         TVM_FFI_THROW(IndexError) << op << ": loc_map: " << idx_name << " position " << i << " (slot " << s
-                                  << ") maps to " << t << ", out of range for a cache of " << num_slots
-                                  << " slots";
+                                  << ") maps to " << t << ", out of range for a cache of " << num_slots << " slots";
       }
       s = t;
     } else if (s >= num_slots) {

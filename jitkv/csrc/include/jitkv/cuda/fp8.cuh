@@ -164,8 +164,8 @@ enum class QuantizeOrder {
 // N source values -> N fp8 bytes (N even; 4 bytes per word, the first value lowest, a last half word in
 // the low 16 bits): the source words hold two 16-bit values each (the low half first) or one fp32
 // value; value x is stored as fp8(div(x)), in the order kOrder.
-template <codes::SrcDtype kSrc, codes::KvFormat kFmt, int N,
-          QuantizeOrder kOrder = QuantizeOrder::kWordsThenConvert, class Div>
+template <codes::SrcDtype kSrc, codes::KvFormat kFmt, int N, QuantizeOrder kOrder = QuantizeOrder::kWordsThenConvert,
+          class Div>
 __device__ __forceinline__ void quantize(const uint32_t* src, uint32_t* out, const Div& div) {
   static_assert(N % 2 == 0, "pairs of values");
   using S = SrcTraits<kSrc>;

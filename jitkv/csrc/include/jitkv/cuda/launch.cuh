@@ -50,7 +50,7 @@ __device__ __forceinline__ void warm_params(const Params& params, int64_t n) {
   unsigned x = words[kWords - 1];
 #pragma unroll
   for (unsigned w = 0; w < kWords; w += 16) x ^= words[w];  // 16 words = 64 bytes
-  if (x == 0x9e3779b9u && n < 0) __trap();  // never taken
+  if (x == 0x9e3779b9u && n < 0) __trap();                  // never taken
 }
 
 // Whether `bytes` (a stride or offset) is a whole number of `unit`-byte units, at most `max_units` of
@@ -62,8 +62,7 @@ inline bool fits_units(int64_t bytes, int64_t unit, int64_t max_units) {
 // Launches kernel<<<grid, block, 0, stream>>>(args...), with PDL when `pdl` (callers pass false below
 // sm_90, where the attribute does not exist).
 template <typename... KArgs, typename... Args>
-cudaError_t launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t stream, bool pdl,
-                   Args&&... args) {
+cudaError_t launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t stream, bool pdl, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -79,8 +78,8 @@ cudaError_t launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t
 // What launches need to know about a device, queried once per device (an attribute query costs about
 // a microsecond of the launch path). Racing first calls store the same values.
 struct DeviceInfo {
-  int sms = 0;    // multiprocessors; 0 if the query failed
-  int major = 0;  // compute capability major
+  int sms = 0;                             // multiprocessors; 0 if the query failed
+  int major = 0;                           // compute capability major
   bool pdl() const { return major >= 9; }  // programmatic dependent launch exists from sm_90
 };
 
@@ -94,8 +93,7 @@ inline DeviceInfo device_info(int device) {
     info.sms = sms_of[device].load(std::memory_order_relaxed);
     info.major = major_of[device].load(std::memory_order_relaxed);
   }
-  if (info.sms == 0 &&
-      cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
+  if (info.sms == 0 && cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
       cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && cache) {
     major_of[device].store(info.major, std::memory_order_relaxed);
     sms_of[device].store(info.sms, std::memory_order_relaxed);

@@ -137,7 +137,8 @@ __device__ __forceinline__ uint2 load_no_l1_v2(const void* p, bool pred) {
   asm volatile(
       "{.reg .pred p; setp.ne.b32 p, %3, 0; mov.b32 %0, 0; mov.b32 %1, 0;\n"
       "@p ld.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];}"
-      : "=r"(v.x), "=r"(v.y) : "l"(p), "r"(int(pred)));
+      : "=r"(v.x), "=r"(v.y)
+      : "l"(p), "r"(int(pred)));
   return v;
 }
 
@@ -146,7 +147,8 @@ __device__ __forceinline__ uint4 load_no_l1_v4(const void* p, bool pred) {
   asm volatile(
       "{.reg .pred p; setp.ne.b32 p, %5, 0; mov.b32 %0, 0; mov.b32 %1, 0; mov.b32 %2, 0; mov.b32 %3, 0;\n"
       "@p ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];}"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "r"(int(pred)));
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p), "r"(int(pred)));
   return v;
 }
 
@@ -156,7 +158,8 @@ __device__ __forceinline__ int32_t load_or(const int32_t* p, bool pred, int32_t 
   asm volatile(
       "{.reg .pred p; setp.ne.b32 p, %2, 0; mov.b32 %0, %3;\n"
       "@p ld.global.s32 %0, [%1];}"
-      : "=r"(v) : "l"(p), "r"(int(pred)), "r"(fallback));
+      : "=r"(v)
+      : "l"(p), "r"(int(pred)), "r"(fallback));
   return v;
 }
 
