@@ -41,7 +41,7 @@ void write_fp8_rows(const mla::MlaParams& a, const cpu::RowSlot* rows, int64_t m
   const auto format = static_cast<mla::KvFormat>(a.kv_format);
   const cpu::SrcKind kind = a.dtype.code == kDLBfloat ? cpu::SrcKind::kBF16 : cpu::SrcKind::kF16;
   const cpu::Fp8Format& fmt = format == mla::KvFormat::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3;
-  const float scale = a.scale_ptr ? *a.scale_ptr : a.scale;
+  const cpu::Fp8Quantizer quantize(fmt, a.scale_ptr ? *a.scale_ptr : a.scale);  // set up once for every row
   const int64_t nope = a.nope_bytes / 2, rope = a.rope_bytes / 2;
   const int64_t payload = m * (a.nope_bytes + a.rope_bytes);
   const int threads = cpu::threads_for(payload);
@@ -55,9 +55,8 @@ void write_fp8_rows(const mla::MlaParams& a, const cpu::RowSlot* rows, int64_t m
       if (format == mla::KvFormat::kDsMla) {
         mla::write_ds_mla(dst, kind, nope_row, rope_row, nt);
       } else {
-        cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst), kind, nope_row, nope, scale, fmt, nt);
-        cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst) + nope, kind, rope_row, rope, scale, fmt,
-                          nt && nope % 64 == 0);
+        quantize(reinterpret_cast<uint8_t*>(dst), kind, nope_row, nope, nt);
+        quantize(reinterpret_cast<uint8_t*>(dst) + nope, kind, rope_row, rope, nt && nope % 64 == 0);
       }
     }
     if (nt) cpu::stream_fence();

@@ -9,6 +9,8 @@
 // caches dwarf the LLC (scatter.h).
 #include <tvm/ffi/function.h>
 
+#include <vector>
+
 #include "jitkv/cpu/fp8.h"
 #include "jitkv/cpu/isa.h"
 #include "jitkv/cpu/row_copy.h"
@@ -30,6 +32,7 @@ struct SideRows {
   const Side* side;
   int64_t segs, seg_elems, src_seg_bytes;  // segments per row, elements and source bytes per segment
   float scale;                             // fp8, one scale for the side (segment h: scale_of(h))
+  const cpu::Fp8Quantizer* fp8;            // fp8: segment h's is fp8[h] with per-head scales, else fp8[0]
 
   // Per-head scales (Side::scale_stride != 0; host tensors, values checked by the Python wrapper).
   float scale_of(int64_t h) const { return side->scale_stride != 0 ? side->scale_ptr[h * side->scale_stride] : scale; }
@@ -44,6 +47,7 @@ SideRows side_rows(const Side& s, int64_t heads, int64_t head_dim, int64_t src_e
   r.seg_elems = dense ? heads * head_dim : head_dim;
   r.src_seg_bytes = r.seg_elems * src_es;
   r.scale = 1.0f;
+  r.fp8 = nullptr;
   return r;
 }
 
@@ -72,14 +76,24 @@ inline void copy_side(const SideRows& r, int64_t row, int64_t slot, bool nt) {
   }
 }
 
-inline void quantize_side(const SideRows& r, int64_t row, int64_t slot, cpu::SrcKind kind, const cpu::Fp8Format& fmt,
-                          bool nt) {
+// One quantizer per segment's scale (cpu::Fp8Quantizer: its setup is shared by every row): one for the
+// side, or one per head with per-head scales.
+std::vector<cpu::Fp8Quantizer> quantizers(const SideRows& r, const cpu::Fp8Format& fmt) {
+  std::vector<cpu::Fp8Quantizer> q;
+  const int64_t count = r.side->scale_stride != 0 ? r.segs : 1;
+  q.reserve(static_cast<size_t>(count));
+  for (int64_t h = 0; h < count; ++h) q.emplace_back(fmt, r.scale_of(h));
+  return q;
+}
+
+inline void quantize_side(const SideRows& r, int64_t row, int64_t slot, cpu::SrcKind kind, bool nt) {
   const Side& s = *r.side;
   const char* src = s.src + row * s.src_stride_token;
   char* dst = slot_addr(s, slot);
+  const int64_t q_step = s.scale_stride != 0 ? 1 : 0;
   for (int64_t h = 0; h < r.segs; ++h) {
-    cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst + h * s.dst_stride_head), kind, src + h * s.src_stride_head,
-                      r.seg_elems, r.scale_of(h), fmt, nt);
+    r.fp8[h * q_step](reinterpret_cast<uint8_t*>(dst + h * s.dst_stride_head), kind, src + h * s.src_stride_head,
+                      r.seg_elems, nt);
   }
 }
 
@@ -115,8 +129,12 @@ void write_all(const StoreCacheParams& p, const SideRows& k, const SideRows& v, 
   const cpu::SrcKind kind = p.src_dtype.code == kDLBfloat ? cpu::SrcKind::kBF16
                             : p.src_dtype.bits == 16      ? cpu::SrcKind::kF16
                                                           : cpu::SrcKind::kF32;
-  write_rows(k, v, rows, m, threads, nt,
-             [&](const SideRows& r, int64_t row, int64_t slot) { quantize_side(r, row, slot, kind, fmt, nt); });
+  const std::vector<cpu::Fp8Quantizer> kq = quantizers(k, fmt), vq = quantizers(v, fmt);
+  SideRows kw = k, vw = v;
+  kw.fp8 = kq.data();
+  vw.fp8 = vq.data();
+  write_rows(kw, vw, rows, m, threads, nt,
+             [&](const SideRows& r, int64_t row, int64_t slot) { quantize_side(r, row, slot, kind, nt); });
 }
 
 template <class IdxT>

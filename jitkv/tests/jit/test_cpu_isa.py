@@ -3,7 +3,9 @@ scalar), a child process with ``JITKV_CPU_ISA`` set and its own cache builds the
 checks that each reports that path, and runs every CPU op against the torch reference over the whole
 destination, poisoned first with random bytes: row lengths that end in each vector tail, strided
 sources, flat / paged NHD / paged HND caches, streamed (non-temporal) writes, fp8 conversion of every
-bf16 and fp16 value and of fp32 specials. Also ``toolchain.cpu_isa()``'s handling of the variable."""
+bf16 and fp16 value and of fp32 specials, and of every bf16 and fp16 value and fp32 values at fp8
+rounding edges under some 700 scales (the vector paths' multiply, power-of-two and division cases).
+Also ``toolchain.cpu_isa()``'s handling of the variable."""
 
 from __future__ import annotations
 
@@ -295,6 +297,75 @@ def check_fp8_fp32_specials():
             )
 
 
+def _fp8_scales() -> torch.Tensor:
+    """Scales for every case of the vector paths' quotient (fp8.h, "Vector paths"): each power of two
+    (the FMA path, and the division path past its edges); significands the Markstein step meets
+    (1 + 2^-23, 2 - 2^-23, 3, 0.1, 1/3, 448 / 1.5, ..., at several exponents, and 400 random scales from
+    2^-80 to 2^90); the division path's edges 2^-85 and 2^100 with their neighbours, FLT_MIN, fp32
+    subnormals, FLT_MAX."""
+    pow2 = torch.exp2(torch.arange(-149.0, 128.0, dtype=torch.float64)).float()
+    odd = torch.tensor([1 + 2**-23, 2 - 2**-23, 1.5, 3.0, 0.1, 1 / 3, 448 / 1.5, 57344 / 1.5, 0.37, 1e-3, 7.0])
+    odd = torch.cat([odd * 2.0**e for e in (-84, -40, 0, 30, 99)]).float()
+    edge = torch.tensor([2.0**-85, 2.0**100, 2.0**-126], dtype=torch.float32)
+    edges = torch.cat([edge, edge.nextafter(torch.zeros(3)), edge.nextafter(torch.full((3,), torch.inf))])
+    tiny = torch.tensor([1e-40, 2.0**-149, 3.4028234663852886e38], dtype=torch.float32)
+    exps = torch.randint(-80, 91, (400,), dtype=torch.int32)
+    rnd = ((exps + 127) << 23 | torch.randint(0, 1 << 23, (400,), dtype=torch.int32)).view(torch.float32)
+    return torch.cat([pow2, odd, edges, tiny, rnd])
+
+
+def _fp8_midpoints() -> torch.Tensor:
+    """The midpoints between neighbouring positive fp8 values of both formats, and past their maxima."""
+    out = []
+    for fp8 in FP8.values():
+        vals = torch.arange(0, 0x7F, dtype=torch.uint8).view(fp8).float()
+        vals = vals[vals.isfinite()].unique()
+        out.append((vals[1:] + vals[:-1]) / 2)
+        out.append(vals[-1:] + (vals[-1] - vals[-2]) / 2)
+    return torch.cat(out)
+
+
+def _fp8_quotients_agree(what: str, k: torch.Tensor, v: torch.Tensor, scales: torch.Tensor) -> None:
+    """k and v [n, H, D] into fp8 caches by store_cache with per-head scales (K: the first H of
+    ``scales``, V: the next H), byte for byte against torch's (x.float() / scale).clamp(-max, max).to(fp8)."""
+    n, h, _ = k.shape
+    ks, vs = scales[:h].contiguous(), scales[h:].contiguous()
+    for kv, fp8 in FP8.items():
+        kc, vc = torch.empty_like(k, dtype=torch.uint8), torch.empty_like(v, dtype=torch.uint8)
+        jitkv.store_cache(k, v, kc, vc, torch.arange(n), kv_cache_dtype=kv, k_scale=ks, v_scale=vs, backend="jit")
+        m = torch.finfo(fp8).max
+        for x, got, s, side in ((k, kc, ks, "K"), (v, vc, vs, "V")):
+            want = (x.float() / s.view(1, h, 1)).clamp(-m, m).to(fp8).view(torch.uint8)
+            bad = (got != want).nonzero()
+            if bad.numel():
+                t, i, d = bad[0].tolist()
+                raise AssertionError(
+                    f"{what} -> {kv} {side}: {bad.shape[0]} codes differ; first x={x[t, i, d].item()!r} "
+                    f"scale={s[i].item()!r}: got {got[t, i, d].item():#04x}, torch {want[t, i, d].item():#04x}"
+                )
+
+
+def check_fp8_quotients():
+    """Every bf16 and fp16 value against every scale of _fp8_scales, per-head (so each head's segment
+    takes the vector paths of its scale); fp32 sources: per scale s, RN(m * s) and its neighbours within
+    2 ulps for each fp8 midpoint m (quotients at the rounding edges, ties where m * s is exact), both
+    signs, and random values around the scale."""
+    scales = _fp8_scales()
+    h = -(-scales.numel() // 2)
+    scales = torch.cat([scales, scales[: 2 * h - scales.numel()]])
+    for dtype in (torch.bfloat16, torch.float16):
+        x = every_16_bit_value(dtype, 256).view(-1, 1, 256).expand(-1, h, -1).contiguous()
+        _fp8_quotients_agree(f"every {dtype} value", x, x, scales)
+    s = scales.view(-1, 1)
+    x = (_fp8_midpoints() * s.double()).float()
+    near = [x]
+    for _ in range(2):
+        near = [near[0].nextafter(torch.zeros(())), *near, near[-1].nextafter(torch.full((), torch.inf))]
+    rnd = (torch.randn(s.shape[0], 256).double() * 100 * s.double()).float()
+    x = torch.cat([*near, *(-t for t in near), rnd], dim=1)  # row i: scale i's values
+    _fp8_quotients_agree("fp32 at fp8 midpoints", x[:h].unsqueeze(0), x[h:].unsqueeze(0), scales)
+
+
 # set_mla_kv_buffer -------------------------------------------------------------------------------------
 
 
@@ -532,6 +603,7 @@ CHECKS = (
     check_store_cache_fp8,
     check_fp8_every_16_bit_value,
     check_fp8_fp32_specials,
+    check_fp8_quotients,
     check_mla_copy,
     check_mla_fp8,
     check_mla_gather,
