@@ -298,7 +298,7 @@ def check_fp8_fp32_specials():
 
 
 def _fp8_scales() -> torch.Tensor:
-    """Scales for every case of the vector paths' quotient (fp8.h, "Vector paths"): each power of two
+    """Scales for every case of the vector paths' quotient (jitkv/cpu/fp8_format.h, "Vector paths"): each power of two
     (the FMA path, and the division path past its edges); significands the Markstein step meets
     (1 + 2^-23, 2 - 2^-23, 3, 0.1, 1/3, 448 / 1.5, ..., at several exponents, and 400 random scales from
     2^-80 to 2^90); the division path's edges 2^-85 and 2^100 with their neighbours, FLT_MIN, fp32

@@ -16,8 +16,9 @@ import pytest
 from jitkv import codes
 from jitkv.jit import toolchain
 from jitkv.jit.spec import CSRC
+from jitkv.ops import OPS
 
-FAMILIES = ("mla", "store_cache", "dsv4", "indexer", "mla_gather")
+FAMILIES = sorted({op.family for op in OPS.values()})  # each family's kernels are in csrc/<family>
 
 
 def _rel(paths) -> list[str]:
@@ -26,6 +27,10 @@ def _rel(paths) -> list[str]:
 
 LIBRARY = [h.removeprefix("include/") for h in _rel((CSRC / "include" / "jitkv" / "cuda").glob("*.cuh"))]
 HOST_LIBRARY = ["jitkv/check.h", "jitkv/host_device.h"]
+CPU_LIBRARY = [h.removeprefix("include/") for h in _rel((CSRC / "include" / "jitkv" / "cpu").glob("*.h"))]
+# The CPU headers on each vector path (jitkv/cpu/isa.h picks it from the flags), as the builds hold them
+# to one on top of -march=native (toolchain.cpu_isa_cflags): the host's own, avx2, scalar.
+CPU_PATH_FLAGS = ([], ["-mno-avx512f"], ["-mno-avx"])
 FAMILY_CUDA = _rel(p for f in FAMILIES for p in (CSRC / f).glob("*.cuh"))
 FAMILY_HOST = _rel(p for f in FAMILIES for p in (CSRC / f).glob("*.h"))
 
@@ -35,7 +40,8 @@ def test_every_family_has_split_headers():
     families with a CPU binding in parse.h."""
     for family in FAMILIES:
         assert f"{family}/params.h" in FAMILY_HOST and any(h.startswith(f"{family}/") for h in FAMILY_CUDA), family
-    assert {f"{f}/parse.h" for f in ("mla", "store_cache", "indexer", "mla_gather")} <= set(FAMILY_HOST)
+    assert {f"{f}/parse.h" for f in ("mla", "store_cache", "indexer", "mla_gather", "rope")} <= set(FAMILY_HOST)
+    assert {"jitkv/cpu/fp8.h", "jitkv/cpu/isa.h", "jitkv/cpu/row_copy.h"} <= set(CPU_LIBRARY)
     assert {"jitkv/cuda/fp8.cuh", "jitkv/cuda/launch.cuh", "jitkv/cuda/paged.cuh", "jitkv/cuda/vec.cuh"} <= set(LIBRARY)
 
 
@@ -91,3 +97,12 @@ def test_host_headers_compile_alone(tmp_path):
     cxx = shlex.split(toolchain.cxx())
     units = _units(tmp_path / "units", HOST_LIBRARY + FAMILY_HOST, ".cpp")
     _check([[*cxx, "-fsyntax-only", "-std=c++17", *_includes(tmp_path), *units]], cwd=tmp_path / "units")
+
+
+@pytest.mark.skipif(toolchain.host_cpu_isa() == "scalar", reason="a host without AVX2 builds the scalar path only")
+def test_cpu_headers_compile_alone_on_every_path(tmp_path):
+    """Each jitkv/cpu header alone, on each vector path the build can target here."""
+    cxx = shlex.split(toolchain.cxx())
+    units = _units(tmp_path / "units", CPU_LIBRARY, ".cpp")
+    base = [*cxx, "-fsyntax-only", "-std=c++17", "-march=native", *_includes(tmp_path)]
+    _check([[*base, *flags, *units] for flags in CPU_PATH_FLAGS], cwd=tmp_path / "units")

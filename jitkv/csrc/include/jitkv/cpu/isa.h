@@ -3,7 +3,7 @@
 // scalar):
 //   JITKV_CPU_AVX512  AVX-512 F + BW: 64-byte lines, masked tails.
 //   JITKV_CPU_AVX2    AVX2 + F16C + FMA: 32-byte vectors, overlapping or staged tails.
-//   neither           portable scalar code (memcpy, the bit formulas of fp8.h).
+//   neither           portable scalar code (memcpy, the bit formulas of fp8_format.h).
 // Each CPU module exports cpu_isa() (JITKV_CPU_EXPORT_ISA) so a caller can see which one it loaded.
 #pragma once
 
