@@ -139,6 +139,11 @@ def host_cpu_isa() -> str:
     return next((isa for isa in ("avx512", "avx2") if _ISA_NEEDS[isa] <= flags), "scalar")
 
 
+def host_cpu_isas() -> tuple[str, ...]:
+    """Every CPU kernel path this host runs, lowest first (``JITKV_CPU_ISA`` may choose any of them)."""
+    return CPU_ISAS[: CPU_ISAS.index(host_cpu_isa()) + 1]
+
+
 def cpu_isa() -> str:
     """The path the CPU kernels are built for: "avx512", "avx2" or "scalar".
 
@@ -164,10 +169,11 @@ def cpu_isa() -> str:
     return host
 
 
-def cpu_isa_cflags() -> list[str]:
-    """Flags that hold a CPU build to ``cpu_isa()`` on top of ``-march=native``: none for the host's own
-    path (its key stays that of a plain native build) or off x86-64."""
-    isa = cpu_isa()
+def cpu_isa_cflags(isa: str | None = None) -> list[str]:
+    """Flags that hold a CPU build to ``isa`` (default ``cpu_isa()``), one of the paths this host runs,
+    on top of ``-march=native``: none for the host's own path (its key stays that of a plain native
+    build) or off x86-64."""
+    isa = cpu_isa() if isa is None else isa
     return [] if isa == host_cpu_isa() else list(_ISA_CFLAGS[isa])
 
 

@@ -24,7 +24,7 @@ from jitkv.tests.conftest import assert_bitwise, every_16_bit_value, rand, slots
 from jitkv.tests.jit.conftest import run_py
 
 HOST_ISA = toolchain.host_cpu_isa()
-ISAS = toolchain.CPU_ISAS[: toolchain.CPU_ISAS.index(HOST_ISA) + 1]
+ISAS = toolchain.host_cpu_isas()
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # Element counts per row segment around the vector widths: below 8, the 8-lane (AVX2) and 16-lane
 # (AVX-512) steps, 32 / 64 byte blocks and their tails.
