@@ -31,6 +31,17 @@ using codes::DsMla;
 
 constexpr int kBlockThreads = 128;  // threads per block (a token's threads span grid.y blocks)
 
+// Heads per thread: one while a thread per head lane fills the GPU less than once (latency: the most
+// threads, the shortest chain each), kBulkHpt beyond where it divides the head counts (each thread
+// then has kBulkHpt loads in flight and reads the cos/sin row once for them). threads_at_one: the
+// launch's threads at one head per thread. Re-measure: docs/performance.md "rope heads per thread".
+constexpr int kBulkHpt = 4;
+
+inline int heads_per_thread(bool divides, int64_t threads_at_one, int sms) {
+  constexpr int64_t kThreadsPerSm = 2048;
+  return divides && threads_at_one >= kThreadsPerSm * (sms > 1 ? sms : 1) ? kBulkHpt : 1;
+}
+
 // The cache format the queries are stored in.
 constexpr KvFormat q_format(RopeQ q) {
   return q == RopeQ::kE4M3 ? KvFormat::kE4M3 : q == RopeQ::kE5M2 ? KvFormat::kE5M2 : KvFormat::kCopy;

@@ -13,7 +13,6 @@
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "jitkv/codes.h"
@@ -49,13 +48,7 @@ void check_module(const MlaParams& p) {
   if (p.kv.kv_format != Shape::kFmt) mismatch("kv_cache_dtype", "format");
 }
 
-bool aligned(const void* ptr, int64_t unit, std::initializer_list<int64_t> strides = {}) {
-  if (reinterpret_cast<uintptr_t>(ptr) % unit) return false;
-  for (int64_t s : strides) {
-    if (s % unit) return false;
-  }
-  return true;
-}
+using jitkv::aligned;
 
 // Every vector access at its width: the sources by 16 bytes, the row and q's destination by lanes
 // (fp8_ds_mla rows by 16: their rope part is 16-bit lanes), the cos/sin rows by 16 bytes; NeoX halves of
@@ -111,11 +104,6 @@ MlaArgs kernel_args(const MlaParams& p) {
 
 int64_t status(Status s) { return static_cast<int64_t>(s); }
 
-// Query heads per thread: one while a thread per head lane fills the GPU less than once, kBulkHpt
-// beyond (as rope_store_cache_cuda.cu heads_per_thread).
-constexpr int kBulkHpt = 4;
-constexpr int64_t kThreadsPerSm = 2048;
-
 int64_t rope_set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView kv_c, TensorView k_pe,
                                TensorView positions, TensorView cos_sin_cache, bool is_neox, Optional<TensorView> q_pe,
                                Optional<TensorView> q_nope, Optional<TensorView> q_out, int64_t q_mode,
@@ -129,11 +117,8 @@ int64_t rope_set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView 
   const int device = p.kv.device.device_id;
   const jitkv::cuda::DeviceInfo info = jitkv::cuda::device_info(device);
   const int nope_q_lanes = static_cast<int>(p.nope_q / Shape::kV);
-  const bool divides = p.q.heads % kBulkHpt == 0;
-  const int hpt =
-      divides && p.kv.n * Shape::token_threads(p.q.heads, nope_q_lanes, 1) >= kThreadsPerSm * std::max(info.sms, 1)
-          ? kBulkHpt
-          : 1;
+  const int hpt = heads_per_thread(p.q.heads % kBulkHpt == 0,  // query heads per thread (kernels.cuh)
+                                   p.kv.n * Shape::token_threads(p.q.heads, nope_q_lanes, 1), info.sms);
   const int64_t threads = Shape::token_threads(p.q.heads, nope_q_lanes, hpt);
   if (p.kv.n > INT32_MAX || threads > int64_t(kBlockThreads) * 65535) {
     TVM_FFI_THROW(ValueError) << kOp << ": q_pe: " << p.kv.n << " tokens of " << p.q.heads

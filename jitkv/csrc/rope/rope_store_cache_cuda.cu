@@ -14,7 +14,6 @@
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "jitkv/codes.h"
@@ -53,13 +52,7 @@ void check_module(const StoreParams& p, DLDevice dev) {
   if (p.kv.kv_dtype != Shape::kFmt) mismatch("kv_cache_dtype", "cache format");
 }
 
-bool aligned(const void* ptr, int64_t unit, std::initializer_list<int64_t> strides = {}) {
-  if (reinterpret_cast<uintptr_t>(ptr) % unit) return false;
-  for (int64_t s : strides) {
-    if (s % unit) return false;
-  }
-  return true;
-}
+using jitkv::aligned;
 
 // Every vector access of the kernel at its width: sources, q's destination, k_out and the caches by
 // lanes; the cos/sin rows and the norm weights by 16 bytes; NeoX halves of whole lanes.
@@ -133,19 +126,6 @@ StoreArgs kernel_args(const StoreParams& p) {
 
 int64_t status(Status s) { return static_cast<int64_t>(s); }
 
-// Heads per thread: one while a thread per head lane fills the GPU less than once (latency: the most
-// threads, the shortest chain each), kBulkHpt beyond where it divides both head counts (each thread
-// then has kBulkHpt loads in flight and reads the cos/sin row once for them). Re-measure:
-// docs/performance.md "rope heads per thread".
-constexpr int kBulkHpt = 4;
-constexpr int64_t kThreadsPerSm = 2048;
-
-int heads_per_thread(const StoreParams& p, int sms) {
-  const bool divides = p.q.heads % kBulkHpt == 0 && p.kv.num_heads % kBulkHpt == 0;
-  const int64_t threads = p.kv.n * Shape::token_threads(p.q.heads, p.kv.num_heads, 1);
-  return divides && threads >= kThreadsPerSm * std::max(sms, 1) ? kBulkHpt : 1;
-}
-
 int64_t rope_store_cache(TensorView q, TensorView k, TensorView v, TensorView k_cache, TensorView v_cache,
                          TensorView slot_mapping, TensorView positions, TensorView cos_sin_cache, bool is_neox,
                          int64_t rotary_dim, Optional<TensorView> q_norm_weight, Optional<TensorView> k_norm_weight,
@@ -162,7 +142,8 @@ int64_t rope_store_cache(TensorView q, TensorView k, TensorView v, TensorView k_
   if (p.kv.n == 0) return status(Status::kDone);
   const int device = p.kv.device.device_id;
   const jitkv::cuda::DeviceInfo info = jitkv::cuda::device_info(device);
-  const int hpt = heads_per_thread(p, info.sms);
+  const bool divides = p.q.heads % kBulkHpt == 0 && p.kv.num_heads % kBulkHpt == 0;  // both head counts
+  const int hpt = heads_per_thread(divides, p.kv.n * Shape::token_threads(p.q.heads, p.kv.num_heads, 1), info.sms);
   const int64_t threads = Shape::token_threads(p.q.heads, p.kv.num_heads, hpt);
   if (p.kv.n > INT32_MAX || threads > int64_t(kBlockThreads) * 65535) {
     TVM_FFI_THROW(ValueError) << kOp << ": q: " << p.kv.n << " tokens of " << p.q.heads << " + 2 x " << p.kv.num_heads

@@ -9,6 +9,7 @@
 #include <tvm/ffi/optional.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <sstream>
 #include <string>
 
@@ -192,6 +193,15 @@ inline void check_disjoint(const char* op, const char* name, const TensorView& t
 }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// A base address and the byte strides stepping from it, all multiples of unit (a vector access's bytes).
+inline bool aligned(const void* ptr, int64_t unit, std::initializer_list<int64_t> strides = {}) {
+  if (reinterpret_cast<uintptr_t>(ptr) % unit) return false;
+  for (int64_t s : strides) {
+    if (s % unit) return false;
+  }
+  return true;
+}
 
 // Dtypes a plain (bitwise) row copy accepts: bf16, fp16, fp32, uint8, float8_e4m3fn, float8_e5m2.
 inline bool is_copy_dtype(DLDataType d) {
