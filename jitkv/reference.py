@@ -753,3 +753,72 @@ def rope_set_mla_kv_buffer(
     set_mla_kv_buffer(
         buf, loc, _rows_2d(kv_c), rope, kv_cache_dtype=kv_cache_dtype, scale=scale, skip_slot=skip_slot, strict=False
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# transfer_pages (docs/design.md §2): pools [num_layers, num_pages, *page] with a dense page part,
+# moved as bytes [num_layers, num_pages, page_bytes].
+
+
+def page_bytes_view(pool):
+    """A pool as bytes ``[num_layers, num_pages, page_bytes]``: a view (the page part is dense), for any
+    strides of dims 0 and 1 (a page-first pool given as its ``transpose(0, 1)``)."""
+    return pool.view(pool.shape[0], pool.shape[1], pool[0, 0].numel() if pool.numel() else -1).view(torch.uint8)
+
+
+def _page_plan(src_pages, dst_pages, src_count, dst_count, strict, op):
+    """(keep [n] bool, src [n], dst [n]) on the ids' device with no host sync: a pair with a negative id
+    is padding; one with an id past its pool is skipped, or raises IndexError first when ``strict``."""
+    s, d = src_pages.long(), dst_pages.long()
+    keep = (s >= 0) & (d >= 0)
+    checks = [
+        (
+            keep & (s >= src_count),
+            s,
+            f"src_pages: position {{i}} has page {{v}}, out of range for a pool of {src_count} pages",
+        ),
+        (
+            keep & (d >= dst_count),
+            d,
+            f"dst_pages: position {{i}} has page {{v}}, out of range for a pool of {dst_count} pages",
+        ),
+    ]
+    if strict:
+        _refuse_capture(src_pages, "src_pages", op)
+        for oob, values, message in checks:
+            if bool(oob.any()):
+                i = int(oob.nonzero()[0, 0])
+                raise IndexError(f"{op}: " + message.format(i=i, v=int(values[i])))
+    return keep & (s < src_count) & (d < dst_count), s, d
+
+
+def check_pages(src_pages, dst_pages, src_count, dst_count, *, op="transfer_pages"):
+    """Raise IndexError naming the first pair whose page is past its pool (pairs with a negative id are
+    padding). Reads the ids on the host: a CUDA sync, refused during graph capture (``check_slots``)."""
+    _page_plan(src_pages, dst_pages, src_count, dst_count, True, op)
+
+
+def transfer_pages(src, dst, src_pages, dst_pages, *, strict=None):
+    """Page ``src_pages[i]`` of every layer of ``src`` to page ``dst_pages[i]`` of ``dst``, as bytes.
+
+    Pairs with a negative id are skipped; out-of-range ids raise IndexError first (``strict``, the
+    default on CPU ids and under JITKV_DEBUG=1) or are skipped. Of pairs naming one destination page
+    the last wins (``_last_per_slot``); every other pair repeats the first winner's copy, and with no
+    pair to copy page 0 of dst gets its own bytes back (see ``_plan``). Graph-safe when both pools are
+    on the ids' device; a CPU pool against CUDA ids reads the plan on the host (a sync: the CUDA kernels
+    of this op do not)."""
+    strict = default_strict(src_pages) if strict is None else strict
+    src_b, dst_b = page_bytes_view(src), page_bytes_view(dst)
+    num_src, num_dst = src_b.shape[1], dst_b.shape[1]
+    keep, s, d = _page_plan(src_pages, dst_pages, num_src, num_dst, strict, "transfer_pages")
+    n = src_pages.numel()
+    if n == 0 or num_src == 0 or num_dst == 0 or src_b.shape[0] == 0 or src_b.shape[2] == 0:
+        return
+    keep = _last_per_slot(keep, d)
+    first = keep.to(torch.uint8).argmax().view(1)  # the first winner; 0 when no pair is copied
+    any_kept = keep.index_select(0, first)
+    dest = torch.where(keep, d, torch.where(any_kept, d.index_select(0, first), 0))
+    from_ = torch.where(keep, s, torch.where(any_kept, s.index_select(0, first), 0))
+    vals = src_b.index_select(1, from_.to(src_b.device)).to(dst_b.device)
+    old = dst_b.select(1, 0).unsqueeze(1)
+    dst_b.index_copy_(1, dest.to(dst_b.device), torch.where(any_kept.to(dst_b.device), vals, old))

@@ -1,0 +1,31 @@
+// transfer_pages' parameter block, shared by host and device: page src_pages[i] of every layer of
+// the src pool is copied to page dst_pages[i] of the dst pool. A pool is [num_layers, num_pages,
+// *page] with a dense page part, so one page of one layer is one run of page_bytes bytes at
+// base + layer * layer_stride + page * page_stride (any strides: layer-first, or a page-first pool
+// passed as its transpose(0, 1)).
+#pragma once
+
+#include <dlpack/dlpack.h>
+
+#include <cstdint>
+
+namespace jitkv::transfer {
+
+struct Pool {
+  char* base;
+  int64_t layer_stride;  // bytes
+  int64_t page_stride;   // bytes
+  int64_t num_pages;
+};
+
+struct TransferParams {
+  Pool src, dst;
+  const void* src_pages;
+  const void* dst_pages;
+  int64_t n;  // entries of src_pages and dst_pages
+  int64_t num_layers;
+  int64_t page_bytes;
+  bool src_i64, dst_i64;
+};
+
+}  // namespace jitkv::transfer

@@ -1,0 +1,85 @@
+// transfer_pages' argument parser (every check but the devices, which each binding checks against its
+// own rule), with errors naming the argument as jitkv/ops/transfer.py's check does, and the call's
+// parameter block (params.h).
+#pragma once
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+
+#include "jitkv/check.h"
+#include "transfer/params.h"
+
+namespace jitkv::transfer {
+
+namespace detail {
+
+// Bytes of one page, after checking the pool is [num_layers, num_pages, *page] with a dense page part.
+inline int64_t page_bytes(const char* op, const char* name, const TensorView& t) {
+  if (t.ndim() < 2) {
+    TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected a pool [num_layers, num_pages, *page], got shape "
+                              << shape_str(t);
+  }
+  int64_t want = 1;
+  for (int d = t.ndim() - 1; d >= 2; --d) {
+    if (t.size(d) != 1 && t.stride(d) != want) {
+      TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected a dense page part (every dim after dim 1 "
+                                << "contiguous), got shape " << shape_str(t) << " with stride " << t.stride(d)
+                                << " at dim " << d;
+    }
+    want *= t.size(d);
+  }
+  return want * elem_bytes(t.dtype());
+}
+
+// "[16, 8, 128]": dims 2.. of a pool (Python's list spelling, as the Python check prints it).
+inline std::string page_shape(const TensorView& t) {
+  std::ostringstream os;
+  os << "[";
+  for (int d = 2; d < t.ndim(); ++d) os << (d > 2 ? ", " : "") << t.size(d);
+  os << "]";
+  return os.str();
+}
+
+inline Pool pool(const TensorView& t) {
+  const int64_t es = elem_bytes(t.dtype());
+  return Pool{data_ptr(t), t.stride(0) * es, t.stride(1) * es, t.size(1)};
+}
+
+}  // namespace detail
+
+inline TransferParams parse_params(const char* op, const TensorView& src, const TensorView& dst,
+                                   const TensorView& src_pages, const TensorView& dst_pages) {
+  const int64_t bytes = detail::page_bytes(op, "src", src);
+  detail::page_bytes(op, "dst", dst);
+  bool same_pages = src.ndim() == dst.ndim();
+  for (int d = 2; same_pages && d < src.ndim(); ++d) same_pages = src.size(d) == dst.size(d);
+  if (src.dtype() != dst.dtype() || !same_pages) {
+    TVM_FFI_THROW(ValueError) << op << ": dst: expected dtype " << src.dtype() << " and page shape "
+                              << detail::page_shape(src) << " like src, got " << dst.dtype() << " and "
+                              << detail::page_shape(dst);
+  }
+  if (src.size(0) != dst.size(0)) {
+    TVM_FFI_THROW(ValueError) << op << ": dst: expected " << src.size(0) << " layers like src, got " << dst.size(0);
+  }
+  check_written(op, "dst", dst);
+  const bool src_i64 = check_index(op, "src_pages", src_pages);
+  const bool dst_i64 = check_index(op, "dst_pages", dst_pages);
+  if (dst_pages.size(0) != src_pages.size(0)) {
+    TVM_FFI_THROW(ValueError) << op << ": dst_pages: expected " << src_pages.size(0) << " entries like src_pages, got "
+                              << dst_pages.size(0);
+  }
+  TransferParams p;
+  p.src = detail::pool(src);
+  p.dst = detail::pool(dst);
+  p.src_pages = data_ptr(src_pages);
+  p.dst_pages = data_ptr(dst_pages);
+  p.n = src_pages.size(0);
+  p.num_layers = src.size(0);
+  p.page_bytes = bytes;  // dst's too: same dtype, same page shape
+  p.src_i64 = src_i64;
+  p.dst_i64 = dst_i64;
+  return p;
+}
+
+}  // namespace jitkv::transfer

@@ -1,0 +1,319 @@
+"""transfer_pages: KV pages between a device pool and a host pool (and host to host), and pack_pages /
+unpack_pages, a request's pages in one buffer for a handoff to another GPU (docs/design.md §2)."""
+
+from __future__ import annotations
+
+import torch
+from torch.compiler import is_compiling
+
+from .. import checks, reference
+from ..jit import JitSpec
+from ._op import BackendUnavailable, Op, jit_function
+from ._samples import index, rand
+
+__all__ = ["pack_pages", "transfer_pages", "unpack_pages"]
+
+OP = "transfer_pages"
+
+
+def transfer_pages(src, dst, src_pages, dst_pages, *, backend=None):
+    """Copy page ``src_pages[i]`` of every layer of ``src`` to page ``dst_pages[i]`` of ``dst``.
+
+    A pool is ``[num_layers, num_pages, *page]`` whose page part (every dim after dim 1) is dense, so
+    one page of one layer is one contiguous run of ``page_bytes`` bytes; dims 0 and 1 may have any
+    strides::
+
+        layer-first pool    [L, P, ...] contiguous                       pass it as is
+        page-first pool     [P, L, ...] (sglang HiCache's page_first)    pass pool.transpose(0, 1)
+        one layer's cache   [P, ...]                                     pass cache.view(1, P, ...)
+
+    For every i and every layer l: ``dst[l, dst_pages[i]] = src[l, src_pages[i]]``, bitwise.
+
+    Args:
+        src: the pool read, any dtype (bf16, fp16, fp32, float8, uint8, ...), or a tuple of pools
+            (e.g. ``(k_pool, v_pool)``) moved in one call, each to the pool at its position in dst.
+        dst: the pool written in place: src's dtype, page shape and layer count; a tuple when src is.
+        src_pages, dst_pages: ``[N]`` int32 or int64 page ids, dense. A pair with a negative id in
+            either is padding and is skipped. Of pairs naming one destination page one wins (as torch
+            indexing). An id past its pool: IndexError before anything is copied on CPU; skipped on
+            CUDA (``JITKV_DEBUG=1`` raises on the host first), docs/design.md §3.
+        backend: "jit", "torch" or None (auto; also ``JITKV_BACKEND``).
+
+    Devices: the page ids live on the device of the CUDA pool (host to device, device to host, or
+    device to device on one GPU), or on the CPU when both pools are CPU tensors. A CPU pool in a copy
+    with a GPU must be pinned (``pin_memory()``): ValueError otherwise, as the copy engines read and
+    write only page-locked host memory at full speed and a pageable pool would silently stage through
+    a bounce buffer. Pools on two different GPUs: ValueError naming both.
+
+    src and dst may be one pool (pages moved inside it); a page both read and written by one call
+    gets unspecified bytes.
+
+    Raises:
+        TypeError: an argument that is no tensor (or tuple of them), ids not int32/int64.
+        ValueError: src and dst of different dtypes or page shapes (naming both) or layer counts, a
+        page part that is not dense, a pool of fewer than 2 dims, ids not 1-D or dense or of different
+        lengths, a device rule above broken, tuples of different lengths.
+        IndexError: an id past its pool (CPU; CUDA under JITKV_DEBUG=1), before anything is copied.
+
+    Algorithm: CPU (host to host) — the pairs resolved serially first (padding skipped, range checked,
+    the last pair of each destination page kept), then one memcpy of page_bytes per (pair, layer) run,
+    OpenMP over the runs above a payload threshold. CUDA: the torch reference (gather, then
+    ``index_copy_`` of byte views) until the kernels land; graph-safe device to device, while host to
+    device and device to host read the plan on the host (a sync).
+    """
+    if isinstance(src, (tuple, list)) or isinstance(dst, (tuple, list)):
+        _transfer_tuples(src, dst, src_pages, dst_pages, backend)
+        return
+    TRANSFER_PAGES.run((src, dst, src_pages, dst_pages), backend)
+
+
+def _transfer_tuples(src, dst, src_pages, dst_pages, backend):
+    """Each (src[j], dst[j]) pair, all checked (and on CPU ids, range checked) before any is copied."""
+    if not isinstance(src, (tuple, list)):
+        raise TypeError(f"{OP}: src: expected a tuple of pools like dst, got {type(src).__name__}")
+    if not isinstance(dst, (tuple, list)):
+        raise TypeError(f"{OP}: dst: expected a tuple of {len(src)} pools like src, got {type(dst).__name__}")
+    if not src:
+        raise ValueError(f"{OP}: src: expected at least one pool, got an empty tuple")
+    if len(dst) != len(src):
+        raise ValueError(f"{OP}: dst: expected {len(src)} pools like src, got {len(dst)}")
+    if not is_compiling():
+        for j, (s, d) in enumerate(zip(src, dst)):
+            _check(s, d, src_pages, dst_pages, f"src[{j}]", f"dst[{j}]")
+        if src_pages.is_cpu:
+            for s, d in zip(src, dst):
+                reference.check_pages(src_pages, dst_pages, s.shape[1], d.shape[1])
+    for s, d in zip(src, dst):
+        TRANSFER_PAGES.run((s, d, src_pages, dst_pages), backend)
+
+
+def pack_pages(src, src_pages, out, *, backend=None):
+    """Pack a request's pages into one buffer: ``out[i] = src[:, src_pages[i]]``, all layers.
+
+    The pack format (docs/design.md §2) is page-first: ``out [N, L, *page]``, request page i's L layers
+    contiguous, so a prefix of pages is a prefix of the buffer. For a tuple of K pools (K and V)
+    ``out [N, K, L, *page]``: page i holds pool 0's L layers, then pool 1's. out is contiguous, of
+    src's dtype. Pages with a negative id in src_pages are left as they were in out.
+
+    Args:
+        src: a pool ``[L, P, *page]`` or a tuple of K such pools (see ``transfer_pages``).
+        src_pages: ``[N]`` int32/int64 on the CUDA pool's device (or CPU for host pools).
+        out: ``[N, L, *page]`` or ``[N, K, L, *page]``, written in place (a pinned CPU tensor for a
+            device pool, or a device tensor: a device-to-device pack).
+        backend: as ``transfer_pages``.
+
+    Raises:
+        ValueError: out of the wrong shape, dtype or layout (naming out); anything ``transfer_pages``
+        raises for ``transfer_pages(src, out.transpose(0, 1), src_pages, arange(N))``.
+
+    Algorithm: ``transfer_pages`` with out viewed as a pool and destination pages ``0..N-1``.
+    """
+    pools = _pools("src", src)
+    n = checks.tensor(OP, "src_pages", src_pages).numel()
+    views = _buffer_views("out", out, pools, n, isinstance(src, (tuple, list)))
+    pages = torch.arange(n, dtype=src_pages.dtype, device=src_pages.device)
+    transfer_pages(src, views if isinstance(src, (tuple, list)) else views[0], src_pages, pages, backend=backend)
+
+
+def unpack_pages(buf, dst, dst_pages, *, backend=None):
+    """Unpack a ``pack_pages`` buffer into a pool: ``dst[:, dst_pages[i]] = buf[i]``, all layers.
+
+    Args:
+        buf: ``[N, L, *page]`` or, for a tuple of K pools, ``[N, K, L, *page]`` (the pack format),
+            contiguous, of dst's dtype.
+        dst: a pool ``[L, P, *page]`` or a tuple of K pools, written in place.
+        dst_pages: ``[N]`` int32/int64 on the CUDA pool's device (or CPU for host pools); a negative
+            id skips that page of buf.
+        backend: as ``transfer_pages``.
+
+    Raises:
+        ValueError: buf of the wrong shape, dtype or layout (naming buf); anything ``transfer_pages``
+        raises for ``transfer_pages(buf.transpose(0, 1), dst, arange(N), dst_pages)``.
+
+    Algorithm: ``transfer_pages`` with buf viewed as a pool and source pages ``0..N-1``.
+    """
+    pools = _pools("dst", dst)
+    n = checks.tensor(OP, "dst_pages", dst_pages).numel()
+    views = _buffer_views("buf", buf, pools, n, isinstance(dst, (tuple, list)))
+    pages = torch.arange(n, dtype=dst_pages.dtype, device=dst_pages.device)
+    transfer_pages(views if isinstance(dst, (tuple, list)) else views[0], dst, pages, dst_pages, backend=backend)
+
+
+def _pools(name, pools):
+    seq = pools if isinstance(pools, (tuple, list)) else (pools,)
+    if not seq:
+        raise ValueError(f"{OP}: {name}: expected at least one pool, got an empty tuple")
+    for j, t in enumerate(seq):
+        checks.tensor(OP, name if seq is not pools else f"{name}[{j}]", t)
+        if t.dim() < 2:
+            raise ValueError(f"{OP}: {name}: expected a pool [num_layers, num_pages, *page], got shape {list(t.shape)}")
+    return seq
+
+
+def _buffer_views(name, buf, pools, n, is_tuple):
+    """The pack buffer ``buf`` as one pool view ``[L, N, *page]`` per pool, after checking it."""
+    checks.tensor(OP, name, buf)
+    first = pools[0]
+    want = [n, *([len(pools)] if is_tuple else []), *first.shape[:1], *first.shape[2:]]
+    if list(buf.shape) != want or buf.dtype != first.dtype:
+        raise ValueError(
+            f"{OP}: {name}: expected dtype {checks.dtype_name(first.dtype)} and shape {want} (the pack format), "
+            f"got {checks.dtype_name(buf.dtype)} and {list(buf.shape)}"
+        )
+    if not buf.is_contiguous():
+        raise ValueError(f"{OP}: {name}: expected a contiguous tensor (the pack format), got strides {buf.stride()}")
+    if not is_tuple:
+        return [buf.transpose(0, 1)]
+    return [buf.select(1, j).transpose(0, 1) for j in range(len(pools))]
+
+
+# ---------------------------------------------------------------------------------------- checks
+
+
+def check(src, dst, src_pages, dst_pages):
+    """Every check of csrc/transfer/parse.h, and the device rules; the arguments unchanged."""
+    _check(src, dst, src_pages, dst_pages, "src", "dst")
+    return src, dst, src_pages, dst_pages
+
+
+def _check(src, dst, src_pages, dst_pages, sname, dname):
+    for name, t in ((sname, src), (dname, dst), ("src_pages", src_pages), ("dst_pages", dst_pages)):
+        checks.tensor(OP, name, t)
+    dev = src_pages.device
+    checks.index(OP, "src_pages", src_pages, dev, "src_pages")
+    checks.index(OP, "dst_pages", dst_pages, dev, "src_pages")
+    _devices(src, dst, dev, sname, dname)
+    _page_bytes(sname, src)
+    _page_bytes(dname, dst)
+    if src.dtype != dst.dtype or src.shape[2:] != dst.shape[2:]:
+        raise ValueError(
+            f"{OP}: {dname}: expected dtype {checks.dtype_name(src.dtype)} and page shape {list(src.shape[2:])} "
+            f"like {sname}, got {checks.dtype_name(dst.dtype)} and {list(dst.shape[2:])}"
+        )
+    if src.shape[0] != dst.shape[0]:
+        raise ValueError(f"{OP}: {dname}: expected {src.shape[0]} layers like {sname}, got {dst.shape[0]}")
+    checks.written(OP, dname, dst)
+    if dst_pages.numel() != src_pages.numel():
+        raise ValueError(
+            f"{OP}: dst_pages: expected {src_pages.numel()} entries like src_pages, got {dst_pages.numel()}"
+        )
+
+
+def _devices(src, dst, dev, sname, dname):
+    """The ids' device is the CUDA pool's (a CPU pool beside it pinned), or the CPU for two host pools."""
+    pools = ((sname, src), (dname, dst))
+    if dev.type == "cpu":
+        for name, t in pools:
+            if not t.is_cpu:
+                raise ValueError(
+                    f"{OP}: src_pages: expected a tensor on {t.device} like {name} (page ids live on the "
+                    "CUDA pool's device), got one on cpu"
+                )
+        return
+    if src.is_cpu and dst.is_cpu:
+        raise ValueError(
+            f"{OP}: src_pages: expected a tensor on cpu like {sname} and {dname} (a host-to-host transfer), "
+            f"got one on {dev}"
+        )
+    for name, t in pools:
+        if t.is_cpu:
+            if not t.is_pinned():
+                raise ValueError(
+                    f"{OP}: {name}: expected a pinned CPU tensor (pin_memory()) for a copy with {dev}, "
+                    "got one that is not pinned"
+                )
+        else:
+            checks.same_device(OP, name, t, dev, "src_pages")
+
+
+def _page_bytes(name, t):
+    """A pool ``[num_layers, num_pages, *page]`` with a dense page part (the message of parse.h)."""
+    if t.dim() < 2:
+        raise ValueError(f"{OP}: {name}: expected a pool [num_layers, num_pages, *page], got shape {list(t.shape)}")
+    want = 1
+    for d in range(t.dim() - 1, 1, -1):
+        if t.shape[d] != 1 and t.stride(d) != want:
+            raise ValueError(
+                f"{OP}: {name}: expected a dense page part (every dim after dim 1 contiguous), got shape "
+                f"{list(t.shape)} with stride {t.stride(d)} at dim {d}"
+            )
+        want *= t.shape[d]
+    return want * t.element_size()
+
+
+def debug_check(src, dst, src_pages, dst_pages):
+    """JITKV_DEBUG=1 on CUDA: the page ids against their pools, on the host."""
+    reference.check_pages(src_pages, dst_pages, src.shape[1], dst.shape[1])
+
+
+# ------------------------------------------------------------------------------------------- jit
+
+
+def cpu_spec() -> JitSpec:
+    return JitSpec("transfer_cpu", ("transfer/transfer_pages_cpu.cpp",), exports=(OP,))
+
+
+def specs(target: str) -> list[JitSpec]:
+    return [cpu_spec()] if target == "cpu" else []
+
+
+def _jit(device, variant):
+    if device.type != "cpu":
+        raise BackendUnavailable("transfer_pages has no CUDA kernel yet (the torch reference runs)")
+    fn, info = jit_function(cpu_spec(), OP)
+    return fn, info
+
+
+# ------------------------------------------------------------------------------ sample and bench
+
+
+def sample(device, gen=None) -> dict:
+    """bf16 pages of 4 x 2 x 16 over 3 layers, layer-first src to a page-first dst (on a GPU: device
+    to device, the graph-safe case), int64 and int32 ids with padding on either side."""
+    src = rand((3, 10, 4, 2, 16), torch.bfloat16, device, gen)
+    dst = rand((12, 3, 4, 2, 16), torch.bfloat16, device, gen).transpose(0, 1)
+    return dict(
+        src=src,
+        dst=dst,
+        src_pages=index([7, 2, -1, 9, 0, 4], torch.int64, device),
+        dst_pages=index([1, 11, 5, 4, -1, 0], torch.int32, device),
+    )
+
+
+def _bench_cpu(h) -> list:
+    """n pages of 16 tokens x 576 bf16 (an MLA page, 18 KiB) over 8 layers, host to host, layer-first
+    src to page-first dst (HiCache's host layout), against the torch reference (index_copy_)."""
+    rows = []
+    layers, pages, page = 8, 256, (16, 576)
+    src = rand((layers, pages, *page), torch.bfloat16)
+    dst = rand((pages, layers, *page), torch.bfloat16).transpose(0, 1)
+    for n in h.sizes([16, 128]):
+        sp, dp = torch.randperm(pages)[:n], torch.randperm(pages)[:n]
+        moved = 2 * n * layers * 16 * 576 * 2
+        rows += h.rows(
+            OP,
+            f"{n} pages x {layers} layers, 16 x 576 bf16",
+            n,
+            moved,
+            [
+                ("torch reference", lambda sp=sp, dp=dp: reference.transfer_pages(src, dst, sp, dp)),
+                ("jitkv jit", lambda sp=sp, dp=dp: transfer_pages(src, dst, sp, dp)),
+            ],
+        )
+    return rows
+
+
+# No CUDA kernel yet: on CUDA the torch reference is the implementation, not a fallback.
+TRANSFER_PAGES = Op(
+    transfer_pages,
+    schema="(Tensor src, Tensor(a!) dst, Tensor src_pages, Tensor dst_pages)",
+    home="src_pages",
+    check=check,
+    debug_check=debug_check,
+    specs=specs,
+    reference=reference.transfer_pages,
+    sample=sample,
+    bench_cpu=_bench_cpu,
+    backends={"cuda": ("torch",)},
+)
+TRANSFER_PAGES.backend("jit")(_jit)
