@@ -52,7 +52,7 @@ def test_tensors_on_two_gpus_named(op, backend):
 
 
 def _rank(rank, out_dir, barrier):
-    """One rank: its own GPU, every op on the jit backend against the reference; the jitkv log lines
+    """One rank: its own GPU, every op on the jit backend (where it has one) against the reference; the jitkv log lines
     and the result go to out_dir/rank<r>.json."""
     lines = []
     handler = logging.Handler()
@@ -64,7 +64,7 @@ def _rank(rank, out_dir, barrier):
     for op in OP_NAMES:
         args = make_args(op, f"cuda:{rank}")
         want = expected(op, args)
-        run(op, args, "jit")
+        run(op, args, "jit" if "jit" in BACKENDS["cuda"][op] else None)  # an op with no CUDA kernel yet runs its order
         torch.cuda.synchronize()
         for d, w in zip(DESTINATIONS[op], want):
             if not torch.equal(args[d].view(torch.uint8), w.view(torch.uint8)):
