@@ -1,0 +1,439 @@
+"""transfer_pages, pack_pages, unpack_pages: whole-destination bitwise equality with the torch reference
+on every CPU backend (jit, torch) and, on a GPU, device to device, host to device and device to host;
+the rule checked without the reference; layer-first and page-first pools, tuples of pools, padding,
+duplicates, out-of-range ids, bad input with the argument named; the pack format and its round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import jitkv
+from jitkv import reference
+from jitkv.tests.conftest import HAS_CUDA, assert_bitwise, gpu, rand
+
+OP = "transfer_pages"
+CPU_BACKENDS = ["jit", "torch"]
+DEV_BACKENDS = [("cpu", "jit"), ("cpu", "torch")] + ([("cuda", "torch")] if HAS_CUDA else [])
+# (dtype, page shape after the page-size dim): GQA rows of 8 x 128 bf16, 1152-byte MLA rows (576 bf16,
+# and as bytes), fp8_ds_mla's 656-byte records, odd byte widths, 12-byte fp32 rows.
+PAGES = [
+    (torch.bfloat16, (8, 128)),
+    (torch.bfloat16, (576,)),
+    (torch.uint8, (1152,)),
+    (torch.float8_e4m3fn, (656,)),
+    (torch.uint8, (37,)),
+    (torch.float32, (3,)),
+]
+PAGE_IDS = [f"{str(d).split('.')[1]}-{'x'.join(map(str, p))}" for d, p in PAGES]
+
+
+def _pool(layout, layers, pages, page, dtype, device="cpu", pin=False):
+    """A pool poisoned with random bytes: layer-first [L, P, ...], or page-first [P, L, ...] passed as
+    its transpose(0, 1)."""
+    if layout == "layer_first":
+        t = rand((layers, pages, *page), dtype)
+    else:
+        t = rand((pages, layers, *page), dtype)
+    t = t.pin_memory() if pin else t.to(device)
+    return t if layout == "layer_first" else t.transpose(0, 1)
+
+
+def _ids(values, dtype, device):
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _by_hand(src, dst, src_pages, dst_pages):
+    """dst after the op's rule written as a loop over the pairs (no reference): padding skipped, the
+    last pair of a destination page wins."""
+    want = dst.cpu().clone()
+    s_all = src.cpu()
+    for s, d in zip(src_pages.tolist(), dst_pages.tolist()):
+        if s >= 0 and d >= 0:
+            want[:, d] = s_all[:, s]
+    return want
+
+
+def _expected(src, dst, src_pages, dst_pages):
+    want = dst.clone()
+    reference.transfer_pages(src, want, src_pages, dst_pages, strict=False)
+    return want
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+@pytest.mark.parametrize("dtype,page", PAGES, ids=PAGE_IDS)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("src_layout,dst_layout", [("layer_first", "page_first"), ("page_first", "layer_first")])
+def test_matches_reference_and_rule(device, backend, dtype, page, page_size, src_layout, dst_layout):
+    layers, n = 3, 9
+    src = _pool(src_layout, layers, 13, (page_size, *page), dtype, device)
+    dst = _pool(dst_layout, layers, 17, (page_size, *page), dtype, device)
+    sp = torch.randint(0, 13, (n,))
+    dp = torch.randperm(17)[:n]
+    sp[2], dp[5] = -1, -3  # padding on either side
+    sp, dp = sp.to(device), dp.int().to(device)
+    want, by_hand = _expected(src, dst, sp, dp), _by_hand(src, dst, sp, dp)
+    jitkv.transfer_pages(src, dst, sp, dp, backend=backend)
+    assert_bitwise(dst, want)
+    assert_bitwise(dst.cpu(), by_hand)
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+@pytest.mark.parametrize("src_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dst_dtype", [torch.int32, torch.int64])
+def test_index_dtypes(device, backend, src_dtype, dst_dtype):
+    src = _pool("layer_first", 2, 8, (16, 4, 32), torch.float16, device)
+    dst = _pool("layer_first", 2, 8, (16, 4, 32), torch.float16, device)
+    sp, dp = _ids([3, 0, 7, -1], src_dtype, device), _ids([1, 6, -1, 2], dst_dtype, device)
+    by_hand = _by_hand(src, dst, sp, dp)
+    jitkv.transfer_pages(src, dst, sp, dp, backend=backend)
+    assert_bitwise(dst.cpu(), by_hand)
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+def test_duplicate_destinations_one_wins(device, backend):
+    """Pairs naming one destination page: that page holds one of their source pages whole (never a
+    mix), every other page is exact."""
+    src = _pool("layer_first", 4, 10, (16, 1152), torch.uint8, device)
+    dst = _pool("page_first", 4, 10, (16, 1152), torch.uint8, device)
+    sp, dp = _ids([1, 2, 3, 4, 5], torch.int64, device), _ids([7, 0, 7, 9, 7], torch.int64, device)
+    before = dst.cpu().clone()
+    jitkv.transfer_pages(src, dst, sp, dp, backend=backend)
+    got, s = dst.cpu(), src.cpu()
+    assert any(torch.equal(got[:, 7], s[:, k]) for k in (1, 3, 5))
+    assert torch.equal(got[:, 0], s[:, 2]) and torch.equal(got[:, 9], s[:, 4])
+    untouched = [p for p in range(10) if p not in (0, 7, 9)]
+    assert torch.equal(got[:, untouched], before[:, untouched])
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize(
+    "sp,dp,message",
+    [
+        ([0, 8, 1], [1, 2, 3], r"src_pages: position 1 has page 8, out of range for a pool of 8 pages$"),
+        ([0, 1, 2], [1, 2, 6], r"dst_pages: position 2 has page 6, out of range for a pool of 6 pages$"),
+        ([0, 1, 2**31 - 1], [1, 2, 3], r"src_pages: position 2 has page 2147483647, out of range"),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_out_of_range_raises_before_copying_cpu(backend, sp, dp, message, dtype):
+    src = _pool("layer_first", 2, 8, (4, 24), torch.bfloat16)
+    dst = _pool("page_first", 2, 6, (4, 24), torch.bfloat16)
+    before = dst.clone()
+    with pytest.raises(IndexError, match=rf"^{OP}: {message}"):
+        jitkv.transfer_pages(src, dst, _ids(sp, dtype, "cpu"), _ids(dp, dtype, "cpu"), backend=backend)
+    assert_bitwise(dst, before)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_out_of_range_in_a_padded_pair_is_padding(backend):
+    """A pair with a negative id is skipped whatever its other id (no IndexError)."""
+    src = _pool("layer_first", 2, 8, (4, 24), torch.bfloat16)
+    dst = _pool("layer_first", 2, 6, (4, 24), torch.bfloat16)
+    sp, dp = _ids([99, -1, 3], torch.int64, "cpu"), _ids([-1, 99, 5], torch.int64, "cpu")
+    by_hand = _by_hand(src, dst, sp, dp)
+    jitkv.transfer_pages(src, dst, sp, dp, backend=backend)
+    assert_bitwise(dst, by_hand)
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+def test_empty_and_all_padding(device, backend):
+    src = _pool("layer_first", 2, 4, (8, 16), torch.float32, device)
+    dst = _pool("layer_first", 2, 4, (8, 16), torch.float32, device)
+    before = dst.clone()
+    for ids in ([], [-1, -1]):
+        jitkv.transfer_pages(src, dst, _ids(ids, torch.int64, device), _ids(ids, torch.int32, device), backend=backend)
+        assert_bitwise(dst, before)
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+def test_one_layer_of_a_per_layer_cache(device, backend):
+    """One layer's cache [P, ...] as a pool of one layer (cache.view(1, P, ...))."""
+    src, dst = rand((12, 16, 576), torch.bfloat16, device), rand((12, 16, 576), torch.bfloat16, device)
+    sp, dp = _ids([4, 11, 0], torch.int64, device), _ids([2, 3, 11], torch.int64, device)
+    want = dst.clone()
+    want[dp] = src[sp]
+    jitkv.transfer_pages(src.view(1, 12, 16, 576), dst.view(1, 12, 16, 576), sp, dp, backend=backend)
+    assert_bitwise(dst, want)
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+def test_tuple_of_pools(device, backend):
+    """(k_pool, v_pool) to (k_host, v_host) in one call: each pair as its own call would write it."""
+    page = (16, 2, 64)
+    k, v = (_pool("layer_first", 3, 9, page, torch.bfloat16, device) for _ in range(2))
+    hk, hv = (_pool("page_first", 3, 20, page, torch.bfloat16, device) for _ in range(2))
+    sp, dp = _ids([8, 1, -1, 4], torch.int32, device), _ids([19, 0, 3, 7], torch.int64, device)
+    want = [_expected(k, hk, sp, dp), _expected(v, hv, sp, dp)]
+    jitkv.transfer_pages((k, v), (hk, hv), sp, dp, backend=backend)
+    assert_bitwise(hk, want[0])
+    assert_bitwise(hv, want[1])
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_tuple_checks_every_pair_before_copying(backend):
+    """An id past the second pool raises before the first pool is written; a bad second pair is named."""
+    k, v = _pool("layer_first", 2, 9, (4, 8), torch.float16), _pool("layer_first", 2, 9, (4, 8), torch.float16)
+    hk, hv = _pool("layer_first", 2, 9, (4, 8), torch.float16), _pool("layer_first", 2, 5, (4, 8), torch.float16)
+    before = hk.clone()
+    sp, dp = _ids([0, 1], torch.int64, "cpu"), _ids([2, 7], torch.int64, "cpu")
+    with pytest.raises(IndexError, match=rf"^{OP}: dst_pages: position 1 has page 7, out of range for a pool of 5"):
+        jitkv.transfer_pages((k, v), (hk, hv), sp, dp, backend=backend)
+    assert_bitwise(hk, before)
+    with pytest.raises(ValueError, match=rf"^{OP}: dst\[1\]: expected dtype float16 and page shape \[4, 8\] like src"):
+        jitkv.transfer_pages((k, v), (hk, hv.float()), sp, dp, backend=backend)
+    assert_bitwise(hk, before)
+    with pytest.raises(ValueError, match=rf"^{OP}: dst: expected 2 pools like src, got 1$"):
+        jitkv.transfer_pages((k, v), (hk,), sp, dp, backend=backend)
+    with pytest.raises(TypeError, match=rf"^{OP}: dst: expected a tuple of 2 pools like src, got Tensor$"):
+        jitkv.transfer_pages((k, v), hk, sp, dp, backend=backend)
+
+
+# ------------------------------------------------------------------------------------ pack format
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+def test_pack_format_and_round_trip(device, backend):
+    """pack_pages writes out[i, l] = src[l, src_pages[i]] (page-first); unpack_pages puts them back."""
+    layers, page = 3, (16, 576)
+    src = _pool("layer_first", layers, 11, page, torch.bfloat16, device)
+    sp = _ids([9, 0, 4, 10], torch.int64, device)
+    out = rand((4, layers, *page), torch.bfloat16, device)
+    jitkv.pack_pages(src, sp, out, backend=backend)
+    for i, p in enumerate(sp.tolist()):
+        assert torch.equal(out[i].view(torch.int16), src[:, p].view(torch.int16))
+    dst = _pool("page_first", layers, 7, page, torch.bfloat16, device)
+    dp = _ids([6, 1, -1, 3], torch.int32, device)
+    want = _by_hand(out.transpose(0, 1), dst, torch.arange(4), dp.cpu())
+    jitkv.unpack_pages(out, dst, dp, backend=backend)
+    assert_bitwise(dst.cpu(), want)
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+def test_pack_tuple_format(device, backend):
+    """A tuple of K pools packs into [N, K, L, *page]: page i holds pool 0's L layers, then pool 1's."""
+    page = (8, 2, 32)
+    k, v = (_pool("page_first", 2, 6, page, torch.float16, device) for _ in range(2))
+    sp = _ids([5, 2, -1], torch.int32, device)
+    out = rand((3, 2, 2, *page), torch.float16, device)
+    before = out.clone()
+    jitkv.pack_pages((k, v), sp, out, backend=backend)
+    for i, p in enumerate(sp.tolist()):
+        if p < 0:
+            assert_bitwise(out[i], before[i])  # padding leaves its page of out as it was
+            continue
+        assert torch.equal(out[i, 0].view(torch.int16), k[:, p].view(torch.int16))
+        assert torch.equal(out[i, 1].view(torch.int16), v[:, p].view(torch.int16))
+    hk, hv = (_pool("layer_first", 2, 4, page, torch.float16, device) for _ in range(2))
+    dp = _ids([3, 0, 1], torch.int64, device)
+    want_k = _by_hand(out[:, 0].transpose(0, 1), hk, torch.arange(3), dp.cpu())
+    want_v = _by_hand(out[:, 1].transpose(0, 1), hv, torch.arange(3), dp.cpu())
+    jitkv.unpack_pages(out, (hk, hv), dp, backend=backend)
+    assert_bitwise(hk.cpu(), want_k)
+    assert_bitwise(hv.cpu(), want_v)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda a: a.update(out=a["out"][:, :, :8]), r"out: expected dtype bfloat16 and shape \[3, 2, 16, 64\]"),
+        (lambda a: a.update(out=a["out"].half()), r"out: expected dtype bfloat16 and shape \[3, 2, 16, 64\]"),
+        (
+            lambda a: a.update(out=a["out"].transpose(0, 1).contiguous().transpose(0, 1)),
+            r"out: expected a contiguous tensor \(the pack format\)",
+        ),
+    ],
+)
+def test_pack_bad_buffer(change, message):
+    a = dict(
+        src=_pool("layer_first", 2, 5, (16, 64), torch.bfloat16),
+        src_pages=_ids([1, 2, 3], torch.int64, "cpu"),
+        out=rand((3, 2, 16, 64), torch.bfloat16),
+    )
+    change(a)
+    with pytest.raises(ValueError, match=rf"^{OP}: {message}"):
+        jitkv.pack_pages(**a)
+
+
+# -------------------------------------------------------------------------------------- bad input
+
+
+def _args(device="cpu"):
+    return dict(
+        src=_pool("layer_first", 2, 8, (16, 4, 32), torch.bfloat16, device),
+        dst=_pool("page_first", 2, 8, (16, 4, 32), torch.bfloat16, device),
+        src_pages=_ids([1, 2, 3], torch.int64, device),
+        dst_pages=_ids([4, 5, 6], torch.int32, device),
+    )
+
+
+BAD = [  # (case, change to the arguments, exception, message after "transfer_pages: ")
+    (
+        "dtype mismatch",
+        lambda a: a.update(dst=a["dst"].half()),
+        ValueError,
+        r"dst: expected dtype bfloat16 and page shape \[16, 4, 32\] like src, got float16 and \[16, 4, 32\]$",
+    ),
+    (
+        "page shape mismatch",
+        lambda a: a.update(dst=a["dst"][..., :16]),
+        ValueError,
+        r"dst: expected a dense page part \(every dim after dim 1 contiguous\), got shape \[2, 8, 16, 4, 16\] "
+        r"with stride 32 at dim 3$",
+    ),
+    (
+        "page shape differs",
+        lambda a: a.update(dst=rand((2, 8, 4, 16, 32), torch.bfloat16)),
+        ValueError,
+        r"dst: expected dtype bfloat16 and page shape \[16, 4, 32\] like src, got bfloat16 and \[4, 16, 32\]$",
+    ),
+    (
+        "non-dense page part",
+        lambda a: a.update(src=rand((2, 8, 4, 16, 32), torch.bfloat16).transpose(2, 3)),
+        ValueError,
+        r"src: expected a dense page part \(every dim after dim 1 contiguous\), got shape \[2, 8, 16, 4, 32\] "
+        r"with stride 512 at dim 3$",
+    ),
+    (
+        "pool of one dim",
+        lambda a: a.update(src=rand((8,), torch.bfloat16)),
+        ValueError,
+        r"src: expected a pool \[num_layers, num_pages, \*page\], got shape \[8\]$",
+    ),
+    ("layers differ", lambda a: a.update(dst=a["dst"][:1]), ValueError, r"dst: expected 2 layers like src, got 1$"),
+    (
+        "lengths differ",
+        lambda a: a.update(dst_pages=a["dst_pages"][:2]),
+        ValueError,
+        r"dst_pages: expected 3 entries like src_pages, got 2$",
+    ),
+    (
+        "ids 2-D",
+        lambda a: a.update(src_pages=a["src_pages"].view(3, 1)),
+        ValueError,
+        r"src_pages: expected a 1-D tensor, got shape \[3, 1\]$",
+    ),
+    (
+        "ids float",
+        lambda a: a.update(dst_pages=a["dst_pages"].float()),
+        TypeError,
+        r"dst_pages: expected dtype int32 or int64, got float32$",
+    ),
+    (
+        "ids strided",
+        lambda a: a.update(src_pages=_ids([1, 0, 2, 0, 3, 0], torch.int64, "cpu")[::2]),
+        ValueError,
+        r"src_pages: expected a contiguous tensor, got stride 2$",
+    ),
+    (
+        "ids a list",
+        lambda a: a.update(src_pages=[1, 2, 3]),
+        TypeError,
+        r"src_pages: expected a torch.Tensor, got list$",
+    ),
+    ("src None", lambda a: a.update(src=None), TypeError, r"src: expected a torch.Tensor, got NoneType$"),
+    (
+        "expanded dst",
+        lambda a: a.update(dst=a["dst"][:, :1].expand(2, 8, 16, 4, 32)),
+        ValueError,
+        r"dst: dim 1 of size 8 has stride 0",
+    ),
+]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input(backend, case):
+    _, change, exc, message = case
+    a = _args()
+    change(a)
+    before = a["dst"].clone() if isinstance(a["dst"], torch.Tensor) else None
+    with pytest.raises(exc, match=rf"^{OP}: {message}"):
+        jitkv.transfer_pages(**a, backend=backend)
+    if before is not None and a["dst"].stride() == before.stride():
+        assert_bitwise(a["dst"], before)
+
+
+# ------------------------------------------------------------------------------------------- GPU
+
+DIRECTIONS = ["h2d", "d2h", "d2d"]
+
+
+def _pools_for(direction, layers, pages, page, dtype):
+    """(src, dst) for a direction: the host pool pinned and page-first (HiCache's host layout)."""
+    on = {"h2d": ("host", "cuda"), "d2h": ("cuda", "host"), "d2d": ("cuda", "cuda")}[direction]
+    return [
+        _pool("page_first", layers, pages, page, dtype, pin=True)
+        if where == "host"
+        else _pool("layer_first", layers, pages, page, dtype, "cuda")
+        for where in on
+    ]
+
+
+@gpu
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("dtype,page", PAGES, ids=PAGE_IDS)
+def test_directions_gpu(direction, dtype, page):
+    src, dst = _pools_for(direction, 3, 20, (16, *page), dtype)
+    sp, dp = torch.randperm(20)[:9], torch.randperm(20)[:9]
+    sp[1], dp[4] = -1, -1
+    sp, dp = sp.cuda(), dp.int().cuda()
+    want = _by_hand(src, dst, sp.cpu(), dp.cpu())
+    jitkv.transfer_pages(src, dst, sp, dp)
+    torch.cuda.synchronize()
+    assert_bitwise(dst.cpu(), want)
+
+
+@gpu
+def test_out_of_range_skipped_gpu(monkeypatch):
+    """CUDA: an id past its pool is skipped; under JITKV_DEBUG=1 IndexError first, dst unchanged."""
+    monkeypatch.delenv("JITKV_DEBUG", raising=False)
+    src, dst = _pools_for("h2d", 2, 8, (16, 64), torch.bfloat16)
+    sp, dp = _ids([0, 8, 2], torch.int64, "cuda"), _ids([1, 2, 30], torch.int64, "cuda")
+    want = _by_hand(src, dst, _ids([0, -1, -1], torch.int64, "cpu"), _ids([1, -1, -1], torch.int64, "cpu"))
+    jitkv.transfer_pages(src, dst, sp, dp)
+    torch.cuda.synchronize()
+    assert_bitwise(dst.cpu(), want)
+    monkeypatch.setenv("JITKV_DEBUG", "1")
+    jitkv.ops.reset()
+    before = dst.clone()
+    try:
+        with pytest.raises(IndexError, match=rf"^{OP}: src_pages: position 1 has page 8, out of range"):
+            jitkv.transfer_pages(src, dst, sp, dp)
+    finally:
+        jitkv.ops.reset()
+    assert_bitwise(dst, before)
+
+
+@gpu
+def test_device_rules_gpu():
+    """A CPU pool in a copy with a GPU must be pinned; ids live on the GPU pool's device."""
+    a = _args("cuda")
+    a["src"] = a["src"].cpu()
+    with pytest.raises(ValueError, match=rf"^{OP}: src: expected a pinned CPU tensor \(pin_memory\(\)\) for a copy"):
+        jitkv.transfer_pages(**a)
+    a = _args("cuda")
+    a.update(src_pages=a["src_pages"].cpu(), dst_pages=a["dst_pages"].cpu())
+    with pytest.raises(ValueError, match=rf"^{OP}: src_pages: expected a tensor on cuda:0 like src \(page ids live"):
+        jitkv.transfer_pages(**a)
+    a = _args("cpu")
+    a.update(src_pages=a["src_pages"].cuda(), dst_pages=a["dst_pages"].cuda())
+    with pytest.raises(ValueError, match=rf"^{OP}: src_pages: expected a tensor on cpu like src and dst"):
+        jitkv.transfer_pages(**a)
+
+
+@gpu
+def test_cuda_graph_replay_device_to_device():
+    """Device to device on the torch reference captures and replays with new ids."""
+    src, dst = _pools_for("d2d", 2, 16, (16, 576), torch.bfloat16)
+    sp, dp = _ids([1, 2, -1, 4], torch.int64, "cuda"), _ids([5, 6, 7, -1], torch.int64, "cuda")
+    jitkv.transfer_pages(src, dst, sp, dp)  # resolves the backend before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        jitkv.transfer_pages(src, dst, sp, dp)
+    sp.copy_(_ids([9, -1, 3, 15], torch.int64, "cuda"))
+    dp.copy_(_ids([0, 1, 15, 8], torch.int64, "cuda"))
+    want = _by_hand(src, dst, sp.cpu(), dp.cpu())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise(dst.cpu(), want)
