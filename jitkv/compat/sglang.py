@@ -1,5 +1,7 @@
 """sglang's KV-cache writers on jitkv: ``store_cache``, ``set_mla_kv_buffer`` and the fused RoPE + KV store
-``apply_rope_with_cos_sin_cache_inplace`` (with ``FusedSetKVBufferArg``).
+``apply_rope_with_cos_sin_cache_inplace`` (with ``FusedSetKVBufferArg``); and HiCache's transfers between
+the device and host pools, ``transfer_hicache_one_layer`` / ``transfer_hicache_all_layer`` and their
+``_mla`` forms (``sglang.jit_kernel.hicache``).
 
 Same names, signatures (tuning keywords included) and results as sglang's JIT kernels
 ``sglang.jit_kernel.kvcache.store_cache``, ``sglang.jit_kernel.set_mla_kv_buffer.set_mla_kv_buffer`` and
@@ -34,8 +36,18 @@ from .. import reference
 from .. import rope_store_cache as _rope_store_cache
 from .. import set_mla_kv_buffer as _set_mla_kv_buffer
 from .. import store_cache as _store_cache
+from .. import transfer_pages as _transfer_pages
 
-__all__ = ["FusedSetKVBufferArg", "apply_rope_with_cos_sin_cache_inplace", "set_mla_kv_buffer", "store_cache"]
+__all__ = [
+    "FusedSetKVBufferArg",
+    "apply_rope_with_cos_sin_cache_inplace",
+    "set_mla_kv_buffer",
+    "store_cache",
+    "transfer_hicache_all_layer",
+    "transfer_hicache_all_layer_mla",
+    "transfer_hicache_one_layer",
+    "transfer_hicache_one_layer_mla",
+]
 
 
 def store_cache(k, v, k_cache, v_cache, indices, *, row_bytes=0, num_split=0, size_limit=0):
@@ -202,3 +214,157 @@ def _as_rows(t, name):
             f"set_mla_kv_buffer: {name}: trailing dims of shape {list(t.shape)} (strides {t.stride()}) cannot be "
             "viewed as one row"
         ) from None
+
+
+# ---------------------------------------------------------------------------------------- HiCache
+# sglang.jit_kernel.hicache (names and argument order as in sglang's main branch, 2026): tokens
+# ("items") between the device KV pool and the pinned host pool. One item is element_dim values
+# (element_size bytes) of one layer; item indices_src[i] goes to item indices_dst[i]. unroll and
+# block_quota tune sglang's kernel (its loop unrolling, how many SMs it may take) and are accepted and
+# ignored: jitkv picks its own copy path.
+
+
+def transfer_hicache_one_layer(
+    k_cache_dst,
+    v_cache_dst,
+    indices_dst,
+    k_cache_src,
+    v_cache_src,
+    indices_src,
+    *,
+    element_dim=None,
+    unroll=None,
+    block_quota=None,
+):
+    """One layer's K and V items, as sglang's ``transfer_hicache_one_layer``:
+    ``k_cache_dst.view(-1, element_dim)[indices_dst[i]] = k_cache_src.view(-1, element_dim)[indices_src[i]]``,
+    and the same for V.
+
+    Args:
+        k_cache_dst, v_cache_dst, k_cache_src, v_cache_src: one layer's caches, contiguous (sglang
+            views them as ``[-1, element_dim]``), one dtype; a CPU side pinned.
+        indices_dst, indices_src: ``[N]`` int32/int64 item (token) indices on the GPU cache's device.
+        element_dim: values per item (default: ``k_cache_dst.size(-1)``).
+        unroll, block_quota: sglang's kernel tuning, ignored.
+
+    As the other shims of this module: there is no padding value, a negative index is out of range
+    (IndexError on CPU and under ``JITKV_DEBUG=1``; skipped on CUDA otherwise), as is one past the cache.
+
+    Raises: the errors of ``jitkv.transfer_pages`` (naming src / dst for the caches), IndexError as above.
+    """
+    del unroll, block_quota  # sglang's kernel tuning
+    op = "transfer_hicache_one_layer"
+    dim = element_dim or k_cache_dst.size(-1)
+    pools = [_items(t, dim) for t in (k_cache_src, v_cache_src, k_cache_dst, v_cache_dst)]
+    src_idx, dst_idx = _slots(indices_src, "indices_src", op), _slots(indices_dst, "indices_dst", op)
+    _transfer_pages(tuple(pools[:2]), tuple(pools[2:]), src_idx, dst_idx)
+
+
+def transfer_hicache_one_layer_mla(
+    cache_dst, indices_dst, cache_src, indices_src, *, element_dim=None, unroll=None, block_quota=None
+):
+    """``transfer_hicache_one_layer`` for one MLA cache per layer (no V), as sglang's
+    ``transfer_hicache_one_layer_mla``; the same arguments and rules."""
+    del unroll, block_quota  # sglang's kernel tuning
+    op = "transfer_hicache_one_layer_mla"
+    dim = element_dim or cache_dst.size(-1)
+    src_idx, dst_idx = _slots(indices_src, "indices_src", op), _slots(indices_dst, "indices_dst", op)
+    _transfer_pages(_items(cache_src, dim), _items(cache_dst, dim), src_idx, dst_idx)
+
+
+def transfer_hicache_all_layer(
+    k_ptr_dst,
+    v_ptr_dst,
+    indices_dst,
+    k_ptr_src,
+    v_ptr_src,
+    indices_src,
+    *,
+    kv_cache_src_stride_bytes,
+    kv_cache_dst_stride_bytes,
+    element_size=None,
+    unroll=None,
+    block_quota=None,
+):
+    """Every layer's K and V items, as sglang's ``transfer_hicache_all_layer``: for each layer l, item
+    ``indices_src[i]`` of the src pool to item ``indices_dst[i]`` of the dst pool.
+
+    sglang passes per-layer base-pointer tables (``k_ptr_*``: uint64 ``[num_layers]``) and addresses
+    item j of layer l at ``ptr[l] + j * stride_bytes``. Raw addresses cannot be checked, so here each
+    ``*_ptr_*`` argument is the pool itself: ``[num_layers, num_items, *item]`` with a dense item
+    (a layer-first pool as is; a page-first host pool ``[num_items, num_layers, *item]`` as its
+    ``transpose(0, 1)``), whose dim-1 stride in bytes must equal the ``*_stride_bytes`` argument and
+    whose item must be ``element_size`` bytes (when given). A pointer table raises TypeError.
+
+    Args:
+        k_ptr_dst, v_ptr_dst, k_ptr_src, v_ptr_src: the pools (above); a CPU side pinned.
+        indices_dst, indices_src: ``[N]`` int32/int64 item indices on the GPU pool's device.
+        kv_cache_src_stride_bytes, kv_cache_dst_stride_bytes: bytes between consecutive items of one
+            layer (checked against the pools).
+        element_size: bytes of one item (default: the src stride, sglang's contiguous case; checked).
+        unroll, block_quota: sglang's kernel tuning, ignored.
+
+    Index rules as ``transfer_hicache_one_layer``.
+
+    Raises:
+        TypeError: a pointer table in place of a pool. ValueError: a stride or element_size that is
+        not the pools'; the errors of ``jitkv.transfer_pages``. IndexError as above.
+    """
+    del unroll, block_quota  # sglang's kernel tuning
+    op = "transfer_hicache_all_layer"
+    named = (("k_ptr_src", k_ptr_src), ("v_ptr_src", v_ptr_src), ("k_ptr_dst", k_ptr_dst), ("v_ptr_dst", v_ptr_dst))
+    strides = {"src": ("kv_cache_src_stride_bytes", kv_cache_src_stride_bytes)}
+    strides["dst"] = ("kv_cache_dst_stride_bytes", kv_cache_dst_stride_bytes)
+    pools = [_layer_pool(op, name, t, *strides[name[-3:]], element_size) for name, t in named]
+    src_idx, dst_idx = _slots(indices_src, "indices_src", op), _slots(indices_dst, "indices_dst", op)
+    _transfer_pages(tuple(pools[:2]), tuple(pools[2:]), src_idx, dst_idx)
+
+
+def transfer_hicache_all_layer_mla(
+    ptr_dst,
+    indices_dst,
+    ptr_src,
+    indices_src,
+    *,
+    cache_src_stride_bytes,
+    cache_dst_stride_bytes,
+    element_size=None,
+    unroll=None,
+    block_quota=None,
+):
+    """``transfer_hicache_all_layer`` for one MLA pool (no V), as sglang's
+    ``transfer_hicache_all_layer_mla``; pools in place of pointer tables, the same rules."""
+    del unroll, block_quota  # sglang's kernel tuning
+    op = "transfer_hicache_all_layer_mla"
+    src = _layer_pool(op, "ptr_src", ptr_src, "cache_src_stride_bytes", cache_src_stride_bytes, element_size)
+    dst = _layer_pool(op, "ptr_dst", ptr_dst, "cache_dst_stride_bytes", cache_dst_stride_bytes, element_size)
+    src_idx, dst_idx = _slots(indices_src, "indices_src", op), _slots(indices_dst, "indices_dst", op)
+    _transfer_pages(src, dst, src_idx, dst_idx)
+
+
+def _items(cache, element_dim):
+    """One layer's cache as a pool of one layer whose pages are items: ``[1, -1, element_dim]``, a view
+    (sglang's ``view(-1, element_dim)``)."""
+    if not isinstance(cache, torch.Tensor):
+        return cache  # transfer_pages raises the TypeError
+    return cache.view(1, -1, element_dim)
+
+
+def _layer_pool(op, name, pool, stride_name, stride_bytes, element_size):
+    """A pool in place of sglang's pointer table, checked against the stride and item size given."""
+    if not isinstance(pool, torch.Tensor):
+        return pool  # transfer_pages raises the TypeError
+    if pool.dim() < 2:
+        raise TypeError(
+            f"{op}: {name}: per-layer pointer tables are not supported; pass the pool [num_layers, num_items, "
+            f"...] (a page-first pool as its transpose(0, 1)), got shape {list(pool.shape)}"
+        )
+    es = pool.element_size()
+    if pool.stride(1) * es != stride_bytes:
+        raise ValueError(
+            f"{op}: {stride_name}: expected {pool.stride(1) * es} (the item stride of {name}), got {stride_bytes}"
+        )
+    item = pool[0, 0].numel() * es
+    if element_size is not None and element_size != item:
+        raise ValueError(f"{op}: element_size: expected {item} (the item bytes of {name}), got {element_size}")
+    return pool

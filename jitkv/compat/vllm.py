@@ -1,5 +1,5 @@
 """vLLM's KV-cache writers on jitkv: ``reshape_and_cache_flash``, ``concat_and_cache_mla`` and the fused
-MLA RoPE + cache write ``concat_and_cache_mla_rope_fused``.
+MLA RoPE + cache write ``concat_and_cache_mla_rope_fused``; and its block swap ``swap_blocks``.
 
 Same names, argument order and results as the CUDA ops vLLM registers under
 ``torch.ops._C_cache_ops`` (and wraps in ``vllm._custom_ops``), as read in vLLM's main branch in
@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import rope_set_mla_kv_buffer, set_mla_kv_buffer, store_cache
+from .. import rope_set_mla_kv_buffer, set_mla_kv_buffer, store_cache, transfer_pages
+from ..checks import dtype_name
 
-__all__ = ["concat_and_cache_mla", "concat_and_cache_mla_rope_fused", "reshape_and_cache_flash"]
+__all__ = ["concat_and_cache_mla", "concat_and_cache_mla_rope_fused", "reshape_and_cache_flash", "swap_blocks"]
 
 # vLLM's MLA cache formats (concat_and_cache_mla's kv_cache_dtype).
 MLA_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
@@ -233,3 +234,53 @@ def concat_and_cache_mla_rope_fused(
         kv_cache_dtype="fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype,
         scale=kv_cache_scale if fp8 else None,
     )
+
+
+def swap_blocks(src, dst, block_size_in_bytes, block_mapping):
+    """Copy whole cache blocks between two caches of one layer, as vLLM's ``swap_blocks``.
+
+    For each row ``(s, d)`` of ``block_mapping``: block d of ``dst`` = block s of ``src``, all
+    ``block_size_in_bytes`` bytes of it. vLLM uses it to swap blocks between the GPU cache and a
+    pinned CPU cache (and GPU to GPU), once per K and V cache of each layer.
+
+    Args:
+        src, dst: one layer's cache ``[num_blocks, ...]`` (vLLM passes ``kv_cache[0]`` / ``[1]`` of a
+            ``[2, num_blocks, block_size, heads, head_size]`` allocation), one dtype and block shape,
+            each block dense. On one CUDA device, or one of them a pinned CPU tensor, or both CPU.
+        block_size_in_bytes: the bytes of one block; must equal ``src[0]``'s bytes (vLLM addresses
+            block i at ``data_ptr + i * block_size_in_bytes``; jitkv follows the tensors' own block
+            stride, the same address for the dense caches vLLM allocates).
+        block_mapping: ``[N, 2]`` int64 (vLLM's) or int32 pairs (src block, dst block), on the CPU as
+            vLLM keeps it (moved to the CUDA cache's device here), or already there.
+
+    Where vLLM and jitkv differ, jitkv's contract (docs/design.md §3) applies: a pair with a negative
+    block is skipped (vLLM has no padding value and never sends one); a block past its cache raises
+    IndexError on CPU before anything is copied and is skipped on CUDA (vLLM does not check).
+
+    Raises:
+        TypeError, ValueError: block_mapping not an ``[N, 2]`` int32/int64 tensor, block_size_in_bytes
+        not the block's bytes; the errors of ``jitkv.transfer_pages`` (src, dst, their dtypes, shapes
+        and devices, an unpinned CPU cache beside a GPU one).
+        IndexError: a block past its cache (CPU; CUDA under ``JITKV_DEBUG=1``).
+    """
+    op = "swap_blocks"
+    for name, t in (("src", src), ("dst", dst), ("block_mapping", block_mapping)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name}: expected a torch.Tensor, got {type(t).__name__}")
+    if block_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: block_mapping: expected dtype int32 or int64, got {dtype_name(block_mapping.dtype)}")
+    if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
+        raise ValueError(f"{op}: block_mapping: expected shape [N, 2], got {list(block_mapping.shape)}")
+    for name, t in (("src", src), ("dst", dst)):
+        if t.dim() < 1:
+            raise ValueError(f"{op}: {name}: expected a cache [num_blocks, ...], got shape {list(t.shape)}")
+    block = src[0].numel() * src.element_size() if src.shape[0] else None
+    if isinstance(block_size_in_bytes, bool) or not isinstance(block_size_in_bytes, int):
+        raise TypeError(f"{op}: block_size_in_bytes: expected an int, got {type(block_size_in_bytes).__name__}")
+    if block is not None and block_size_in_bytes != block:
+        raise ValueError(
+            f"{op}: block_size_in_bytes: expected {block} (the bytes of src[0]), got {block_size_in_bytes}"
+        )
+    device = dst.device if dst.is_cuda else src.device
+    pairs = block_mapping.to(device)
+    transfer_pages(src.unsqueeze(0), dst.unsqueeze(0), pairs[:, 0].contiguous(), pairs[:, 1].contiguous())

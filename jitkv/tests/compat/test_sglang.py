@@ -300,3 +300,136 @@ def test_apply_rope_negative_cache_loc_raises_first():
         )
     for got, want in zip((q, k, k_buffer, v_buffer), before):
         assert_bitwise(got, want)
+
+
+# ----------------------------------------------------------------------------------------- HiCache
+
+
+def _item_rule(src, dst, idx_src, idx_dst, element_dim):
+    """sglang's one-layer rule: dst.view(-1, element_dim)[idx_dst[i]] = src.view(-1, element_dim)[idx_src[i]]."""
+    want = dst.cpu().clone()
+    want.view(-1, element_dim)[idx_dst.cpu()] = src.cpu().view(-1, element_dim)[idx_src.cpu()]
+    return want
+
+
+def _host(t, device):
+    """A host cache as sglang allocates it: pinned when a GPU is in the copy."""
+    return t.pin_memory() if device == "cuda" else t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_transfer_hicache_one_layer(device, dtype):
+    """Host -> device load of one layer's K and V (sglang's load_to_device_per_layer), items of 8 x 128."""
+    items, heads, dim = 40, 8, 128
+    k_dev, v_dev = rand((items, heads, dim), dtype, device), rand((items, heads, dim), dtype, device)
+    k_host, v_host = (_host(rand((items * 2, heads, dim), dtype), device) for _ in range(2))
+    idx_src = slots(items * 2, 10, torch.int64, device)
+    idx_dst = _rows_with_zero(items, 10, torch.int64, device)
+    want = [
+        _item_rule(k_host, k_dev, idx_src, idx_dst, heads * dim),
+        _item_rule(v_host, v_dev, idx_src, idx_dst, heads * dim),
+    ]
+    sglang.transfer_hicache_one_layer(
+        k_dev, v_dev, idx_dst, k_host, v_host, idx_src, element_dim=heads * dim, block_quota=3, unroll=2
+    )
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert_bitwise(k_dev.cpu(), want[0])
+    assert_bitwise(v_dev.cpu(), want[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_transfer_hicache_one_layer_mla(device):
+    items, width = 30, 576
+    dev = rand((items, 1, width), torch.bfloat16, device)
+    host = _host(rand((items, 1, width), torch.bfloat16), device)
+    idx_src, idx_dst = slots(items, 7, torch.int32, device), _rows_with_zero(items, 7, torch.int64, device)
+    want = _item_rule(dev, host, idx_src, idx_dst, width)
+    sglang.transfer_hicache_one_layer_mla(host, idx_dst, dev, idx_src)  # device -> host backup
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert_bitwise(host.cpu(), want)
+
+
+def _all_layer_rule(src_alloc, dst_alloc, layer_offsets, strides, idx_src, idx_dst, item_bytes):
+    """sglang's all-layer rule on raw bytes: item j of layer l at base + offset[l] + j * stride."""
+    want = dst_alloc.cpu().clone()
+    sb, db = src_alloc.cpu().contiguous().view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)
+    (s_off, d_off), (s_stride, d_stride) = layer_offsets, strides
+    for layer in range(len(s_off)):
+        for i, j in zip(idx_src.tolist(), idx_dst.tolist()):
+            a, b = s_off[layer] + i * s_stride, d_off[layer] + j * d_stride
+            db[b : b + item_bytes] = sb[a : a + item_bytes]
+    return want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_transfer_hicache_all_layer(device):
+    """Device (layer-first [L, items, H, D]) -> host (page-first [items, L, H, D], passed transposed):
+    sglang's backup of all layers, addressed as its pointer tables and strides would address them."""
+    layers, items, heads, dim, dtype = 3, 24, 2, 64, torch.float16
+    item = heads * dim * 2
+    k_dev, v_dev = (rand((layers, items, heads, dim), dtype, device) for _ in range(2))
+    k_host, v_host = (_host(rand((items * 2, layers, heads, dim), dtype), device) for _ in range(2))
+    idx_src, idx_dst = slots(items, 9, torch.int64, device), _rows_with_zero(items * 2, 9, torch.int64, device)
+    offsets = ([layer * items * item for layer in range(layers)], [layer * item for layer in range(layers)])
+    strides = (item, layers * item)
+    want = [
+        _all_layer_rule(s, d, offsets, strides, idx_src, idx_dst, item) for s, d in ((k_dev, k_host), (v_dev, v_host))
+    ]
+    sglang.transfer_hicache_all_layer(
+        k_host.transpose(0, 1),
+        v_host.transpose(0, 1),
+        idx_dst,
+        k_dev,
+        v_dev,
+        idx_src,
+        kv_cache_src_stride_bytes=strides[0],
+        kv_cache_dst_stride_bytes=strides[1],
+        element_size=item,
+        block_quota=2,
+    )
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert_bitwise(k_host.cpu(), want[0])
+    assert_bitwise(v_host.cpu(), want[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_transfer_hicache_all_layer_mla(device):
+    """Host page-first -> device layer-first, one MLA pool of 1152-byte items."""
+    layers, items = 2, 20
+    dev = rand((layers, items, 1, 576), torch.bfloat16, device)
+    host = _host(rand((items, layers, 1, 576), torch.bfloat16), device)
+    idx_src, idx_dst = slots(items, 6, torch.int32, device), _rows_with_zero(items, 6, torch.int32, device)
+    offsets = ([layer * 1152 for layer in range(layers)], [layer * items * 1152 for layer in range(layers)])
+    want = _all_layer_rule(host, dev, offsets, (layers * 1152, 1152), idx_src, idx_dst, 1152)
+    sglang.transfer_hicache_all_layer_mla(
+        dev, idx_dst, host.transpose(0, 1), idx_src, cache_src_stride_bytes=layers * 1152, cache_dst_stride_bytes=1152
+    )
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert_bitwise(dev.cpu(), want)
+
+
+def test_transfer_hicache_bad_input():
+    dev, host = rand((2, 8, 64), torch.bfloat16), rand((8, 2, 64), torch.bfloat16)
+    idx = torch.tensor([1, 2])
+    pointers = torch.tensor([dev.data_ptr(), dev[1].data_ptr()], dtype=torch.int64)
+    with pytest.raises(TypeError, match=r"^transfer_hicache_all_layer_mla: ptr_src: per-layer pointer tables"):
+        sglang.transfer_hicache_all_layer_mla(
+            host.transpose(0, 1), idx, pointers, idx, cache_src_stride_bytes=128, cache_dst_stride_bytes=256
+        )
+    with pytest.raises(ValueError, match=r"^transfer_hicache_all_layer_mla: cache_dst_stride_bytes: expected 256"):
+        sglang.transfer_hicache_all_layer_mla(
+            host.transpose(0, 1), idx, dev, idx, cache_src_stride_bytes=128, cache_dst_stride_bytes=128
+        )
+    with pytest.raises(ValueError, match=r"^transfer_hicache_all_layer_mla: element_size: expected 128"):
+        sglang.transfer_hicache_all_layer_mla(
+            host.transpose(0, 1), idx, dev, idx, cache_src_stride_bytes=128, cache_dst_stride_bytes=256, element_size=64
+        )
+    before = host.clone()
+    with pytest.raises(IndexError, match=r"^transfer_hicache_one_layer_mla: indices_src: position 1 has slot -1"):
+        sglang.transfer_hicache_one_layer_mla(host[:, 0], idx, dev[0], torch.tensor([0, -1]))
+    assert_bitwise(host, before)

@@ -458,3 +458,56 @@ def test_concat_and_cache_mla_rope_fused_refuses_ds_mla_and_wide_rows():
         vllm.concat_and_cache_mla_rope_fused(*args, rand((2, 4, 656), torch.uint8, "cpu"), "fp8_ds_mla", None)
     with pytest.raises(ValueError, match=r"^concat_and_cache_mla_rope_fused: kv_cache: expected a row width of"):
         vllm.concat_and_cache_mla_rope_fused(*args, rand((2, 4, 600), torch.bfloat16, "cpu"), "auto", None)
+
+
+# ------------------------------------------------------------------------------------- swap_blocks
+
+
+def _swap_rule(src, dst, block_bytes, mapping):
+    """vLLM's swap_blocks: for each (s, d), block_bytes bytes from src's base + s * block_bytes to dst's
+    base + d * block_bytes (on flat byte views of the whole caches)."""
+    want = dst.cpu().clone()
+    flat_src, flat_dst = src.cpu().contiguous().view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)
+    for s, d in mapping.tolist():
+        flat_dst[d * block_bytes : (d + 1) * block_bytes] = flat_src[s * block_bytes : (s + 1) * block_bytes]
+    return want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("direction", ["out", "in", "same"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("mapping_dtype", [torch.int64, torch.int32])
+def test_swap_blocks(device, direction, dtype, mapping_dtype):
+    """K and V halves of [2, num_blocks, block_size, heads, head_size] caches, swapped out (device ->
+    host), in (host -> device) or on one device; a host cache beside a GPU one is pinned."""
+    shape = (2, 12, 16, 2, 64)
+    pin = device == "cuda"
+    gpu_kv, host_kv = rand(shape, dtype, device), rand(shape, dtype)
+    host_kv = host_kv.pin_memory() if pin else host_kv
+    src_kv, dst_kv = {"out": (gpu_kv, host_kv), "in": (host_kv, gpu_kv), "same": (gpu_kv, rand(shape, dtype, device))}[
+        direction
+    ]
+    mapping = torch.tensor([[3, 0], [11, 7], [0, 11], [5, 2]], dtype=mapping_dtype)
+    block = 16 * 2 * 64 * dtype.itemsize
+    for half in range(2):
+        src, dst = src_kv[half], dst_kv[half]
+        want = _swap_rule(src, dst, block, mapping)
+        vllm.swap_blocks(src, dst, block, mapping)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert_bitwise(dst.cpu(), want)
+
+
+def test_swap_blocks_bad_input():
+    src, dst = rand((4, 16, 64), torch.bfloat16), rand((4, 16, 64), torch.bfloat16)
+    before = dst.clone()
+    mapping = torch.tensor([[0, 1]])
+    with pytest.raises(ValueError, match=r"^swap_blocks: block_size_in_bytes: expected 2048 \(the bytes of src\[0\]\)"):
+        vllm.swap_blocks(src, dst, 1024, mapping)
+    with pytest.raises(ValueError, match=r"^swap_blocks: block_mapping: expected shape \[N, 2\], got \[2\]$"):
+        vllm.swap_blocks(src, dst, 2048, mapping.view(-1))
+    with pytest.raises(TypeError, match=r"^swap_blocks: block_mapping: expected dtype int32 or int64, got float32$"):
+        vllm.swap_blocks(src, dst, 2048, mapping.float())
+    with pytest.raises(IndexError, match=r"^transfer_pages: dst_pages: position 0 has page 4, out of range"):
+        vllm.swap_blocks(src, dst, 2048, torch.tensor([[0, 4]]))
+    assert_bitwise(dst, before)
