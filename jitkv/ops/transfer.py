@@ -108,9 +108,10 @@ def pack_pages(src, src_pages, out, *, backend=None):
 
     Algorithm: ``transfer_pages`` with out viewed as a pool and destination pages ``0..N-1``.
     """
-    pools = _pools("src", src)
-    n = checks.tensor(OP, "src_pages", src_pages).numel()
-    views = _buffer_views("out", out, pools, n, isinstance(src, (tuple, list)))
+    op = "pack_pages"
+    pools = _pools(op, "src", src)
+    n = checks.tensor(op, "src_pages", src_pages).numel()
+    views = _buffer_views(op, "out", out, pools, n, isinstance(src, (tuple, list)))
     pages = torch.arange(n, dtype=src_pages.dtype, device=src_pages.device)
     transfer_pages(src, views if isinstance(src, (tuple, list)) else views[0], src_pages, pages, backend=backend)
 
@@ -132,36 +133,42 @@ def unpack_pages(buf, dst, dst_pages, *, backend=None):
 
     Algorithm: ``transfer_pages`` with buf viewed as a pool and source pages ``0..N-1``.
     """
-    pools = _pools("dst", dst)
-    n = checks.tensor(OP, "dst_pages", dst_pages).numel()
-    views = _buffer_views("buf", buf, pools, n, isinstance(dst, (tuple, list)))
+    op = "unpack_pages"
+    pools = _pools(op, "dst", dst)
+    n = checks.tensor(op, "dst_pages", dst_pages).numel()
+    views = _buffer_views(op, "buf", buf, pools, n, isinstance(dst, (tuple, list)))
     pages = torch.arange(n, dtype=dst_pages.dtype, device=dst_pages.device)
     transfer_pages(views if isinstance(dst, (tuple, list)) else views[0], dst, pages, dst_pages, backend=backend)
 
 
-def _pools(name, pools):
-    seq = pools if isinstance(pools, (tuple, list)) else (pools,)
+def _pools(op, name, pools):
+    """The pools of a pack or unpack (one, or a tuple of them), each a tensor of at least 2 dims."""
+    is_tuple = isinstance(pools, (tuple, list))
+    seq = pools if is_tuple else (pools,)
     if not seq:
-        raise ValueError(f"{OP}: {name}: expected at least one pool, got an empty tuple")
+        raise ValueError(f"{op}: {name}: expected at least one pool, got an empty tuple")
     for j, t in enumerate(seq):
-        checks.tensor(OP, name if seq is not pools else f"{name}[{j}]", t)
+        label = f"{name}[{j}]" if is_tuple else name
+        checks.tensor(op, label, t)
         if t.dim() < 2:
-            raise ValueError(f"{OP}: {name}: expected a pool [num_layers, num_pages, *page], got shape {list(t.shape)}")
+            raise ValueError(
+                f"{op}: {label}: expected a pool [num_layers, num_pages, *page], got shape {list(t.shape)}"
+            )
     return seq
 
 
-def _buffer_views(name, buf, pools, n, is_tuple):
+def _buffer_views(op, name, buf, pools, n, is_tuple):
     """The pack buffer ``buf`` as one pool view ``[L, N, *page]`` per pool, after checking it."""
-    checks.tensor(OP, name, buf)
+    checks.tensor(op, name, buf)
     first = pools[0]
     want = [n, *([len(pools)] if is_tuple else []), *first.shape[:1], *first.shape[2:]]
     if list(buf.shape) != want or buf.dtype != first.dtype:
         raise ValueError(
-            f"{OP}: {name}: expected dtype {checks.dtype_name(first.dtype)} and shape {want} (the pack format), "
+            f"{op}: {name}: expected dtype {checks.dtype_name(first.dtype)} and shape {want} (the pack format), "
             f"got {checks.dtype_name(buf.dtype)} and {list(buf.shape)}"
         )
     if not buf.is_contiguous():
-        raise ValueError(f"{OP}: {name}: expected a contiguous tensor (the pack format), got strides {buf.stride()}")
+        raise ValueError(f"{op}: {name}: expected a contiguous tensor (the pack format), got strides {buf.stride()}")
     if not is_tuple:
         return [buf.transpose(0, 1)]
     return [buf.select(1, j).transpose(0, 1) for j in range(len(pools))]

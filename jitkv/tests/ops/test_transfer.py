@@ -251,8 +251,17 @@ def test_pack_bad_buffer(change, message):
         out=rand((3, 2, 16, 64), torch.bfloat16),
     )
     change(a)
-    with pytest.raises(ValueError, match=rf"^{OP}: {message}"):
+    with pytest.raises(ValueError, match=rf"^pack_pages: {message}"):
         jitkv.pack_pages(**a)
+
+
+def test_unpack_bad_buffer():
+    dst = (_pool("layer_first", 2, 5, (16, 64), torch.bfloat16), _pool("layer_first", 2, 5, (16, 64), torch.bfloat16))
+    buf = rand((3, 2, 16, 64), torch.bfloat16)  # the format of one pool, not of a tuple of 2
+    with pytest.raises(ValueError, match=r"^unpack_pages: buf: expected dtype bfloat16 and shape \[3, 2, 2, 16, 64\]"):
+        jitkv.unpack_pages(buf, dst, _ids([0, 1, 2], torch.int64, "cpu"))
+    with pytest.raises(TypeError, match=r"^unpack_pages: dst\[1\]: expected a torch.Tensor, got NoneType$"):
+        jitkv.unpack_pages(buf, (dst[0], None), _ids([0, 1, 2], torch.int64, "cpu"))
 
 
 # -------------------------------------------------------------------------------------- bad input
