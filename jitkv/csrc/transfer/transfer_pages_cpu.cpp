@@ -6,9 +6,10 @@
 // position before any byte is written) and keeps the last pair of each destination page, as torch
 // indexing lets one write win (two pairs racing on one page in the parallel pass could interleave
 // their bytes); then the (pair, layer) runs are copied, page_bytes each (row_copy.h), OpenMP over the
-// runs above a payload threshold (scatter.h threads_for). Regular stores: pages of odd widths are not
-// 64-byte aligned, which streaming stores need (re-measure with the CPU benchmark's transfer rows
-// before adding them).
+// runs above a payload threshold (scatter.h threads_for). Streaming stores where every destination
+// page starts on a 64-byte line and scatter.h want_streaming says the written lines are cold (a pool
+// far larger than the LLC, or a large payload per thread); regular stores otherwise, pages of odd widths
+// included. Re-measure with `python -m jitkv.benchmark --device cpu --op transfer`.
 #include <tvm/ffi/function.h>
 
 #include <algorithm>
@@ -65,6 +66,16 @@ std::vector<cpu::RowSlot> resolve_pairs(const TransferParams& p) {
   return pairs;
 }
 
+// Every page of the pool starts on a 64-byte line (what streaming stores need).
+bool lines_aligned(const Pool& pool) {
+  return reinterpret_cast<uintptr_t>(pool.base) % 64 == 0 && pool.layer_stride % 64 == 0 && pool.page_stride % 64 == 0;
+}
+
+// The bytes the pool spans (its pages of every layer), what decides whether its lines are cold.
+int64_t span_bytes(const Pool& pool, int64_t layers) {
+  return cpu::abs64(pool.layer_stride) * layers + cpu::abs64(pool.page_stride) * pool.num_pages;
+}
+
 void transfer_pages_cpu(TensorView src, TensorView dst, TensorView src_pages, TensorView dst_pages) {
   for (auto [name, t] : {std::pair<const char*, const TensorView*>{"src", &src},
                          {"dst", &dst},
@@ -79,7 +90,9 @@ void transfer_pages_cpu(TensorView src, TensorView dst, TensorView src_pages, Te
   const std::vector<cpu::RowSlot> pairs = resolve_pairs(p);
   const int64_t runs = static_cast<int64_t>(pairs.size()) * p.num_layers;
   if (runs == 0 || p.page_bytes == 0) return;
-  const int threads = cpu::threads_for(runs * p.page_bytes);
+  const int64_t payload = runs * p.page_bytes;
+  const int threads = cpu::threads_for(payload);
+  const bool nt = lines_aligned(p.dst) && cpu::want_streaming(span_bytes(p.dst, p.num_layers), payload, threads);
   const int64_t layers = p.num_layers;
   cpu::for_rows(runs, threads, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -87,8 +100,9 @@ void transfer_pages_cpu(TensorView src, TensorView dst, TensorView src_pages, Te
       const int64_t layer = r % layers;
       const char* from = p.src.base + layer * p.src.layer_stride + pair.row * p.src.page_stride;
       char* to = p.dst.base + layer * p.dst.layer_stride + pair.slot * p.dst.page_stride;
-      cpu::copy_seg(to, from, p.page_bytes, false);
+      cpu::copy_seg(to, from, p.page_bytes, nt);
     }
+    if (nt) cpu::stream_fence();
   });
 }
 
