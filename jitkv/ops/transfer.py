@@ -310,6 +310,44 @@ def _bench_cpu(h) -> list:
     return rows
 
 
+def _bench_gpu(h) -> list:
+    """n pages of 16 x 576 bf16 (18 KiB) of one layer's pool per step, host to device and device to
+    host, a pinned page-first host pool of 2048 pages against the device pool, against torch's
+    contiguous pinned copy_ of the same bytes (the copy engines' ceiling). Eager: a host-device copy of
+    the torch reference reads the plan on the host, which graph capture does not allow."""
+    rows, pages, page = [], 2048, (16, 576)
+    page_bytes = 16 * 576 * 2
+    for n in h.sizes([64, 512]):
+        sp = torch.randperm(pages, device="cuda")[:n]
+        dp = torch.randperm(pages, device="cuda")[:n]
+        for direction in ("host -> device", "device -> host"):
+            dev = [torch.empty((1, pages, *page), dtype=torch.bfloat16, device="cuda") for _ in range(h.layers)]
+            host_base = [torch.empty((pages, 1, *page), dtype=torch.bfloat16).pin_memory() for _ in range(h.layers)]
+            host = [b.transpose(0, 1) for b in host_base]
+            to_dev = direction == "host -> device"
+            src, dst = (host, dev) if to_dev else (dev, host)
+            flat_host = [b.view(-1)[: n * 16 * 576] for b in host_base]
+            flat_dev = [t.view(-1)[: n * 16 * 576] for t in dev]
+            flat_src, flat_dst = (flat_host, flat_dev) if to_dev else (flat_dev, flat_host)
+            cases = [
+                (
+                    "torch contiguous pinned copy_",
+                    lambda i, a=flat_src, b=flat_dst: b[i].copy_(a[i], non_blocking=True),
+                ),
+                ("jitkv auto", lambda i, a=src, b=dst: transfer_pages(a[i], b[i], sp, dp)),
+            ]
+            rows += h.rows(
+                OP,
+                f"{n} pages of 16 x 576 bf16, {direction}",
+                n,
+                2 * n * page_bytes,
+                cases,
+                eager=("torch contiguous pinned copy_", "jitkv auto"),
+            )
+            dev = host_base = host = src = dst = flat_host = flat_dev = flat_src = flat_dst = cases = None  # freed
+    return rows
+
+
 # No CUDA kernel yet: on CUDA the torch reference is the implementation, not a fallback.
 TRANSFER_PAGES = Op(
     transfer_pages,
@@ -321,6 +359,7 @@ TRANSFER_PAGES = Op(
     reference=reference.transfer_pages,
     sample=sample,
     bench_cpu=_bench_cpu,
+    bench_gpu=_bench_gpu,
     backends={"cuda": ("torch",)},
 )
 TRANSFER_PAGES.backend("jit")(_jit)
