@@ -264,6 +264,29 @@ def test_unpack_bad_buffer():
         jitkv.unpack_pages(buf, (dst[0], None), _ids([0, 1, 2], torch.int64, "cpu"))
 
 
+def test_torch_compile_tuples_and_pack():
+    """Under torch.compile(fullgraph=True) a tuple of pools and a pack go through the registered op, one
+    call per pool, and write what eager calls write."""
+    k, v = _pool("layer_first", 2, 6, (4, 8), torch.float32), _pool("layer_first", 2, 6, (4, 8), torch.float32)
+    hk, hv = _pool("page_first", 2, 6, (4, 8), torch.float32), _pool("page_first", 2, 6, (4, 8), torch.float32)
+    sp, dp = _ids([1, 5, -1], torch.int64, "cpu"), _ids([0, 2, 3], torch.int32, "cpu")
+    out = rand((3, 2, 2, 4, 8), torch.float32)
+    want_k, want_v, want_out = hk.clone(), hv.clone(), out.clone()
+    jitkv.transfer_pages((k, v), (want_k, want_v), sp, dp)
+    jitkv.pack_pages((k, v), sp, want_out)
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def call(k, v, hk, hv, sp, dp, out):
+        jitkv.transfer_pages((k, v), (hk, hv), sp, dp)
+        jitkv.pack_pages((k, v), sp, out)
+
+    call(k, v, hk, hv, sp, dp, out)
+    assert_bitwise(hk, want_k)
+    assert_bitwise(hv, want_v)
+    assert_bitwise(out, want_out)
+
+
 # -------------------------------------------------------------------------------------- bad input
 
 
