@@ -1,6 +1,6 @@
-// transfer_pages' argument parser (every check but the devices, which each binding checks against its
-// own rule), with errors naming the argument as jitkv/ops/transfer.py's check does, and the call's
-// parameter block (params.h).
+// transfer_pages' argument parser (parse_params: every check but the devices, which each binding checks
+// against its own rule; cuda_device: the CUDA binding's rule), with errors naming the argument as
+// jitkv/ops/transfer.py's check does, and the call's parameter block (params.h).
 #pragma once
 
 #include <cstdint>
@@ -80,6 +80,30 @@ inline TransferParams parse_params(const char* op, const TensorView& src, const 
   p.src_i64 = src_i64;
   p.dst_i64 = dst_i64;
   return p;
+}
+
+// The CUDA binding's device rule (jitkv/ops/transfer.py _devices): the ids on a CUDA device; each pool
+// on that device or a host pool (kDLCPU, or kDLCUDAHost), not both on the host. Returns the ids' device.
+// Whether a host pool is pinned (page-locked, mapped for the device) the binding asks CUDA.
+inline bool is_host(const TensorView& t) {
+  return t.device().device_type == kDLCPU || t.device().device_type == kDLCUDAHost;
+}
+
+inline DLDevice cuda_device(const char* op, const TensorView& src, const TensorView& dst, const TensorView& src_pages,
+                            const TensorView& dst_pages) {
+  const DLDevice dev = src_pages.device();
+  if (dev.device_type != kDLCUDA) {
+    TVM_FFI_THROW(ValueError) << op << ": src_pages: expected a CUDA tensor for the CUDA kernel, got one on "
+                              << device_str(dev);
+  }
+  check_device(op, "dst_pages", dst_pages, dev, "src_pages");
+  if (is_host(src) && is_host(dst)) {
+    TVM_FFI_THROW(ValueError) << op << ": src_pages: expected a tensor on cpu like src and dst (a host-to-host "
+                              << "transfer), got one on " << device_str(dev);
+  }
+  if (!is_host(src)) check_device(op, "src", src, dev, "src_pages");
+  if (!is_host(dst)) check_device(op, "dst", dst, dev, "src_pages");
+  return dev;
 }
 
 }  // namespace jitkv::transfer
