@@ -798,8 +798,9 @@ def check_pages(src_pages, dst_pages, src_count, dst_count, *, op="transfer_page
     _page_plan(src_pages, dst_pages, src_count, dst_count, True, op)
 
 
-def transfer_pages(src, dst, src_pages, dst_pages, *, strict=None):
+def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=None, strict=None):
     """Page ``src_pages[i]`` of every layer of ``src`` to page ``dst_pages[i]`` of ``dst``, as bytes.
+    ``max_sms`` (the CUDA kernel's SM bound) is accepted and ignored.
 
     Pairs with a negative id are skipped; out-of-range ids raise IndexError first (``strict``, the
     default on CPU ids and under JITKV_DEBUG=1) or are skipped. Of pairs naming one destination page

@@ -3,20 +3,26 @@ unpack_pages, a request's pages in one buffer for a handoff to another GPU (docs
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch.compiler import is_compiling
 
 from .. import checks, reference
-from ..jit import JitSpec
-from ._op import BackendUnavailable, Op, jit_function
+from ..jit import JitSpec, cuda_arch
+from ._op import Op, jit_function
 from ._samples import index, rand
 
 __all__ = ["pack_pages", "transfer_pages", "unpack_pages"]
 
 OP = "transfer_pages"
+# SMs the CUDA copy may use by default: it runs beside the forward pass and must leave it its SMs, and a
+# host<->device copy is bound by the link, which a few SMs' loads in flight saturate.
+MAX_SMS = 4
 
 
-def transfer_pages(src, dst, src_pages, dst_pages, *, backend=None):
+def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=MAX_SMS, backend=None):
     """Copy page ``src_pages[i]`` of every layer of ``src`` to page ``dst_pages[i]`` of ``dst``.
 
     A pool is ``[num_layers, num_pages, *page]`` whose page part (every dim after dim 1) is dense, so
@@ -37,6 +43,9 @@ def transfer_pages(src, dst, src_pages, dst_pages, *, backend=None):
             either is padding and is skipped. Of pairs naming one destination page one wins (as torch
             indexing). An id past its pool: IndexError before anything is copied on CPU; skipped on
             CUDA (``JITKV_DEBUG=1`` raises on the host first), docs/design.md §3.
+        max_sms: the most SMs the CUDA kernel uses (an int >= 1, default 4; the device's count caps
+            it). The copy runs beside the forward pass and must not take its SMs; a host<->device copy
+            is bound by the link, which a few SMs saturate. Ignored on CPU and by the torch backend.
         backend: "jit", "torch" or None (auto; also ``JITKV_BACKEND``).
 
     Devices: the page ids live on the device of the CUDA pool (host to device, device to host, or
@@ -49,25 +58,30 @@ def transfer_pages(src, dst, src_pages, dst_pages, *, backend=None):
     gets unspecified bytes.
 
     Raises:
-        TypeError: an argument that is no tensor (or tuple of them), ids not int32/int64.
+        TypeError: an argument that is no tensor (or tuple of them), ids not int32/int64, max_sms no int.
         ValueError: src and dst of different dtypes or page shapes (naming both) or layer counts, a
         page part that is not dense, a pool of fewer than 2 dims, ids not 1-D or dense or of different
-        lengths, a device rule above broken, tuples of different lengths.
+        lengths, a device rule above broken, tuples of different lengths, max_sms < 1.
         IndexError: an id past its pool (CPU; CUDA under JITKV_DEBUG=1), before anything is copied.
 
     Algorithm: CPU (host to host) — the pairs resolved serially first (padding skipped, range checked,
     the last pair of each destination page kept), then one memcpy of page_bytes per (pair, layer) run,
-    OpenMP over the runs above a payload threshold. CUDA: the torch reference (gather, then
-    ``index_copy_`` of byte views) until the kernels land; graph-safe device to device, while host to
-    device and device to host read the plan on the host (a sync).
+    OpenMP over the runs above a payload threshold. CUDA: an SM copy kernel, one launch per pool pair
+    on the current stream, no host sync (graph-safe in every direction): a warp per (pair, layer) run
+    in a grid-stride loop, 16-byte vectors when every pointer, stride and page_bytes allows (else 4 or
+    1 bytes), host pools read and written in place through their pinned mapping (UVA); a grid of at
+    most ``max_sms`` x 4 CTAs of 8 warps. A pair whose destination page a later valid pair names is
+    skipped (a warp-wide scan of the later ids), so the last one wins as on CPU. A copy-engine path
+    (cudaMemcpyBatchAsync, no SMs at all) is still to come. The torch reference (gather, then
+    ``index_copy_`` of byte views) is the fallback; it reads the plan on the host for host pools.
     """
     if isinstance(src, (tuple, list)) or isinstance(dst, (tuple, list)):
-        _transfer_tuples(src, dst, src_pages, dst_pages, backend)
+        _transfer_tuples(src, dst, src_pages, dst_pages, max_sms, backend)
         return
-    TRANSFER_PAGES.run((src, dst, src_pages, dst_pages), backend)
+    TRANSFER_PAGES.run((src, dst, src_pages, dst_pages, max_sms), backend)
 
 
-def _transfer_tuples(src, dst, src_pages, dst_pages, backend):
+def _transfer_tuples(src, dst, src_pages, dst_pages, max_sms, backend):
     """Each (src[j], dst[j]) pair, all checked (and on CPU ids, range checked) before any is copied."""
     if not isinstance(src, (tuple, list)):
         raise TypeError(f"{OP}: src: expected a tuple of pools like dst, got {type(src).__name__}")
@@ -80,14 +94,15 @@ def _transfer_tuples(src, dst, src_pages, dst_pages, backend):
     if not is_compiling():
         for j, (s, d) in enumerate(zip(src, dst)):
             _check(s, d, src_pages, dst_pages, f"src[{j}]", f"dst[{j}]")
+        _max_sms(max_sms)
         if src_pages.is_cpu:
             for s, d in zip(src, dst):
                 reference.check_pages(src_pages, dst_pages, s.shape[1], d.shape[1])
     for s, d in zip(src, dst):
-        TRANSFER_PAGES.run((s, d, src_pages, dst_pages), backend)
+        TRANSFER_PAGES.run((s, d, src_pages, dst_pages, max_sms), backend)
 
 
-def pack_pages(src, src_pages, out, *, backend=None):
+def pack_pages(src, src_pages, out, *, max_sms=MAX_SMS, backend=None):
     """Pack a request's pages into one buffer: ``out[i] = src[:, src_pages[i]]``, all layers.
 
     The pack format (docs/design.md §2) is page-first: ``out [N, L, *page]``, request page i's L layers
@@ -100,7 +115,7 @@ def pack_pages(src, src_pages, out, *, backend=None):
         src_pages: ``[N]`` int32/int64 on the CUDA pool's device (or CPU for host pools).
         out: ``[N, L, *page]`` or ``[N, K, L, *page]``, written in place (a pinned CPU tensor for a
             device pool, or a device tensor: a device-to-device pack).
-        backend: as ``transfer_pages``.
+        max_sms, backend: as ``transfer_pages``.
 
     Raises:
         ValueError: out of the wrong shape, dtype or layout (naming out); anything ``transfer_pages``
@@ -113,10 +128,12 @@ def pack_pages(src, src_pages, out, *, backend=None):
     n = checks.tensor(op, "src_pages", src_pages).numel()
     views = _buffer_views(op, "out", out, pools, n, isinstance(src, (tuple, list)))
     pages = torch.arange(n, dtype=src_pages.dtype, device=src_pages.device)
-    transfer_pages(src, views if isinstance(src, (tuple, list)) else views[0], src_pages, pages, backend=backend)
+    transfer_pages(
+        src, views if isinstance(src, (tuple, list)) else views[0], src_pages, pages, max_sms=max_sms, backend=backend
+    )
 
 
-def unpack_pages(buf, dst, dst_pages, *, backend=None):
+def unpack_pages(buf, dst, dst_pages, *, max_sms=MAX_SMS, backend=None):
     """Unpack a ``pack_pages`` buffer into a pool: ``dst[:, dst_pages[i]] = buf[i]``, all layers.
 
     Args:
@@ -125,7 +142,7 @@ def unpack_pages(buf, dst, dst_pages, *, backend=None):
         dst: a pool ``[L, P, *page]`` or a tuple of K pools, written in place.
         dst_pages: ``[N]`` int32/int64 on the CUDA pool's device (or CPU for host pools); a negative
             id skips that page of buf.
-        backend: as ``transfer_pages``.
+        max_sms, backend: as ``transfer_pages``.
 
     Raises:
         ValueError: buf of the wrong shape, dtype or layout (naming buf); anything ``transfer_pages``
@@ -138,7 +155,9 @@ def unpack_pages(buf, dst, dst_pages, *, backend=None):
     n = checks.tensor(op, "dst_pages", dst_pages).numel()
     views = _buffer_views(op, "buf", buf, pools, n, isinstance(dst, (tuple, list)))
     pages = torch.arange(n, dtype=dst_pages.dtype, device=dst_pages.device)
-    transfer_pages(views if isinstance(dst, (tuple, list)) else views[0], dst, pages, dst_pages, backend=backend)
+    transfer_pages(
+        views if isinstance(dst, (tuple, list)) else views[0], dst, pages, dst_pages, max_sms=max_sms, backend=backend
+    )
 
 
 def _pools(op, name, pools):
@@ -177,10 +196,18 @@ def _buffer_views(op, name, buf, pools, n, is_tuple):
 # ---------------------------------------------------------------------------------------- checks
 
 
-def check(src, dst, src_pages, dst_pages):
+def check(src, dst, src_pages, dst_pages, max_sms):
     """Every check of csrc/transfer/parse.h, and the device rules; the arguments unchanged."""
     _check(src, dst, src_pages, dst_pages, "src", "dst")
-    return src, dst, src_pages, dst_pages
+    _max_sms(max_sms)
+    return src, dst, src_pages, dst_pages, max_sms
+
+
+def _max_sms(max_sms):
+    if isinstance(max_sms, bool) or not isinstance(max_sms, int):
+        raise TypeError(f"{OP}: max_sms: expected an int, got {type(max_sms).__name__}")
+    if max_sms < 1:
+        raise ValueError(f"{OP}: max_sms: expected an int >= 1, got {max_sms}")
 
 
 def _check(src, dst, src_pages, dst_pages, sname, dname):
@@ -248,9 +275,45 @@ def _page_bytes(name, t):
     return want * t.element_size()
 
 
-def debug_check(src, dst, src_pages, dst_pages):
+def debug_check(src, dst, src_pages, dst_pages, max_sms):
     """JITKV_DEBUG=1 on CUDA: the page ids against their pools, on the host."""
     reference.check_pages(src_pages, dst_pages, src.shape[1], dst.shape[1])
+
+
+# -------------------------------------------------------------------------------------- variants
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The CUDA module a call runs: the kernel's vector bytes, 16 when every data pointer, layer and
+    page stride and the page bytes are multiples of 16, else 4 when they are of 4, else 1."""
+
+    vec: int
+
+
+VECS = (16, 4, 1)
+
+
+def variant(src, dst, src_pages, dst_pages, max_sms) -> tuple:
+    """The fields of the CUDA Variant, read on every CUDA call. Pools the binding refuses anyway (fewer
+    than 2 dims) go to the widest module for its precise error."""
+    if src.dim() < 2 or dst.dim() < 2:
+        return (16,)
+    ses, des = src.element_size(), dst.element_size()
+    page_bytes = math.prod(src.shape[2:]) * ses
+    values = (
+        src.data_ptr(),
+        dst.data_ptr(),
+        src.stride(0) * ses,
+        src.stride(1) * ses,
+        dst.stride(0) * des,
+        dst.stride(1) * des,
+        page_bytes,
+    )
+    for vec in VECS[:-1]:
+        if all(v % vec == 0 for v in values):
+            return (vec,)
+    return (1,)
 
 
 # ------------------------------------------------------------------------------------------- jit
@@ -260,15 +323,30 @@ def cpu_spec() -> JitSpec:
     return JitSpec("transfer_cpu", ("transfer/transfer_pages_cpu.cpp",), exports=(OP,))
 
 
+def cuda_spec(arch: str, vec: int) -> JitSpec:
+    """The CUDA module copying ``vec``-byte vectors (16, 4 or 1)."""
+    return JitSpec(
+        "transfer_cuda", ("transfer/transfer_pages_cuda.cu",), args=(("vec", vec),), target=arch, exports=(OP,)
+    )
+
+
 def specs(target: str) -> list[JitSpec]:
-    return [cpu_spec()] if target == "cpu" else []
+    if target == "cpu":
+        return [cpu_spec()]
+    return [cuda_spec(target, vec) for vec in VECS]
 
 
 def _jit(device, variant):
-    if device.type != "cpu":
-        raise BackendUnavailable("transfer_pages has no CUDA kernel yet (the torch reference runs)")
-    fn, info = jit_function(cpu_spec(), OP)
-    return fn, info
+    if device.type == "cpu":
+        fn, info = jit_function(cpu_spec(), OP)
+
+        def run_cpu(src, dst, src_pages, dst_pages, max_sms):
+            _max_sms(max_sms)  # ignored on CPU, but checked as on every backend
+            fn(src, dst, src_pages, dst_pages)
+
+        return run_cpu, info
+    fn, info = jit_function(cuda_spec(cuda_arch(device), variant.vec), OP)
+    return TRANSFER_PAGES.with_debug_checks(device, fn), info
 
 
 # ------------------------------------------------------------------------------ sample and bench
@@ -348,18 +426,19 @@ def _bench_gpu(h) -> list:
     return rows
 
 
-# No CUDA kernel yet: on CUDA the torch reference is the implementation, not a fallback.
 TRANSFER_PAGES = Op(
     transfer_pages,
-    schema="(Tensor src, Tensor(a!) dst, Tensor src_pages, Tensor dst_pages)",
+    schema="(Tensor src, Tensor(a!) dst, Tensor src_pages, Tensor dst_pages, *, int max_sms=4)",
     home="src_pages",
     check=check,
     debug_check=debug_check,
+    variant=variant,
+    variant_type=Variant,
     specs=specs,
     reference=reference.transfer_pages,
     sample=sample,
     bench_cpu=_bench_cpu,
     bench_gpu=_bench_gpu,
-    backends={"cuda": ("torch",)},
+    backends={"cuda": ("jit", "torch")},
 )
 TRANSFER_PAGES.backend("jit")(_jit)
