@@ -1,7 +1,8 @@
 """transfer_pages, pack_pages, unpack_pages: whole-destination bitwise equality with the torch reference
-on every CPU backend (jit, torch) and, on a GPU, device to device, host to device and device to host;
-the rule checked without the reference; layer-first and page-first pools, tuples of pools, padding,
-duplicates, out-of-range ids, bad input with the argument named; the pack format and its round trip."""
+on every backend (CPU: jit, torch; CUDA: the jit SM copy kernel, torch) and, on a GPU, device to device,
+host to device and device to host; the rule checked without the reference; layer-first and page-first
+pools, tuples of pools, padding, duplicates, out-of-range ids, max_sms, CUDA graphs, bad input with the
+argument named; the pack format and its round trip; the CUDA variant's vector width."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import torch
 
 import jitkv
 from jitkv import reference
+from jitkv.ops import transfer as transfer_ops
 from jitkv.tests.conftest import HAS_CUDA, assert_bitwise, gpu, rand
 
 OP = "transfer_pages"
 CPU_BACKENDS = ["jit", "torch"]
-DEV_BACKENDS = [("cpu", "jit"), ("cpu", "torch")] + ([("cuda", "torch")] if HAS_CUDA else [])
+GPU_BACKENDS = ["jit", "torch"]
+DEV_BACKENDS = [("cpu", "jit"), ("cpu", "torch")] + ([("cuda", b) for b in GPU_BACKENDS] if HAS_CUDA else [])
 # (dtype, page shape after the page-size dim): GQA rows of 8 x 128 bf16, 1152-byte MLA rows (576 bf16,
 # and as bytes), fp8_ds_mla's 656-byte records, odd byte widths, 12-byte fp32 rows.
 PAGES = [
@@ -364,6 +367,8 @@ BAD = [  # (case, change to the arguments, exception, message after "transfer_pa
         r"src_pages: expected a torch.Tensor, got list$",
     ),
     ("src None", lambda a: a.update(src=None), TypeError, r"src: expected a torch.Tensor, got NoneType$"),
+    ("max_sms 0", lambda a: a.update(max_sms=0), ValueError, r"max_sms: expected an int >= 1, got 0$"),
+    ("max_sms float", lambda a: a.update(max_sms=2.0), TypeError, r"max_sms: expected an int, got float$"),
     (
         "expanded dst",
         lambda a: a.update(dst=a["dst"][:, :1].expand(2, 8, 16, 4, 32)),
@@ -403,27 +408,111 @@ def _pools_for(direction, layers, pages, page, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("dtype,page", PAGES, ids=PAGE_IDS)
-def test_directions_gpu(direction, dtype, page):
-    src, dst = _pools_for(direction, 3, 20, (16, *page), dtype)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_directions_gpu(backend, direction, dtype, page, page_size):
+    """Host to device, device to host, device to device: the whole destination bitwise, against the
+    rule and the reference. Pages of 16 rows are whole 16-byte vectors; pages of one row take the 4-byte
+    (fp32 x 3: 12 bytes) and 1-byte (37 bytes) vector modules too."""
+    src, dst = _pools_for(direction, 3, 20, (page_size, *page), dtype)
     sp, dp = torch.randperm(20)[:9], torch.randperm(20)[:9]
     sp[1], dp[4] = -1, -1
     sp, dp = sp.cuda(), dp.int().cuda()
     want = _by_hand(src, dst, sp.cpu(), dp.cpu())
-    jitkv.transfer_pages(src, dst, sp, dp)
+    ref = dst.cpu().clone()
+    reference.transfer_pages(src.cpu(), ref, sp.cpu(), dp.cpu(), strict=False)
+    jitkv.transfer_pages(src, dst, sp, dp, backend=backend)
+    torch.cuda.synchronize()
+    assert_bitwise(dst.cpu(), want)
+    assert_bitwise(dst.cpu(), ref)
+
+
+@gpu
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("max_sms", [1, 2, 4, 1000])
+def test_max_sms_and_many_items_gpu(direction, max_sms):
+    """More (pair, layer) runs than the bounded grid has warps (the grid-stride loop), at every SM bound;
+    max_sms past the device's SMs is capped, not refused."""
+    layers, pages = 5, 400
+    src, dst = _pools_for(direction, layers, pages, (4, 576), torch.bfloat16)
+    sp = torch.randperm(pages)[:300]
+    dp = torch.randperm(pages)[:300]
+    sp[::7] = -1
+    sp, dp = sp.cuda(), dp.cuda()
+    want = _by_hand(src, dst, sp.cpu(), dp.cpu())
+    jitkv.transfer_pages(src, dst, sp, dp, max_sms=max_sms, backend="jit")
     torch.cuda.synchronize()
     assert_bitwise(dst.cpu(), want)
 
 
 @gpu
-def test_out_of_range_skipped_gpu(monkeypatch):
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_duplicates_last_valid_wins_gpu(backend, direction):
+    """Pairs naming one destination page: the last pair with valid ids wins, whole (later pairs with
+    padding or an id past its pool do not count), as on CPU and in the reference."""
+    src, dst = _pools_for(direction, 3, 12, (16, 1152), torch.uint8)
+    sp = _ids([1, 2, 3, 4, 5, 6, 7, -1, 30], torch.int64, "cuda")
+    dp = _ids([7, 0, 7, 9, 7, 0, 0, 7, 7], torch.int32, "cuda")
+    want = _by_hand(src, dst, sp.cpu().where(sp.cpu() < 12, -1), dp.cpu())
+    jitkv.transfer_pages(src, dst, sp, dp, backend=backend)
+    torch.cuda.synchronize()
+    got, s = dst.cpu(), src.cpu()
+    assert torch.equal(got[:, 7], s[:, 5]) and torch.equal(got[:, 0], s[:, 7]) and torch.equal(got[:, 9], s[:, 4])
+    assert_bitwise(got, want)
+
+
+@gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("src_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dst_dtype", [torch.int32, torch.int64])
+def test_tuples_and_index_dtypes_gpu(backend, direction, src_dtype, dst_dtype):
+    """(k, v) pools in one call in every direction, int32 and int64 ids on either side: each pool as
+    its own call would write it."""
+    page = (16, 2, 64)
+    (k, hk), (v, hv) = (_pools_for(direction, 3, 10, page, torch.bfloat16) for _ in range(2))
+    sp, dp = _ids([8, 1, -1, 4, 9], src_dtype, "cuda"), _ids([9, 0, 3, 7, -2], dst_dtype, "cuda")
+    want = [_by_hand(k, hk, sp.cpu(), dp.cpu()), _by_hand(v, hv, sp.cpu(), dp.cpu())]
+    jitkv.transfer_pages((k, v), (hk, hv), sp, dp, backend=backend)
+    torch.cuda.synchronize()
+    assert_bitwise(hk.cpu(), want[0])
+    assert_bitwise(hv.cpu(), want[1])
+
+
+@gpu
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_pack_round_trip_gpu(direction):
+    """pack_pages of a device pool into a pinned host buffer (or a device one) and back, on the kernel."""
+    layers, page = 3, (16, 576)
+    src = _pool("layer_first", layers, 11, page, torch.bfloat16, "cuda")
+    sp = _ids([9, 0, 4, 10], torch.int64, "cuda")
+    out = rand((4, layers, *page), torch.bfloat16)
+    out = out.pin_memory() if direction != "d2d" else out.cuda()
+    jitkv.pack_pages(src, sp, out, max_sms=2, backend="jit")
+    torch.cuda.synchronize()
+    for i, p in enumerate(sp.tolist()):
+        assert torch.equal(out[i].cpu().view(torch.int16), src[:, p].cpu().view(torch.int16))
+    dst = _pool("layer_first", layers, 7, page, torch.bfloat16, "cuda")
+    dp = _ids([6, 1, -1, 3], torch.int32, "cuda")
+    want = _by_hand(out.cpu().transpose(0, 1), dst, torch.arange(4), dp.cpu())
+    jitkv.unpack_pages(out, dst, dp, backend="jit")
+    torch.cuda.synchronize()
+    assert_bitwise(dst.cpu(), want)
+
+
+@gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_out_of_range_skipped_gpu(monkeypatch, backend):
     """CUDA: an id past its pool is skipped; under JITKV_DEBUG=1 IndexError first, dst unchanged."""
     monkeypatch.delenv("JITKV_DEBUG", raising=False)
+    jitkv.ops.reset()
     src, dst = _pools_for("h2d", 2, 8, (16, 64), torch.bfloat16)
-    sp, dp = _ids([0, 8, 2], torch.int64, "cuda"), _ids([1, 2, 30], torch.int64, "cuda")
-    want = _by_hand(src, dst, _ids([0, -1, -1], torch.int64, "cpu"), _ids([1, -1, -1], torch.int64, "cpu"))
-    jitkv.transfer_pages(src, dst, sp, dp)
+    sp, dp = _ids([0, 8, 2, 3], torch.int64, "cuda"), _ids([1, 2, 30, -5], torch.int64, "cuda")
+    want = _by_hand(src, dst, _ids([0, -1, -1, -1], torch.int64, "cpu"), _ids([1, -1, -1, -1], torch.int64, "cpu"))
+    jitkv.transfer_pages(src, dst, sp, dp, backend=backend)
     torch.cuda.synchronize()
     assert_bitwise(dst.cpu(), want)
     monkeypatch.setenv("JITKV_DEBUG", "1")
@@ -431,7 +520,7 @@ def test_out_of_range_skipped_gpu(monkeypatch):
     before = dst.clone()
     try:
         with pytest.raises(IndexError, match=rf"^{OP}: src_pages: position 1 has page 8, out of range"):
-            jitkv.transfer_pages(src, dst, sp, dp)
+            jitkv.transfer_pages(src, dst, sp, dp, backend=backend)
     finally:
         jitkv.ops.reset()
     assert_bitwise(dst, before)
@@ -445,6 +534,10 @@ def test_device_rules_gpu():
     with pytest.raises(ValueError, match=rf"^{OP}: src: expected a pinned CPU tensor \(pin_memory\(\)\) for a copy"):
         jitkv.transfer_pages(**a)
     a = _args("cuda")
+    a["dst"] = a["dst"].cpu()
+    with pytest.raises(ValueError, match=rf"^{OP}: dst: expected a pinned CPU tensor \(pin_memory\(\)\) for a copy"):
+        jitkv.transfer_pages(**a, backend="jit")
+    a = _args("cuda")
     a.update(src_pages=a["src_pages"].cpu(), dst_pages=a["dst_pages"].cpu())
     with pytest.raises(ValueError, match=rf"^{OP}: src_pages: expected a tensor on cuda:0 like src \(page ids live"):
         jitkv.transfer_pages(**a)
@@ -455,17 +548,42 @@ def test_device_rules_gpu():
 
 
 @gpu
-def test_cuda_graph_replay_device_to_device():
-    """Device to device on the torch reference captures and replays with new ids."""
-    src, dst = _pools_for("d2d", 2, 16, (16, 576), torch.bfloat16)
-    sp, dp = _ids([1, 2, -1, 4], torch.int64, "cuda"), _ids([5, 6, 7, -1], torch.int64, "cuda")
-    jitkv.transfer_pages(src, dst, sp, dp)  # resolves the backend before capture
+@pytest.mark.parametrize("backend,direction", [("jit", "d2d"), ("jit", "h2d"), ("jit", "d2h"), ("torch", "d2d")])
+def test_cuda_graph_replay(backend, direction):
+    """Captured once, replayed with new ids (the kernel reads them on the device; no host sync in any
+    direction). The torch reference is graph-safe device to device only."""
+    src, dst = _pools_for(direction, 2, 16, (16, 576), torch.bfloat16)
+    sp, dp = _ids([1, 2, -1, 4], torch.int64, "cuda"), _ids([5, 6, 7, -1], torch.int32, "cuda")
+    jitkv.transfer_pages(src, dst, sp, dp, backend=backend)  # resolves (and builds) the backend before capture
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        jitkv.transfer_pages(src, dst, sp, dp)
+        jitkv.transfer_pages(src, dst, sp, dp, max_sms=2, backend=backend)
     sp.copy_(_ids([9, -1, 3, 15], torch.int64, "cuda"))
-    dp.copy_(_ids([0, 1, 15, 8], torch.int64, "cuda"))
+    dp.copy_(_ids([0, 1, 15, 8], torch.int32, "cuda"))
     want = _by_hand(src, dst, sp.cpu(), dp.cpu())
     graph.replay()
     torch.cuda.synchronize()
     assert_bitwise(dst.cpu(), want)
+
+
+# ---------------------------------------------------------------------------------- CUDA variant
+
+
+def test_variant_vector_width():
+    """The CUDA module's vectors: 16 bytes when every pointer, stride and the page bytes allow, else 4,
+    else 1 (read from the views on any device: the rule runs here without a GPU)."""
+    variant = transfer_ops.variant
+    pool = _pool("layer_first", 2, 8, (16, 576), torch.bfloat16)
+    host = _pool("page_first", 2, 8, (16, 576), torch.bfloat16)
+    ids = _ids([0], torch.int64, "cpu")
+    assert variant(pool, host, ids, ids, 4) == (16,)
+    assert variant(rand((2, 8, 3), torch.float32), rand((2, 8, 3), torch.float32), ids, ids, 4) == (4,)
+    assert variant(rand((2, 8, 37), torch.uint8), rand((2, 8, 37), torch.uint8), ids, ids, 4) == (1,)
+    flat = rand((2 * 8 * 16 * 576 + 2,), torch.bfloat16)
+    assert flat.data_ptr() % 16 == 0
+    shifted = flat[2:].view(2, 8, 16, 576)  # a base 4 bytes past a 16-byte boundary
+    assert variant(shifted, pool, ids, ids, 4) == (4,)
+    assert variant(flat[1:-1].view(2, 8, 16, 576), pool, ids, ids, 4) == (1,)  # 2 bytes past
+    assert variant(rand((8,), torch.uint8), pool, ids, ids, 4) == (16,)  # the binding's error follows
+    assert set(transfer_ops.specs("9.0a")) == {transfer_ops.cuda_spec("9.0a", v) for v in (16, 4, 1)}
