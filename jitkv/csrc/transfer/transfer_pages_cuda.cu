@@ -7,12 +7,13 @@
 // Template argument (JitSpec args): JITKV_VEC, the kernel's vector bytes (16, 4 or 1); the views must
 // have every base, stride and page_bytes a multiple of it (jitkv/ops/transfer.py variant picks it).
 //
-// The grid is bounded: max_sms (at most the device's SMs) x kCtasPerSm CTAs of kWarps warps, fewer when
-// there are fewer work items, and the kernel's grid-stride loop takes the rest. The bound exists because
-// this copy runs beside the forward pass (a HiCache load or offload overlapping compute): it must not
-// take the SMs the model's kernels need, and a host<->device copy is bound by the link, which a few SMs'
-// loads in flight saturate (kWarps x kCtasPerSm warps per SM, each lane kUnroll 16-byte vectors: 64 KiB
-// per SM in flight). No host sync: ids past their pools are skipped on the device.
+// The grid is bounded: max_sms (at most the device's SMs) x kCtasPerSm CTAs of kWarps warps, fewer
+// when there are fewer (pair, layer) runs than warps; the kernel's grid-stride loop takes the rest.
+// The bound exists because this copy runs beside the forward pass (a HiCache load or offload
+// overlapping compute): it must not take the SMs the model's kernels need, and a host<->device copy is
+// bound by the link, which a few SMs' loads in flight saturate (kWarps x kCtasPerSm warps per SM, each
+// lane kUnroll 16-byte vectors: 64 KiB per SM in flight). No host sync: ids past their pools are
+// skipped on the device.
 #include <cuda_runtime.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
