@@ -67,13 +67,14 @@ def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=MAX_SMS, backend=N
     Algorithm: CPU (host to host) — the pairs resolved serially first (padding skipped, range checked,
     the last pair of each destination page kept), then one memcpy of page_bytes per (pair, layer) run,
     OpenMP over the runs above a payload threshold. CUDA: an SM copy kernel, one launch per pool pair
-    on the current stream, no host sync (graph-safe in every direction): a warp per (pair, layer) run
-    in a grid-stride loop, 16-byte vectors when every pointer, stride and page_bytes allows (else 4 or
-    1 bytes), host pools read and written in place through their pinned mapping (UVA); a grid of at
-    most ``max_sms`` x 4 CTAs of 8 warps. A pair whose destination page a later valid pair names is
-    skipped (a warp-wide scan of the later ids), so the last one wins as on CPU. A copy-engine path
-    (cudaMemcpyBatchAsync, no SMs at all) is still to come. The torch reference (gather, then
-    ``index_copy_`` of byte views) is the fallback; it reads the plan on the host for host pools.
+    on the current stream, no host sync (graph-safe in every direction): a warp per pair and
+    interleaved set of its layers (about 8 such items per warp), a grid-stride loop, 16-byte vectors
+    when every pointer, stride and page_bytes allows (else 4 or 1 bytes), host pools read and written
+    in place through their pinned mapping (UVA); a grid of at most ``max_sms`` x 4 CTAs of 8 warps. A
+    pair whose destination page a later valid pair names is skipped (a warp-wide scan of the later
+    ids), so the last one wins as on CPU. A copy-engine path (cudaMemcpyBatchAsync, no SMs at all) is
+    still to come. The torch reference (gather, then ``index_copy_`` of byte views) is the fallback;
+    it reads the plan on the host for host pools.
     """
     if isinstance(src, (tuple, list)) or isinstance(dst, (tuple, list)):
         _transfer_tuples(src, dst, src_pages, dst_pages, max_sms, backend)

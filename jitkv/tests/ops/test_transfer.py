@@ -448,6 +448,23 @@ def test_max_sms_and_many_items_gpu(direction, max_sms):
 
 
 @gpu
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("max_sms,layers,n", [(1, 40, 100), (4, 40, 100), (1, 61, 3), (2, 7, 250)])
+def test_layer_groups_gpu(direction, max_sms, layers, n):
+    """The kernel's work items: a pair and an interleaved set of its layers (about 8 items per warp of
+    the grid), here with several layers per item (40 layers of 100 pairs on 32 warps: 3 sets), one
+    layer per item (3 pairs of 61 layers), one item per pair (250 pairs of 7 layers): every run once."""
+    src, dst = _pools_for(direction, layers, 260, (2, 64), torch.bfloat16)
+    sp, dp = torch.randperm(260)[:n], torch.randperm(260)[:n]
+    sp[n // 2] = -1
+    sp, dp = sp.cuda(), dp.int().cuda()
+    want = _by_hand(src, dst, sp.cpu(), dp.cpu())
+    jitkv.transfer_pages(src, dst, sp, dp, max_sms=max_sms, backend="jit")
+    torch.cuda.synchronize()
+    assert_bitwise(dst.cpu(), want)
+
+
+@gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_duplicates_last_valid_wins_gpu(backend, direction):
