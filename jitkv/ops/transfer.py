@@ -392,8 +392,9 @@ def _bench_cpu(h) -> list:
 def _bench_gpu(h) -> list:
     """n pages of 16 x 576 bf16 (18 KiB) of one layer's pool per step, host to device and device to
     host, a pinned page-first host pool of 2048 pages against the device pool, against torch's
-    contiguous pinned copy_ of the same bytes (the copy engines' ceiling). Eager: a host-device copy of
-    the torch reference reads the plan on the host, which graph capture does not allow."""
+    contiguous pinned copy_ of the same bytes (the copy engines' ceiling). "jitkv auto" is timed eagerly
+    (were it the torch reference, its host-device copy reads the plan on the host, which graph capture
+    does not allow); the SM kernel forced, at max_sms 4 and 16, under graph replay."""
     rows, pages, page = [], 2048, (16, 576)
     page_bytes = 16 * 576 * 2
     for n in h.sizes([64, 512]):
@@ -414,6 +415,15 @@ def _bench_gpu(h) -> list:
                     lambda i, a=flat_src, b=flat_dst: b[i].copy_(a[i], non_blocking=True),
                 ),
                 ("jitkv auto", lambda i, a=src, b=dst: transfer_pages(a[i], b[i], sp, dp)),
+                # The SM kernel under graph replay at the default SM bound and at 16 SMs: whether 4 SMs
+                # keep the link busy (the default's premise).
+                *[
+                    (
+                        f"jitkv jit, max_sms={m}",
+                        lambda i, a=src, b=dst, m=m: transfer_pages(a[i], b[i], sp, dp, max_sms=m, backend="jit"),
+                    )
+                    for m in (MAX_SMS, 16)
+                ],
             ]
             rows += h.rows(
                 OP,
