@@ -234,14 +234,14 @@ class Harness:
         """``ns``, or its first size in a quick run (``--quick``: a smoke run)."""
         return ns[:1] if self.quick else ns
 
-    def rows(self, op, case, n, moved, cases, *, eager=(), floor="copy") -> list[Row]:
+    def rows(self, op, case, n, moved, cases, *, eager=(), floor="copy", ceiling=True) -> list[Row]:
         """One row per (name, step_for_layer[, bytes]) of ``cases``, the first the baseline ("vs
-        torch"); for large ops also the contiguous copy of the same bytes (``with_ceiling``). Names in
-        ``eager`` are timed per call with events (they sync on the host). ``floor``: the latency floor
-        "x floor" is over ("copy", or "rope" for the fused prologue)."""
-        return _timed_rows(
-            op, case, n, moved, with_ceiling(cases, moved), self.bw, self.floors[floor], eager=(*eager, CEILING)
-        )
+        torch"); for large ops also the device copy of the same bytes (``with_ceiling``; not for a
+        transfer over the link, whose ceiling is its own first case). Names in ``eager`` are timed per
+        call with events (they sync on the host). ``floor``: the latency floor "x floor" is over
+        ("copy", or "rope" for the fused prologue)."""
+        cases = with_ceiling(cases, moved) if ceiling else cases
+        return _timed_rows(op, case, n, moved, cases, self.bw, self.floors[floor], eager=(*eager, CEILING))
 
     def contiguous_copies(self, moved: int, e4m3_rows: int = 0) -> list:
         """Graph-timed contiguous copies moving ``moved`` bytes (fresh buffers per layer), and with

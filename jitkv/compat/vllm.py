@@ -251,17 +251,19 @@ def swap_blocks(src, dst, block_size_in_bytes, block_mapping):
             block i at ``data_ptr + i * block_size_in_bytes``; jitkv follows the tensors' own block
             stride, the same address for the dense caches vLLM allocates).
         block_mapping: ``[N, 2]`` int64 (vLLM's) or int32 pairs (src block, dst block), on the CPU as
-            vLLM keeps it (moved to the CUDA cache's device here), or already there.
+            vLLM keeps it (then blocks of 64 KiB or more go to the copy engines, no SM, as vLLM's
+            own cudaMemcpyAsync per block; see ``transfer_pages``), or on the CUDA cache's device.
 
     Where vLLM and jitkv differ, jitkv's contract (docs/design.md §3) applies: a pair with a negative
     block is skipped (vLLM has no padding value and never sends one); a block past its cache raises
-    IndexError on CPU before anything is copied and is skipped on CUDA (vLLM does not check).
+    IndexError before anything is copied when block_mapping is on the CPU, and is skipped when it is
+    on a GPU (vLLM does not check).
 
     Raises:
         TypeError, ValueError: block_mapping not an ``[N, 2]`` int32/int64 tensor, block_size_in_bytes
         not the block's bytes; the errors of ``jitkv.transfer_pages`` (src, dst, their dtypes, shapes
         and devices, an unpinned CPU cache beside a GPU one).
-        IndexError: a block past its cache (CPU; CUDA under ``JITKV_DEBUG=1``).
+        IndexError: a block past its cache (block_mapping on the CPU; on a GPU under ``JITKV_DEBUG=1``).
     """
     op = "swap_blocks"
     for name, t in (("src", src), ("dst", dst), ("block_mapping", block_mapping)):
@@ -281,6 +283,5 @@ def swap_blocks(src, dst, block_size_in_bytes, block_mapping):
         raise ValueError(
             f"{op}: block_size_in_bytes: expected {block} (the bytes of src[0]), got {block_size_in_bytes}"
         )
-    device = dst.device if dst.is_cuda else src.device
-    pairs = block_mapping.to(device)
+    pairs = block_mapping
     transfer_pages(src.unsqueeze(0), dst.unsqueeze(0), pairs[:, 0].contiguous(), pairs[:, 1].contiguous())

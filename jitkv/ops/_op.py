@@ -288,6 +288,12 @@ class Op:
             entry["forced"] = True
         per_device[str(device)] = entry
 
+    def note(self, device: torch.device, name: str, reason: str, info: dict) -> None:
+        """Record for backend_info a path a runner chose inside its backend (transfer_pages' copy
+        engines under its CPU-homed runner), as ``_resolve`` records a backend."""
+        with _LOCK:
+            self._record(device, name, reason, None, info)
+
     def _warn_fallback(self, name: str, reason: str) -> None:
         if (self.name, reason) in _WARNED:
             return

@@ -10,19 +10,20 @@ import torch
 from torch.compiler import is_compiling
 
 from .. import checks, reference
-from ..jit import JitSpec, cuda_arch
+from ..jit import JitSpec, JitUnavailable, cuda_arch, get_function
 from ._op import Op, jit_function
 from ._samples import index, rand
 
 __all__ = ["pack_pages", "transfer_pages", "unpack_pages"]
 
 OP = "transfer_pages"
-# SMs the CUDA copy may use by default: it runs beside the forward pass and must leave it its SMs, and a
-# host<->device copy is bound by the link, which a few SMs' loads in flight saturate.
-MAX_SMS = 4
+# The SMs the CUDA kernel takes by default for a copy with a host pool (csrc/transfer/kernels.cuh
+# kLinkSms): it runs beside the forward pass and must leave it its SMs, and a host<->device copy is bound
+# by the link, which a few SMs' loads in flight saturate. A copy inside the GPU takes every SM.
+LINK_SMS = 4
 
 
-def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=MAX_SMS, backend=None):
+def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=None, backend=None):
     """Copy page ``src_pages[i]`` of every layer of ``src`` to page ``dst_pages[i]`` of ``dst``.
 
     A pool is ``[num_layers, num_pages, *page]`` whose page part (every dim after dim 1) is dense, so
@@ -39,26 +40,34 @@ def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=MAX_SMS, backend=N
         src: the pool read, any dtype (bf16, fp16, fp32, float8, uint8, ...), or a tuple of pools
             (e.g. ``(k_pool, v_pool)``) moved in one call, each to the pool at its position in dst.
         dst: the pool written in place: src's dtype, page shape and layer count; a tuple when src is.
-        src_pages, dst_pages: ``[N]`` int32 or int64 page ids, dense. A pair with a negative id in
-            either is padding and is skipped. Of pairs naming one destination page one wins (as torch
-            indexing). An id past its pool: IndexError before anything is copied on CPU; skipped on
-            CUDA (``JITKV_DEBUG=1`` raises on the host first), docs/design.md §3.
-        max_sms: the most SMs the CUDA kernel uses (an int >= 1, default 4; the device's count caps
-            it). The copy runs beside the forward pass and must not take its SMs; a host<->device copy
-            is bound by the link, which a few SMs saturate. Ignored on CPU and by the torch backend.
+        src_pages, dst_pages: ``[N]`` int32 or int64 page ids, dense, on the GPU (the SM kernel,
+            graph-safe) or on the host (the copy engines; see Devices). A pair with a negative id in
+            either is padding and is skipped. An id past its pool: IndexError before anything is
+            copied for host ids; skipped for GPU ids (``JITKV_DEBUG=1`` raises on the host first),
+            docs/design.md §3. Pairs naming one destination page: with host ids the last valid one
+            wins; with GPU ids they race and the page gets 16-byte vectors of any of their sources.
+        max_sms: the most SMs the CUDA kernel uses (an int >= 1; the device's count caps it). None
+            (the default): 4 (``LINK_SMS``) for a copy with a host pool, which runs beside the forward
+            pass and must not take its SMs while the link, which a few SMs saturate, bounds it; every
+            SM for a copy inside the GPU (a pack for a handoff), which HBM bounds. Ignored on CPU, by
+            the copy engines and by the torch backend.
         backend: "jit", "torch" or None (auto; also ``JITKV_BACKEND``).
 
-    Devices: the page ids live on the device of the CUDA pool (host to device, device to host, or
-    device to device on one GPU), or on the CPU when both pools are CPU tensors. A CPU pool in a copy
-    with a GPU must be pinned (``pin_memory()``): ValueError otherwise, as the copy engines read and
-    write only page-locked host memory at full speed and a pageable pool would silently stage through
-    a bounce buffer. Pools on two different GPUs: ValueError naming both.
+    Devices: a copy between a GPU and pinned host memory, within one GPU, or between two host pools.
+    The page ids live on the CUDA pool's device (the SM kernel: no host sync, graph-safe) or on the
+    host (an engine's CPU-side plan, as vLLM's block_mapping: pages of ``CE_MIN_PAGE_BYTES`` or more
+    go to the copy engines, which use no SM; smaller ones to the SM kernel after the ids are moved).
+    A CPU pool in a copy with a GPU must be pinned (``pin_memory()``): ValueError otherwise, as the
+    copy engines read and write only page-locked host memory at full speed and a pageable pool would
+    silently stage through a bounce buffer. Pools on two different GPUs: ValueError naming both.
+    ``backend_info`` names the mechanism that ran last on each GPU ("SM copy kernel" or "copy engine").
 
     src and dst may be one pool (pages moved inside it); a page both read and written by one call
     gets unspecified bytes.
 
     Raises:
-        TypeError: an argument that is no tensor (or tuple of them), ids not int32/int64, max_sms no int.
+        TypeError: an argument that is no tensor (or tuple of them), ids not int32/int64, max_sms
+        neither None nor an int.
         ValueError: src and dst of different dtypes or page shapes (naming both) or layer counts, a
         page part that is not dense, a pool of fewer than 2 dims, ids not 1-D or dense or of different
         lengths, a device rule above broken, tuples of different lengths, max_sms < 1.
@@ -66,15 +75,16 @@ def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=MAX_SMS, backend=N
 
     Algorithm: CPU (host to host) — the pairs resolved serially first (padding skipped, range checked,
     the last pair of each destination page kept), then one memcpy of page_bytes per (pair, layer) run,
-    OpenMP over the runs above a payload threshold. CUDA: an SM copy kernel, one launch per pool pair
-    on the current stream, no host sync (graph-safe in every direction): a warp per pair and
-    interleaved set of its layers (about 8 such items per warp), a grid-stride loop, 16-byte vectors
-    when every pointer, stride and page_bytes allows (else 4 or 1 bytes), host pools read and written
-    in place through their pinned mapping (UVA); a grid of at most ``max_sms`` x 4 CTAs of 8 warps. A
-    pair whose destination page a later valid pair names is skipped (a warp-wide scan of the later
-    ids), so the last one wins as on CPU. A copy-engine path (cudaMemcpyBatchAsync, no SMs at all) is
-    still to come. The torch reference (gather, then ``index_copy_`` of byte views) is the fallback;
-    it reads the plan on the host for host pools.
+    OpenMP over the runs above a payload threshold. CUDA, GPU ids: an SM copy kernel, one launch per
+    pool pair on the current stream, no host sync (graph-safe in every direction): runs cut into
+    chunks of 128 vectors (16 bytes when every pointer, stride and page_bytes allows, else 4 or 1),
+    each warp moving two chunks at a time in a grid-stride loop (all their loads before the stores), so
+    that large pages spread over the grid and small ones load at once; host pools read and written in
+    place through their pinned mapping (UVA); a grid of at most ``max_sms`` x 3 CTAs of 8 warps. CUDA,
+    host ids: the pairs resolved on the host as on CPU, one run per (pair, layer), runs that follow on
+    in both pools merged, all in one ``cudaMemcpyBatchAsync`` on the current stream (one
+    ``cudaMemcpyAsync`` per run while a graph is being captured). The torch reference (gather, then
+    ``index_copy_`` of byte views) is the fallback; it reads the plan on the host for host pools.
     """
     if isinstance(src, (tuple, list)) or isinstance(dst, (tuple, list)):
         _transfer_tuples(src, dst, src_pages, dst_pages, max_sms, backend)
@@ -92,6 +102,11 @@ def _transfer_tuples(src, dst, src_pages, dst_pages, max_sms, backend):
         raise ValueError(f"{OP}: src: expected at least one pool, got an empty tuple")
     if len(dst) != len(src):
         raise ValueError(f"{OP}: dst: expected {len(src)} pools like src, got {len(dst)}")
+    if len(src) == 1:  # one pool: its own call checks everything before it copies
+        TRANSFER_PAGES.run((src[0], dst[0], src_pages, dst_pages, max_sms), backend)
+        return
+    if len(src) == 2 and not is_compiling() and _run_pair(src, dst, src_pages, dst_pages, max_sms, backend):
+        return
     if not is_compiling():
         for j, (s, d) in enumerate(zip(src, dst)):
             _check(s, d, src_pages, dst_pages, f"src[{j}]", f"dst[{j}]")
@@ -103,7 +118,31 @@ def _transfer_tuples(src, dst, src_pages, dst_pages, max_sms, backend):
         TRANSFER_PAGES.run((s, d, src_pages, dst_pages, max_sms), backend)
 
 
-def pack_pages(src, src_pages, out, *, max_sms=MAX_SMS, backend=None):
+def _run_pair(src, dst, src_pages, dst_pages, max_sms, backend) -> bool:
+    """A (K, V) tuple with GPU ids in one launch of the SM kernel, when both pool pairs have one page
+    size and layer count and the jit backend runs (every argument checked by the binding before
+    anything is copied). False where the per-pool path must run instead."""
+    if not (isinstance(src_pages, torch.Tensor) and src_pages.is_cuda and backend in (None, "jit")):
+        return False
+    _max_sms(max_sms)
+    try:
+        (s0, s1), (d0, d1) = src, dst
+        if (
+            s0.shape[0] != s1.shape[0]
+            or math.prod(s0.shape[2:]) * s0.element_size() != math.prod(s1.shape[2:]) * s1.element_size()
+        ):
+            return False
+        vec = min(variant(s0, d0, src_pages, dst_pages, max_sms)[0], variant(s1, d1, src_pages, dst_pages, max_sms)[0])
+    except (AttributeError, TypeError, ValueError):
+        return False  # the per-pool path names the bad argument
+    pair = getattr(TRANSFER_PAGES.runner(src_pages.device, backend, (vec,)), "pair", None)
+    if pair is None:
+        return False
+    pair(s0, d0, s1, d1, src_pages, dst_pages, 0 if max_sms is None else max_sms)
+    return True
+
+
+def pack_pages(src, src_pages, out, *, max_sms=None, backend=None):
     """Pack a request's pages into one buffer: ``out[i] = src[:, src_pages[i]]``, all layers.
 
     The pack format (docs/design.md §2) is page-first: ``out [N, L, *page]``, request page i's L layers
@@ -134,7 +173,7 @@ def pack_pages(src, src_pages, out, *, max_sms=MAX_SMS, backend=None):
     )
 
 
-def unpack_pages(buf, dst, dst_pages, *, max_sms=MAX_SMS, backend=None):
+def unpack_pages(buf, dst, dst_pages, *, max_sms=None, backend=None):
     """Unpack a ``pack_pages`` buffer into a pool: ``dst[:, dst_pages[i]] = buf[i]``, all layers.
 
     Args:
@@ -205,8 +244,10 @@ def check(src, dst, src_pages, dst_pages, max_sms):
 
 
 def _max_sms(max_sms):
+    if max_sms is None:
+        return
     if isinstance(max_sms, bool) or not isinstance(max_sms, int):
-        raise TypeError(f"{OP}: max_sms: expected an int, got {type(max_sms).__name__}")
+        raise TypeError(f"{OP}: max_sms: expected None or an int, got {type(max_sms).__name__}")
     if max_sms < 1:
         raise ValueError(f"{OP}: max_sms: expected an int >= 1, got {max_sms}")
 
@@ -235,30 +276,33 @@ def _check(src, dst, src_pages, dst_pages, sname, dname):
 
 
 def _devices(src, dst, dev, sname, dname):
-    """The ids' device is the CUDA pool's (a CPU pool beside it pinned), or the CPU for two host pools."""
+    """The ids on the CUDA pool's device (the SM kernel) or on the host (two host pools, or the copy
+    engines); a CPU pool beside a GPU pinned; the CUDA pools on one GPU."""
     pools = ((sname, src), (dname, dst))
     if dev.type == "cpu":
-        for name, t in pools:
-            if not t.is_cpu:
-                raise ValueError(
-                    f"{OP}: src_pages: expected a tensor on {t.device} like {name} (page ids live on the "
-                    "CUDA pool's device), got one on cpu"
-                )
+        if src.is_cuda and dst.is_cuda:
+            checks.same_device(OP, dname, dst, src.device, sname)
+        if src.is_cuda or dst.is_cuda:
+            _pinned(pools, src.device if src.is_cuda else dst.device)
         return
     if src.is_cpu and dst.is_cpu:
         raise ValueError(
             f"{OP}: src_pages: expected a tensor on cpu like {sname} and {dname} (a host-to-host transfer), "
             f"got one on {dev}"
         )
+    _pinned(pools, dev)
     for name, t in pools:
-        if t.is_cpu:
-            if not t.is_pinned():
-                raise ValueError(
-                    f"{OP}: {name}: expected a pinned CPU tensor (pin_memory()) for a copy with {dev}, "
-                    "got one that is not pinned"
-                )
-        else:
+        if not t.is_cpu:
             checks.same_device(OP, name, t, dev, "src_pages")
+
+
+def _pinned(pools, dev):
+    for name, t in pools:
+        if t.is_cpu and not t.is_pinned():
+            raise ValueError(
+                f"{OP}: {name}: expected a pinned CPU tensor (pin_memory()) for a copy with {dev}, "
+                "got one that is not pinned"
+            )
 
 
 def _page_bytes(name, t):
@@ -327,14 +371,22 @@ def cpu_spec() -> JitSpec:
 def cuda_spec(arch: str, vec: int) -> JitSpec:
     """The CUDA module copying ``vec``-byte vectors (16, 4 or 1)."""
     return JitSpec(
-        "transfer_cuda", ("transfer/transfer_pages_cuda.cu",), args=(("vec", vec),), target=arch, exports=(OP,)
+        "transfer_cuda", ("transfer/transfer_pages_cuda.cu",), args=(("vec", vec),), target=arch, exports=(OP, PAIR)
     )
+
+
+def copy_engine_spec(arch: str) -> JitSpec:
+    """The copy-engine path (host code: cudaMemcpyBatchAsync), built per target like the kernels."""
+    return JitSpec("transfer_ce", ("transfer/transfer_pages_ce.cu",), target=arch, exports=(CE, CE_CHECK))
+
+
+CE, CE_CHECK, PAIR = "transfer_pages_ce", "transfer_pages_check", "transfer_pages_pair"
 
 
 def specs(target: str) -> list[JitSpec]:
     if target == "cpu":
         return [cpu_spec()]
-    return [cuda_spec(target, vec) for vec in VECS]
+    return [*(cuda_spec(target, vec) for vec in VECS), copy_engine_spec(target)]
 
 
 def _jit(device, variant):
@@ -343,11 +395,69 @@ def _jit(device, variant):
 
         def run_cpu(src, dst, src_pages, dst_pages, max_sms):
             _max_sms(max_sms)  # ignored on CPU, but checked as on every backend
-            fn(src, dst, src_pages, dst_pages)
+            if src.is_cuda or dst.is_cuda:
+                _host_ids_with_gpu(src, dst, src_pages, dst_pages, max_sms)
+            else:
+                fn(src, dst, src_pages, dst_pages)
 
         return run_cpu, info
-    fn, info = jit_function(cuda_spec(cuda_arch(device), variant.vec), OP)
-    return TRANSFER_PAGES.with_debug_checks(device, fn), info
+    spec = cuda_spec(cuda_arch(device), variant.vec)
+    fn, info = jit_function(spec, OP)
+
+    def run_cuda(src, dst, src_pages, dst_pages, max_sms):
+        fn(src, dst, src_pages, dst_pages, 0 if max_sms is None else max_sms)  # 0: the binding's default
+
+    run_cuda.pair = get_function(spec, PAIR)  # a (K, V) tuple in one launch (_run_pair)
+    return TRANSFER_PAGES.with_debug_checks(device, run_cuda), {"mechanism": "SM copy kernel", **info}
+
+
+# Pages of at least this many bytes go to the copy engines when the ids are on the host; smaller ones
+# to the SM kernel, the ids moved to the GPU first: a copy engine pays a fixed cost per run that small
+# pages do not amortize. docs/performance.md "CE_MIN_PAGE_BYTES" has the measurement and its command.
+CE_MIN_PAGE_BYTES = 64 << 10
+_CE: dict[int, tuple | None] = {}
+_CE_MISSING: dict[int, str] = {}
+
+
+def _host_ids_with_gpu(src, dst, src_pages, dst_pages, max_sms):
+    """Ids on the host, a pool on a GPU: the copy engines (pages of CE_MIN_PAGE_BYTES or more, or a
+    stream being captured, where the ids cannot be moved), else the SM kernel with the ids moved to
+    the GPU after they are range checked on the host (IndexError, nothing copied)."""
+    device = src.device if src.is_cuda else dst.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ce = _copy_engine(device, index)
+    page_bytes = math.prod(src.shape[2:]) * src.element_size()
+    if ce is not None and (page_bytes >= CE_MIN_PAGE_BYTES or torch.cuda.is_current_stream_capturing()):
+        _note(index, "page ids on the host: the copy engines", "copy engine", ce[2])
+        ce[0](src, dst, src_pages, dst_pages, index)
+        return
+    if ce is not None:
+        ce[1](src, dst, src_pages, dst_pages, index)
+    else:
+        check(src, dst, src_pages, dst_pages, max_sms)
+        reference.check_pages(src_pages, dst_pages, src.shape[1], dst.shape[1])
+    why = "page ids on the host, pages under CE_MIN_PAGE_BYTES: the SM kernel" if ce else _CE_MISSING[index]
+    _note(index, why, "SM copy kernel", {})
+    ids = (src_pages.to(device, non_blocking=True), dst_pages.to(device, non_blocking=True))
+    TRANSFER_PAGES.run((src, dst, *ids, max_sms), "jit")
+
+
+def _copy_engine(device, index):
+    """(copy, check, backend_info fields) of the copy-engine module for GPU ``index``, built or loaded
+    once per process, or None when it cannot be built (the SM kernel then takes every call)."""
+    if index not in _CE:
+        try:
+            spec = copy_engine_spec(cuda_arch(device))
+            _CE[index] = (get_function(spec, CE), get_function(spec, CE_CHECK), jit_function(spec, CE)[1])
+        except JitUnavailable as e:
+            _CE[index], _CE_MISSING[index] = None, f"page ids on the host, copy engines unavailable: {e.reason}"
+    return _CE[index]
+
+
+def _note(index, reason, mechanism, info):
+    """backend_info of GPU ``index``: the path this host-ids call took (the runner of GPU ids records its
+    own when it is made)."""
+    TRANSFER_PAGES.note(torch.device("cuda", index), "jit", reason, {"mechanism": mechanism, **info})
 
 
 # ------------------------------------------------------------------------------ sample and bench
@@ -389,57 +499,111 @@ def _bench_cpu(h) -> list:
     return rows
 
 
+# The GPU section's pages (issue shapes: an MLA token row, and MHA pages of H8 D128 K and V), the
+# request sizes in tokens, and the layer counts (one layer's cache, a 61-layer model's).
+_GPU_PAGES = (
+    ("MLA 1-token pages (1 x 576 bf16)", (1, 576), 1),
+    ("MHA 16-token pages (K and V, 16 x 8 x 128 bf16)", (16, 8, 128), 2),
+    ("MHA 64-token pages (K and V, 64 x 8 x 128 bf16)", (64, 8, 128), 2),
+)
+_GPU_TOKENS = {1: (64, 1024, 16384), 61: (64, 1024)}
+_LOOP_MAX_RUNS = 70_000  # the per-block memcpy loop past this many runs takes seconds per timing
+
+
 def _bench_gpu(h) -> list:
-    """n pages of 16 x 576 bf16 (18 KiB) of one layer's pool per step, host to device and device to
-    host, a pinned page-first host pool of 2048 pages against the device pool, against torch's
-    contiguous pinned copy_ of the same bytes (the copy engines' ceiling). "jitkv auto" is timed eagerly
-    (were it the torch reference, its host-device copy reads the plan on the host, which graph capture
-    does not allow); the SM kernel forced, at max_sms 4 and 16, under graph replay."""
-    rows, pages, page = [], 2048, (16, 576)
-    page_bytes = 16 * 576 * 2
-    for n in h.sizes([64, 512]):
-        sp = torch.randperm(pages, device="cuda")[:n]
-        dp = torch.randperm(pages, device="cuda")[:n]
-        for direction in ("host -> device", "device -> host"):
-            dev = [torch.empty((1, pages, *page), dtype=torch.bfloat16, device="cuda") for _ in range(h.layers)]
-            host_base = [torch.empty((pages, 1, *page), dtype=torch.bfloat16).pin_memory() for _ in range(h.layers)]
-            host = [b.transpose(0, 1) for b in host_base]
-            to_dev = direction == "host -> device"
-            src, dst = (host, dev) if to_dev else (dev, host)
-            flat_host = [b.view(-1)[: n * 16 * 576] for b in host_base]
-            flat_dev = [t.view(-1)[: n * 16 * 576] for t in dev]
-            flat_src, flat_dst = (flat_host, flat_dev) if to_dev else (flat_dev, flat_host)
-            cases = [
-                (
-                    "torch contiguous pinned copy_",
-                    lambda i, a=flat_src, b=flat_dst: b[i].copy_(a[i], non_blocking=True),
-                ),
-                ("jitkv auto", lambda i, a=src, b=dst: transfer_pages(a[i], b[i], sp, dp)),
-                # The SM kernel under graph replay at the default SM bound and at 16 SMs: whether 4 SMs
-                # keep the link busy (the default's premise).
-                *[
-                    (
-                        f"jitkv jit, max_sms={m}",
-                        lambda i, a=src, b=dst, m=m: transfer_pages(a[i], b[i], sp, dp, max_sms=m, backend="jit"),
-                    )
-                    for m in (MAX_SMS, 16)
-                ],
-            ]
-            rows += h.rows(
-                OP,
-                f"{n} pages of 16 x 576 bf16, {direction}",
-                n,
-                2 * n * page_bytes,
-                cases,
-                eager=("torch contiguous pinned copy_", "jitkv auto"),
+    """Host <-> device page transfers, eager µs per call (as an engine's offload or load runs), between
+    a pinned page-first host pool and a layer-first device pool twice the pages moved, scattered ids;
+    the baseline is torch's contiguous pinned copy_ of the same bytes (the link's practical ceiling).
+    Beside it: the SM kernel (ids on the GPU, 4 SMs), host ids (the copy engines for pages of
+    CE_MIN_PAGE_BYTES or more), the copy engines forced, and vLLM swap_blocks' cudaMemcpyAsync per
+    (block, layer); then pack_pages on the device against the device copy, and a GEMM's slowdown
+    beside each mechanism."""
+    from ..benchmark.transfer import gemm_slowdown_rows
+
+    rows = []
+    for layers, tokens in _GPU_TOKENS.items():
+        for label, page, npools in _GPU_PAGES:
+            for t in h.sizes(list(tokens)):
+                n = t // page[0]
+                for to_dev in (True, False):
+                    pools = _transfer_pools(layers, 2 * n, page, npools)
+                    rows += _transfer_rows(h, f"{label}, {layers} layer(s), {t} tokens", t, n, pools, to_dev)
+                    pools = None
+    rows += _pack_rows(h)
+    rows += gemm_slowdown_rows(_transfer_pools(1, 2048, (16, 8, 128), 2), transfer_pages, _copy_engine)
+    return rows
+
+
+def _transfer_pools(layers, pages, page, npools):
+    """npools (device pool [L, P, *page], pinned page-first host pool as [L, P, *page]) of bf16."""
+    out = []
+    for _ in range(npools):
+        dev = torch.empty((layers, pages, *page), dtype=torch.bfloat16, device="cuda").normal_()
+        host = torch.empty((pages, layers, *page), dtype=torch.bfloat16).pin_memory()
+        out.append((dev, host.transpose(0, 1)))
+    return out
+
+
+def _transfer_rows(h, case, t, n, pools, to_dev):
+    from ..benchmark.transfer import block_memcpy
+
+    dev_pools = tuple(d for d, _ in pools)
+    host_pools = tuple(x for _, x in pools)
+    src, dst = (host_pools, dev_pools) if to_dev else (dev_pools, host_pools)
+    pages = dev_pools[0].shape[1]
+    sp_h, dp_h = torch.randperm(pages)[:n], torch.randperm(pages)[:n]
+    sp_d, dp_d = sp_h.cuda(), dp_h.cuda()
+    page_bytes = math.prod(dev_pools[0].shape[2:]) * 2
+    payload = n * page_bytes * dev_pools[0].shape[0] * len(pools)
+    flat_h = torch.empty(payload, dtype=torch.uint8).pin_memory()
+    flat_d = torch.empty(payload, dtype=torch.uint8, device="cuda")
+    flat_src, flat_dst = (flat_h, flat_d) if to_dev else (flat_d, flat_h)
+    device = dev_pools[0].device
+    ce = (_copy_engine(device, device.index) or (None,))[0]
+    cases = [
+        ("torch contiguous pinned copy_", lambda i: flat_dst.copy_(flat_src, non_blocking=True)),
+        (f"jitkv, GPU ids (SM kernel, {LINK_SMS} SMs)", lambda i: transfer_pages(src, dst, sp_d, dp_d)),
+        ("jitkv, host ids", lambda i: transfer_pages(src, dst, sp_h, dp_h)),
+    ]
+    if ce is not None:
+        cases.append(
+            (
+                "jitkv copy engines forced, host ids",
+                lambda i: [ce(a, b, sp_h, dp_h, device.index) for a, b in zip(src, dst)],
             )
-            dev = host_base = host = src = dst = flat_host = flat_dev = flat_src = flat_dst = cases = None  # freed
+        )
+    if n * dev_pools[0].shape[0] * len(pools) <= _LOOP_MAX_RUNS:
+        cases.append(
+            (
+                "cudaMemcpyAsync per block and layer (vLLM swap_blocks)",
+                lambda i: [block_memcpy(a, b, sp_h, dp_h, device.index) for a, b in zip(src, dst)],
+            )
+        )
+    direction = "host -> device" if to_dev else "device -> host"
+    names = tuple(c[0] for c in cases)
+    return h.rows(OP, f"{case}, {direction}", t, 2 * payload, cases, eager=names, ceiling=False)
+
+
+def _pack_rows(h):
+    """pack_pages / unpack_pages of 1024 tokens of 16-token MHA pages over 61 layers, device to device,
+    graph-timed against the device copy of the same bytes."""
+    rows, layers, n, page = [], 61, 64, (16, 8, 128)
+    pools = [torch.empty((layers, 2 * n, *page), dtype=torch.bfloat16, device="cuda").normal_() for _ in range(2)]
+    buf = torch.empty((n, 2, layers, *page), dtype=torch.bfloat16, device="cuda")
+    sp = torch.randperm(2 * n, device="cuda")[:n]
+    moved = 2 * buf.numel() * 2
+    cases = [
+        ("jitkv pack_pages", lambda i: pack_pages(tuple(pools), sp, buf)),
+        ("jitkv unpack_pages", lambda i: unpack_pages(buf, tuple(pools), sp)),
+    ]
+    case = f"{n} MHA pages of 16 tokens (K and V), {layers} layers, on the device"
+    rows += h.rows("pack_pages", case, n * 16, moved, cases)
     return rows
 
 
 TRANSFER_PAGES = Op(
     transfer_pages,
-    schema="(Tensor src, Tensor(a!) dst, Tensor src_pages, Tensor dst_pages, *, int max_sms=4)",
+    schema="(Tensor src, Tensor(a!) dst, Tensor src_pages, Tensor dst_pages, *, int? max_sms=None)",
     home="src_pages",
     check=check,
     debug_check=debug_check,

@@ -3,30 +3,29 @@
 //
 // The runs are the (pair i, layer l) of one pool pair: page src_pages[i] of layer l of src, at
 // src.base + l * src.layer_stride + src_pages[i] * src.page_stride (bytes, 64-bit), copied to page
-// dst_pages[i] of layer l of dst, page_bytes bytes. (A tuple of pools is one launch per pool pair.)
-// A work item is a pair and one of `groups` interleaved sets of its layers (layers g, g + groups, ...):
-// groups = min(num_layers, ceil(kItemsPerWarp * warps / n)), so that there are about kItemsPerWarp
-// items per warp (the grid-stride loop stays balanced) while the pair's ids and its duplicate scan
-// (below) are read once per item, not once per layer: with many pairs, one item per pair.
+// dst_pages[i] of layer l of dst, page_bytes bytes; with num_pools 2 (a (K, V) tuple of one page size
+// and layer count in one launch) the same for src2 / dst2.
 // Pointers are device memory or pinned host memory: under UVA a pinned allocation's host address is
 // valid on the device (the binding checks it), so one kernel serves host to device, device to host and
 // device to device; loads and stores to host memory travel over the link.
 //
-// A warp per work item, not a CTA: a page of one layer is 1 to a few tens of KiB (an MLA page of 16
-// tokens x 576 bf16 is 18 KiB, a token-sized page 1152 bytes, fewer than a 128-thread CTA's 16-byte
-// vectors), so warps that each take whole items in a grid-stride loop stay busy with no __syncthreads
-// and no idle threads on small pages. Each lane moves vectors lane, lane + 32, ... of the run, kUnroll
-// loads issued before their stores so that several link round trips are in flight per lane.
+// Work: chunks of kChunk vectors (32 lanes x kUnroll), a run cut into ceil(vectors / kChunk) of them,
+// chunks numbered run by run, runs pair by pair (a page-first pool's layers of a page in order). A
+// warp takes chunks c and c + warps of a grid-stride loop together: both chunks' ids, then every
+// load of both, then the stores, so that each lane has 2 x kUnroll vectors in flight over the link
+// (a read from host memory is a round trip of microseconds; bytes in flight, not instructions, set the
+// rate). Chunks rather than whole runs per warp: a 128 KiB page (64 tokens of 8 x 128 bf16) is 64
+// chunks spread over the grid instead of one warp's 64 round trips, and a 1152-byte page (an MLA
+// token) is one chunk whose 72 vectors load at once (predicated) instead of in three dependent steps.
 //
 // Vectors of kVec bytes (16, 4 or 1), chosen on the host: 16 when every base, stride and page_bytes is
 // a multiple of 16, else 4 when they are of 4, else 1 (odd page widths).
 //
 // Ids (docs/design.md §3): a pair with a negative id, or an id >= its pool's page count, is skipped
-// (no host sync; JITKV_DEBUG=1 raises on the host first). Pairs naming one destination page: the last
-// valid pair wins, as the CPU kernel and the torch reference: a warp skips its pair when a later valid
-// pair names the same destination page (a warp-wide scan of the later ids, 32 per step; they stay in
-// L1/L2; about n / 64 steps per item, n * groups items). This keeps every destination page one source
-// page whole, never a mix of racing warps.
+// (no host sync; JITKV_DEBUG=1 raises on the host first). Pairs naming one destination page race:
+// the page gets bytes of their source pages in unspecified vectors (docs/design.md §2). Resolving
+// them on the device costs a scan of the later ids per pair, O(n) each, which for thousands of
+// 1-token pages costs more than their copy; engines never name a destination page twice in a call.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -39,47 +38,48 @@
 
 namespace jitkv::transfer {
 
-constexpr int kWarps = 8;         // warps per CTA
-constexpr int kCtasPerSm = 4;     // CTAs per SM of the max_sms the grid may use
-constexpr int kUnroll = 4;        // vectors in flight per lane
-constexpr int kItemsPerWarp = 8;  // work items per warp the layer groups aim at
+constexpr int kWarps = 8;      // warps per CTA
+constexpr int kCtasPerSm = 3;  // CTAs per SM of the max_sms the grid may use (85 registers a thread: no spills)
+constexpr int kUnroll = 4;     // vectors per lane of a chunk
+constexpr int kChunk = 32 * kUnroll;
+constexpr int kLinkSms = 4;  // the default SM bound of a copy with a host pool (docs/design.md §2)
 
 __device__ __forceinline__ int64_t load_id(const void* p, int64_t i, bool i64) {
   return i64 ? cuda::load(static_cast<const int64_t*>(p) + i)
              : static_cast<int64_t>(cuda::load(static_cast<const int32_t*>(p) + i));
 }
 
-// Whether a pair after i (j in (i, n)) with valid ids names destination page d (d itself valid).
-// Warp-uniform: every lane of the warp calls it with the same i and d.
-__device__ __forceinline__ bool superseded(const TransferParams& p, int64_t i, int64_t d, int lane) {
-  for (int64_t base = i + 1; base < p.n; base += 32) {
-    const int64_t j = base + lane;
-    bool hit = false;
-    if (j < p.n && load_id(p.dst_pages, j, p.dst_i64) == d) {
-      const int64_t s = load_id(p.src_pages, j, p.src_i64);
-      hit = s >= 0 && s < p.src.num_pages;
-    }
-    if (__any_sync(0xffffffffu, hit)) return true;
-  }
-  return false;
-}
+// One chunk of a warp: where its vectors come from and go, and how many of them this lane moves.
+template <typename V>
+struct Chunk {
+  const V* from;
+  V* to;
+  int first;  // this lane's first vector index in the run; it moves first + 32 u for u < kUnroll
+  int count;  // the run's vectors (0: nothing to move)
+};
 
-// One page run: page_bytes / kVec vectors, lane k moving vectors k, k + 32, ...
-template <int kVec>
-__device__ __forceinline__ void copy_run(char* to, const char* from, int64_t page_bytes, int lane) {
-  using V = typename cuda::VecOf<kVec>::T;
-  const V* src = reinterpret_cast<const V*>(from);
-  V* dst = reinterpret_cast<V*>(to);
-  const int64_t nvec = page_bytes / kVec;
-  int64_t k = lane;
-  for (; k + (kUnroll - 1) * 32 < nvec; k += kUnroll * 32) {
-    V v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = cuda::load(src + k + u * 32);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) dst[k + u * 32] = v[u];
-  }
-  for (; k < nvec; k += 32) dst[k] = cuda::load(src + k);
+// Chunk c (32-bit: the binding refuses calls of 2^31 chunks or more, whose division would cost a
+// 64-bit divide routine and its spills per chunk). Runs are numbered pair by pair, each pair's pools,
+// each pool's layers.
+template <typename V>
+__device__ __forceinline__ Chunk<V> locate(const TransferParams& p, uint32_t c, uint32_t chunks, uint32_t per_run,
+                                           uint32_t layers, int vectors, int lane) {
+  Chunk<V> k{nullptr, nullptr, 0, 0};
+  if (c >= chunks) return k;
+  const uint32_t run = c / per_run;
+  const uint32_t pair_pool = run / layers, layer = run - pair_pool * layers;
+  const uint32_t i = p.num_pools == 2 ? pair_pool >> 1 : pair_pool;
+  const bool second = p.num_pools == 2 && (pair_pool & 1u);
+  const Pool& from = second ? p.src2 : p.src;
+  const Pool& to = second ? p.dst2 : p.dst;
+  const int64_t s = load_id(p.src_pages, i, p.src_i64);
+  const int64_t d = load_id(p.dst_pages, i, p.dst_i64);
+  if (s < 0 || d < 0 || s >= from.num_pages || d >= to.num_pages) return k;
+  k.from = reinterpret_cast<const V*>(from.base + layer * from.layer_stride + s * from.page_stride);
+  k.to = reinterpret_cast<V*>(to.base + layer * to.layer_stride + d * to.page_stride);
+  k.first = static_cast<int>(c - run * per_run) * kChunk + lane;
+  k.count = vectors;
+  return k;
 }
 
 // kCtasPerSm CTAs fit on one SM at once (the launch bound caps the registers at 64 per thread).
@@ -87,25 +87,36 @@ template <int kVec>
 __global__ void __launch_bounds__(kWarps * 32, kCtasPerSm)
     transfer_pages_kernel(const __grid_constant__ TransferParams p) {
   static_assert(kVec == 16 || kVec == 4 || kVec == 1, "vectors of 16, 4 or 1 bytes");
+  using V = typename cuda::VecOf<kVec>::T;
   // The ids and the source pages may come from the previous kernel (a page just written, offloaded).
   cuda::pdl_wait();
   cuda::pdl_launch_dependents();
   if (p.n <= 0 || p.num_layers <= 0) return;
   const int lane = threadIdx.x & 31;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kWarps;  // warps in the grid
-  const int64_t want = (kItemsPerWarp * step + p.n - 1) / p.n;    // layer groups per pair
-  const int64_t groups = want < 1 ? 1 : (want > p.num_layers ? p.num_layers : want);
-  const int64_t items = p.n * groups;
-  for (int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); w < items; w += step) {
-    const int64_t i = w / groups;
-    const int64_t s = load_id(p.src_pages, i, p.src_i64);
-    const int64_t d = load_id(p.dst_pages, i, p.dst_i64);
-    if (s < 0 || d < 0 || s >= p.src.num_pages || d >= p.dst.num_pages) continue;
-    if (superseded(p, i, d, lane)) continue;
-    for (int64_t layer = w - i * groups; layer < p.num_layers; layer += groups) {
-      const char* from = p.src.base + layer * p.src.layer_stride + s * p.src.page_stride;
-      char* to = p.dst.base + layer * p.dst.layer_stride + d * p.dst.page_stride;
-      copy_run<kVec>(to, from, p.page_bytes, lane);
+  const int vectors = static_cast<int>(p.page_bytes / kVec);
+  const uint32_t per_run = static_cast<uint32_t>((vectors + kChunk - 1) / kChunk);
+  const uint32_t layers = static_cast<uint32_t>(p.num_layers);
+  const uint32_t chunks = static_cast<uint32_t>(p.n * p.num_pools) * layers * per_run;
+  const uint32_t warps = gridDim.x * kWarps;
+  for (uint32_t c = blockIdx.x * kWarps + (threadIdx.x >> 5); c < chunks; c += 2 * warps) {
+    const Chunk<V> a = locate<V>(p, c, chunks, per_run, layers, vectors, lane);
+    const Chunk<V> b = locate<V>(p, c + warps, chunks, per_run, layers, vectors, lane);
+    V va[kUnroll], vb[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (a.first + u * 32 < a.count) va[u] = cuda::load(a.from + a.first + u * 32);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (b.first + u * 32 < b.count) vb[u] = cuda::load(b.from + b.first + u * 32);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (a.first + u * 32 < a.count) a.to[a.first + u * 32] = va[u];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (b.first + u * 32 < b.count) b.to[b.first + u * 32] = vb[u];
     }
   }
 }

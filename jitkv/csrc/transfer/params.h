@@ -18,8 +18,12 @@ struct Pool {
   int64_t num_pages;
 };
 
+// A call moves one pool pair, or (the CUDA kernel, a (K, V) tuple in one launch) two of one page size
+// and layer count: src2 / dst2, with num_pools 2.
 struct TransferParams {
   Pool src, dst;
+  Pool src2, dst2;  // num_pools == 2 only
+  int num_pools;
   const void* src_pages;
   const void* dst_pages;
   int64_t n;  // entries of src_pages and dst_pages

@@ -49,20 +49,22 @@ inline Pool pool(const TensorView& t) {
 }  // namespace detail
 
 inline TransferParams parse_params(const char* op, const TensorView& src, const TensorView& dst,
-                                   const TensorView& src_pages, const TensorView& dst_pages) {
-  const int64_t bytes = detail::page_bytes(op, "src", src);
-  detail::page_bytes(op, "dst", dst);
+                                   const TensorView& src_pages, const TensorView& dst_pages, const char* sname = "src",
+                                   const char* dname = "dst") {
+  const int64_t bytes = detail::page_bytes(op, sname, src);
+  detail::page_bytes(op, dname, dst);
   bool same_pages = src.ndim() == dst.ndim();
   for (int d = 2; same_pages && d < src.ndim(); ++d) same_pages = src.size(d) == dst.size(d);
   if (src.dtype() != dst.dtype() || !same_pages) {
-    TVM_FFI_THROW(ValueError) << op << ": dst: expected dtype " << src.dtype() << " and page shape "
-                              << detail::page_shape(src) << " like src, got " << dst.dtype() << " and "
+    TVM_FFI_THROW(ValueError) << op << ": " << dname << ": expected dtype " << src.dtype() << " and page shape "
+                              << detail::page_shape(src) << " like " << sname << ", got " << dst.dtype() << " and "
                               << detail::page_shape(dst);
   }
   if (src.size(0) != dst.size(0)) {
-    TVM_FFI_THROW(ValueError) << op << ": dst: expected " << src.size(0) << " layers like src, got " << dst.size(0);
+    TVM_FFI_THROW(ValueError) << op << ": " << dname << ": expected " << src.size(0) << " layers like " << sname
+                              << ", got " << dst.size(0);
   }
-  check_written(op, "dst", dst);
+  check_written(op, dname, dst);
   const bool src_i64 = check_index(op, "src_pages", src_pages);
   const bool dst_i64 = check_index(op, "dst_pages", dst_pages);
   if (dst_pages.size(0) != src_pages.size(0)) {
@@ -72,6 +74,9 @@ inline TransferParams parse_params(const char* op, const TensorView& src, const 
   TransferParams p;
   p.src = detail::pool(src);
   p.dst = detail::pool(dst);
+  p.src2 = p.src;
+  p.dst2 = p.dst;
+  p.num_pools = 1;
   p.src_pages = data_ptr(src_pages);
   p.dst_pages = data_ptr(dst_pages);
   p.n = src_pages.size(0);
@@ -90,7 +95,7 @@ inline bool is_host(const TensorView& t) {
 }
 
 inline DLDevice cuda_device(const char* op, const TensorView& src, const TensorView& dst, const TensorView& src_pages,
-                            const TensorView& dst_pages) {
+                            const TensorView& dst_pages, const char* sname = "src", const char* dname = "dst") {
   const DLDevice dev = src_pages.device();
   if (dev.device_type != kDLCUDA) {
     TVM_FFI_THROW(ValueError) << op << ": src_pages: expected a CUDA tensor for the CUDA kernel, got one on "
@@ -98,11 +103,11 @@ inline DLDevice cuda_device(const char* op, const TensorView& src, const TensorV
   }
   check_device(op, "dst_pages", dst_pages, dev, "src_pages");
   if (is_host(src) && is_host(dst)) {
-    TVM_FFI_THROW(ValueError) << op << ": src_pages: expected a tensor on cpu like src and dst (a host-to-host "
-                              << "transfer), got one on " << device_str(dev);
+    TVM_FFI_THROW(ValueError) << op << ": src_pages: expected a tensor on cpu like " << sname << " and " << dname
+                              << " (a host-to-host transfer), got one on " << device_str(dev);
   }
-  if (!is_host(src)) check_device(op, "src", src, dev, "src_pages");
-  if (!is_host(dst)) check_device(op, "dst", dst, dev, "src_pages");
+  if (!is_host(src)) check_device(op, sname, src, dev, "src_pages");
+  if (!is_host(dst)) check_device(op, dname, dst, dev, "src_pages");
   return dev;
 }
 

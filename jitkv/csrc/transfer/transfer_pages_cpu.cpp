@@ -1,18 +1,15 @@
 // transfer_pages on CPU (host pool to host pool): page src_pages[i] of every layer of src is copied to
 // page dst_pages[i] of dst (params.h).
 //
-// Algorithm: parse + validate (parse.h); one serial pass over the pairs applies docs/design.md §3 (a
-// negative id in either tensor skips the pair; an id past its pool raises IndexError naming the
-// position before any byte is written) and keeps the last pair of each destination page, as torch
-// indexing lets one write win (two pairs racing on one page in the parallel pass could interleave
-// their bytes); then the (pair, layer) runs are copied, page_bytes each (row_copy.h), OpenMP over the
-// runs above a payload threshold (scatter.h threads_for). Streaming stores where every destination
+// Algorithm: parse + validate (parse.h); one serial pass over the pairs (plan.h resolve_pairs: the id
+// rules of docs/design.md §3, the last pair of each destination page); then the (pair, layer) runs
+// are copied, page_bytes each (row_copy.h), OpenMP over the runs above a payload threshold (scatter.h
+// threads_for). Streaming stores where every destination
 // page starts on a 64-byte line and scatter.h want_streaming says the written lines are cold (a pool
 // far larger than the LLC, or a large payload per thread); regular stores otherwise, pages of odd widths
 // included. Re-measure with `python -m jitkv.benchmark --device cpu --op transfer`.
 #include <tvm/ffi/function.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -22,6 +19,7 @@
 #include "jitkv/cpu/scatter.h"
 #include "transfer/params.h"
 #include "transfer/parse.h"
+#include "transfer/plan.h"
 
 namespace jitkv {
 namespace {
@@ -29,42 +27,6 @@ namespace {
 using namespace transfer;
 
 constexpr const char* kOp = "transfer_pages";
-
-inline int64_t load_id(const void* p, int64_t i, bool i64) {
-  return i64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
-}
-
-// The pairs to copy, each destination page once (the last pair naming it wins).
-std::vector<cpu::RowSlot> resolve_pairs(const TransferParams& p) {
-  std::vector<cpu::RowSlot> pairs;  // row: the source page, slot: the destination page
-  pairs.reserve(static_cast<size_t>(p.n));
-  bool sorted = true;
-  for (int64_t i = 0; i < p.n; ++i) {
-    const int64_t s = load_id(p.src_pages, i, p.src_i64), d = load_id(p.dst_pages, i, p.dst_i64);
-    if (s < 0 || d < 0) continue;
-    if (s >= p.src.num_pages) {
-      TVM_FFI_THROW(IndexError) << kOp << ": src_pages: position " << i << " has page " << s
-                                << ", out of range for a pool of " << p.src.num_pages << " pages";
-    }
-    if (d >= p.dst.num_pages) {
-      TVM_FFI_THROW(IndexError) << kOp << ": dst_pages: position " << i << " has page " << d
-                                << ", out of range for a pool of " << p.dst.num_pages << " pages";
-    }
-    sorted = sorted && (pairs.empty() || pairs.back().slot < d);
-    pairs.push_back(cpu::RowSlot{s, d});
-  }
-  if (sorted) return pairs;  // strictly increasing destinations: no duplicates (the common case)
-  // A stable sort by destination keeps pairs in call order within a page: the last of each run wins.
-  std::stable_sort(pairs.begin(), pairs.end(),
-                   [](const cpu::RowSlot& a, const cpu::RowSlot& b) { return a.slot < b.slot; });
-  size_t m = 0;
-  for (size_t k = 0; k < pairs.size(); ++k) {
-    if (k + 1 < pairs.size() && pairs[k + 1].slot == pairs[k].slot) continue;
-    pairs[m++] = pairs[k];
-  }
-  pairs.resize(m);
-  return pairs;
-}
 
 // Every page of the pool starts on a 64-byte line (what streaming stores need).
 bool lines_aligned(const Pool& pool) {
@@ -87,7 +49,7 @@ void transfer_pages_cpu(TensorView src, TensorView dst, TensorView src_pages, Te
     }
   }
   const TransferParams p = parse_params(kOp, src, dst, src_pages, dst_pages);
-  const std::vector<cpu::RowSlot> pairs = resolve_pairs(p);
+  const std::vector<PagePair> pairs = resolve_pairs(kOp, p);
   const int64_t runs = static_cast<int64_t>(pairs.size()) * p.num_layers;
   if (runs == 0 || p.page_bytes == 0) return;
   const int64_t payload = runs * p.page_bytes;
@@ -96,10 +58,10 @@ void transfer_pages_cpu(TensorView src, TensorView dst, TensorView src_pages, Te
   const int64_t layers = p.num_layers;
   cpu::for_rows(runs, threads, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const cpu::RowSlot& pair = pairs[static_cast<size_t>(r / layers)];
+      const PagePair& pair = pairs[static_cast<size_t>(r / layers)];
       const int64_t layer = r % layers;
-      const char* from = p.src.base + layer * p.src.layer_stride + pair.row * p.src.page_stride;
-      char* to = p.dst.base + layer * p.dst.layer_stride + pair.slot * p.dst.page_stride;
+      const char* from = p.src.base + layer * p.src.layer_stride + pair.src * p.src.page_stride;
+      char* to = p.dst.base + layer * p.dst.layer_stride + pair.dst * p.dst.page_stride;
       cpu::copy_seg(to, from, p.page_bytes, nt);
     }
     if (nt) cpu::stream_fence();

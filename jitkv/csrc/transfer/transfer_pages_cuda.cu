@@ -7,13 +7,14 @@
 // Template argument (JitSpec args): JITKV_VEC, the kernel's vector bytes (16, 4 or 1); the views must
 // have every base, stride and page_bytes a multiple of it (jitkv/ops/transfer.py variant picks it).
 //
-// The grid is bounded: max_sms (at most the device's SMs) x kCtasPerSm CTAs of kWarps warps, fewer
-// when there are fewer (pair, layer) runs than warps; the kernel's grid-stride loop takes the rest.
-// The bound exists because this copy runs beside the forward pass (a HiCache load or offload
-// overlapping compute): it must not take the SMs the model's kernels need, and a host<->device copy is
-// bound by the link, which a few SMs' loads in flight saturate (kWarps x kCtasPerSm warps per SM, each
-// lane kUnroll 16-byte vectors: 64 KiB per SM in flight). No host sync: ids past their pools are
-// skipped on the device.
+// The grid is bounded: max_sms (at most the device's SMs; 0: kLinkSms for a copy with a host pool,
+// every SM for one inside the GPU) x kCtasPerSm CTAs of kWarps warps, fewer when there are fewer
+// chunk pairs than warps; the kernel's grid-stride loop takes the rest. The bound exists because a
+// host<->device copy runs beside the forward pass (a HiCache load or offload overlapping compute): it
+// must not take the SMs the model's kernels need, and it is bound by the link, which a few SMs' loads
+// in flight saturate (kWarps x kCtasPerSm warps per SM, each lane 2 x kUnroll 16-byte vectors: 128 KiB
+// per SM in flight). A copy inside the GPU (a pack for a handoff) is bound by HBM and needs every SM.
+// No host sync: ids past their pools are skipped on the device.
 #include <cuda_runtime.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
@@ -23,6 +24,7 @@
 
 #include "jitkv/check.h"
 #include "jitkv/cuda/launch.cuh"
+#include "transfer/host_pool.h"
 #include "transfer/kernels.cuh"
 #include "transfer/params.h"
 #include "transfer/parse.h"
@@ -39,59 +41,75 @@ static_assert(kVec == 16 || kVec == 4 || kVec == 1, "JITKV_VEC: 16, 4 or 1");
 uint64_t u(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr); }
 uint64_t u(int64_t x) { return static_cast<uint64_t>(x); }
 
-// A host pool must be page-locked memory that the current device reaches at the same address (what
-// torch's pin_memory() gives under UVA); a pageable pointer would fault in the kernel.
-void check_host_pool(const char* name, const TensorView& t, DLDevice dev) {
-  if (!is_host(t) || t.numel() == 0) return;
-  const void* ptr = jitkv::data_ptr(t);
-  cudaPointerAttributes attr = {};
-  const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // clear it: this is the caller's error, not a sticky one
-    attr.type = cudaMemoryTypeUnregistered;
-  }
-  if (attr.type != cudaMemoryTypeHost) {
-    TVM_FFI_THROW(ValueError) << kOp << ": " << name << ": expected a pinned CPU tensor (pin_memory()) for a copy with "
-                              << jitkv::device_str(dev) << ", got one that is not pinned";
-  }
-  if (attr.devicePointer != ptr) {
-    TVM_FFI_THROW(ValueError) << kOp << ": " << name << ": the CUDA kernel needs pinned memory mapped at its host "
-                              << "address on " << jitkv::device_str(dev) << " (UVA)";
-  }
-}
+bool aligned(const Pool& pool) { return (u(pool.base) | u(pool.layer_stride) | u(pool.page_stride)) % kVec == 0; }
 
 void check_module(const TransferParams& p) {
-  if ((u(p.src.base) | u(p.dst.base) | u(p.src.layer_stride) | u(p.src.page_stride) | u(p.dst.layer_stride) |
-       u(p.dst.page_stride) | u(p.page_bytes)) %
-          kVec !=
-      0) {
+  const bool ok = aligned(p.src) && aligned(p.dst) && aligned(p.src2) && aligned(p.dst2) && p.page_bytes % kVec == 0;
+  if (!ok) {
     TVM_FFI_THROW(ValueError) << kOp << ": src: this module copies " << kVec << "-byte vectors: every data pointer, "
                               << "layer and page stride, and the page bytes must be multiples of " << kVec;
   }
 }
 
-void transfer_pages(TensorView src, TensorView dst, TensorView src_pages, TensorView dst_pages, int64_t max_sms) {
-  const DLDevice dev = cuda_device(kOp, src, dst, src_pages, dst_pages);
-  const TransferParams p = parse_params(kOp, src, dst, src_pages, dst_pages);
-  if (max_sms < 1) {
-    TVM_FFI_THROW(ValueError) << kOp << ": max_sms: expected an int >= 1, got " << max_sms;
+// The grid (module comment) and the launch on the caller's current stream of `dev`.
+void launch(const TransferParams& p, DLDevice dev, bool with_host, int64_t max_sms) {
+  if (max_sms < 0) {
+    TVM_FFI_THROW(ValueError) << kOp << ": max_sms: expected an int >= 1 (or 0: the default), got " << max_sms;
   }
-  check_module(p);
-  const int64_t items = p.n * p.num_layers;
-  if (items == 0 || p.page_bytes == 0 || p.src.num_pages == 0 || p.dst.num_pages == 0) return;
-  const int device = dev.device_id;
-  jitkv::cuda::DeviceGuard guard(device);
-  check_host_pool("src", src, dev);
-  check_host_pool("dst", dst, dev);
-  const jitkv::cuda::DeviceInfo info = jitkv::cuda::device_info(device);
-  const int64_t sms = std::min<int64_t>(max_sms, std::max(info.sms, 1));
-  const int64_t blocks = std::min<int64_t>(sms * kCtasPerSm, (items + kWarps - 1) / kWarps);
-  const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
+  const int64_t runs = p.n * p.num_layers * p.num_pools;
+  const int64_t chunks = runs * ((p.page_bytes / kVec + kChunk - 1) / kChunk);
+  if (chunks >= (int64_t{1} << 31) || p.page_bytes / kVec >= (int64_t{1} << 31)) {
+    TVM_FFI_THROW(ValueError) << kOp << ": src_pages: " << p.n << " pages of " << p.num_layers << " layers of "
+                              << p.page_bytes << " bytes are more than one call of the kernel moves (2^31 chunks "
+                              << "of " << kChunk << " vectors); split the call";
+  }
+  if (chunks == 0) return;
+  const jitkv::cuda::DeviceInfo info = jitkv::cuda::device_info(dev.device_id);
+  const int64_t all = std::max(info.sms, 1);
+  const int64_t sms = std::min<int64_t>(max_sms > 0 ? max_sms : (with_host ? kLinkSms : all), all);
+  const int64_t blocks = std::min<int64_t>(sms * kCtasPerSm, ((chunks + 1) / 2 + kWarps - 1) / kWarps);
+  const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id));
   const cudaError_t err = jitkv::cuda::launch(transfer_pages_kernel<kVec>, dim3(static_cast<unsigned>(blocks)),
                                               dim3(kWarps * 32), stream, info.pdl(), p);
   jitkv::cuda::check_launch(kOp, err);
 }
 
+void transfer_pages(TensorView src, TensorView dst, TensorView src_pages, TensorView dst_pages, int64_t max_sms) {
+  const DLDevice dev = cuda_device(kOp, src, dst, src_pages, dst_pages);
+  const TransferParams p = parse_params(kOp, src, dst, src_pages, dst_pages);
+  check_module(p);
+  jitkv::cuda::DeviceGuard guard(dev.device_id);
+  check_host_pool(kOp, "src", src, dev, true);
+  check_host_pool(kOp, "dst", dst, dev, true);
+  launch(p, dev, is_host(src) || is_host(dst), max_sms);
+}
+
+// A (K, V) tuple in one launch: two pool pairs of one page size and layer count, every argument
+// checked before anything is copied.
+void transfer_pages_pair(TensorView src, TensorView dst, TensorView src2, TensorView dst2, TensorView src_pages,
+                         TensorView dst_pages, int64_t max_sms) {
+  const DLDevice dev = cuda_device(kOp, src, dst, src_pages, dst_pages, "src[0]", "dst[0]");
+  cuda_device(kOp, src2, dst2, src_pages, dst_pages, "src[1]", "dst[1]");
+  TransferParams p = parse_params(kOp, src, dst, src_pages, dst_pages, "src[0]", "dst[0]");
+  const TransferParams q = parse_params(kOp, src2, dst2, src_pages, dst_pages, "src[1]", "dst[1]");
+  if (q.page_bytes != p.page_bytes || q.num_layers != p.num_layers) {
+    TVM_FFI_THROW(ValueError) << kOp << ": src[1]: expected " << p.num_layers << " layers of " << p.page_bytes
+                              << "-byte pages like src[0] (one launch moves both), got " << q.num_layers << " of "
+                              << q.page_bytes;
+  }
+  p.src2 = q.src;
+  p.dst2 = q.dst;
+  p.num_pools = 2;
+  check_module(p);
+  jitkv::cuda::DeviceGuard guard(dev.device_id);
+  check_host_pool(kOp, "src[0]", src, dev, true);
+  check_host_pool(kOp, "dst[0]", dst, dev, true);
+  check_host_pool(kOp, "src[1]", src2, dev, true);
+  check_host_pool(kOp, "dst[1]", dst2, dev, true);
+  launch(p, dev, is_host(src) || is_host(dst) || is_host(src2) || is_host(dst2), max_sms);
+}
+
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(transfer_pages, transfer_pages);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(transfer_pages_pair, transfer_pages_pair);

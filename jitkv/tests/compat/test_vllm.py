@@ -477,10 +477,13 @@ def _swap_rule(src, dst, block_bytes, mapping):
 @pytest.mark.parametrize("direction", ["out", "in", "same"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("mapping_dtype", [torch.int64, torch.int32])
-def test_swap_blocks(device, direction, dtype, mapping_dtype):
+@pytest.mark.parametrize("heads,head_size", [(2, 64), (32, 128)], ids=["small-blocks", "copy-engine-blocks"])
+def test_swap_blocks(device, direction, dtype, mapping_dtype, heads, head_size):
     """K and V halves of [2, num_blocks, block_size, heads, head_size] caches, swapped out (device ->
-    host), in (host -> device) or on one device; a host cache beside a GPU one is pinned."""
-    shape = (2, 12, 16, 2, 64)
+    host), in (host -> device) or on one device; a host cache beside a GPU one is pinned. The mapping on
+    the CPU as vLLM keeps it: on a GPU, blocks of 2-4 KiB take the SM kernel, of 64-128 KiB the copy
+    engines."""
+    shape = (2, 12, 16, heads, head_size)
     pin = device == "cuda"
     gpu_kv, host_kv = rand(shape, dtype, device), rand(shape, dtype)
     host_kv = host_kv.pin_memory() if pin else host_kv
@@ -488,7 +491,7 @@ def test_swap_blocks(device, direction, dtype, mapping_dtype):
         direction
     ]
     mapping = torch.tensor([[3, 0], [11, 7], [0, 11], [5, 2]], dtype=mapping_dtype)
-    block = 16 * 2 * 64 * dtype.itemsize
+    block = 16 * heads * head_size * dtype.itemsize
     for half in range(2):
         src, dst = src_kv[half], dst_kv[half]
         want = _swap_rule(src, dst, block, mapping)

@@ -345,6 +345,7 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
     if cuobjdump is None and os.environ.get("JITKV_REQUIRE_NVCC"):
         pytest.fail("JITKV_REQUIRE_NVCC is set but cuobjdump was not found (pip install nvidia-cuda-cuobjdump)")
     from jitkv.benchmark.gpu import latency_floor_spec
+    from jitkv.benchmark.transfer import block_memcpy_spec
     from jitkv.codes import KvFormat, SrcDtype
     from jitkv.ops.mla import cuda_spec as mla_spec
     from jitkv.prebuild import build_specs, specs_for
@@ -354,7 +355,7 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
     # bf16: no 16-byte vector divides them) in the copy and an fp8 writer, and the latency floors.
     odd = [mla_spec("9.0a", 26, 16), mla_spec("9.0a", 26, 16, kv_format=KvFormat.E4M3, src_dtype=SrcDtype.BF16)]
     tma = mla_spec("9.0a", 1024, 128, kernel="tma")
-    specs = [*specs_for("9.0a"), tma, *odd, latency_floor_spec("9.0a")]
+    specs = [*specs_for("9.0a"), tma, *odd, latency_floor_spec("9.0a"), block_memcpy_spec("9.0a")]
     failed = {k: v for k, v in build_specs(specs, jobs=2).items() if v != "ok"}
     assert not failed, failed
     built = []
@@ -368,6 +369,9 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
             listing = subprocess.run([cuobjdump, "--list-elf", str(so)], capture_output=True, text=True).stdout
             assert "sm_90a" in listing
             sass = subprocess.run([cuobjdump, "-sass", str(so)], capture_output=True, text=True).stdout
+            if spec.op in ("transfer_ce", "block_memcpy_cuda"):  # host code only: copy-engine calls, no kernel
+                assert "Function : " not in sass
+                continue
             assert "Function : " in sass, f"{cuobjdump} -sass printed no SASS (it needs nvdisasm beside it)"
             assert "ACQBULK" in sass and accesses_before_pdl_wait(sass) == {}, artifact.name
             if spec is tma:

@@ -6,6 +6,8 @@ argument named; the pack format and its round trip; the CUDA variant's vector wi
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -93,10 +95,10 @@ def test_index_dtypes(device, backend, src_dtype, dst_dtype):
     assert_bitwise(dst.cpu(), by_hand)
 
 
-@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+@pytest.mark.parametrize("device,backend", [d for d in DEV_BACKENDS if d != ("cuda", "jit")])
 def test_duplicate_destinations_one_wins(device, backend):
     """Pairs naming one destination page: that page holds one of their source pages whole (never a
-    mix), every other page is exact."""
+    mix), every other page is exact (the CUDA kernel's racing pairs: test_duplicates_gpu)."""
     src = _pool("layer_first", 4, 10, (16, 1152), torch.uint8, device)
     dst = _pool("page_first", 4, 10, (16, 1152), torch.uint8, device)
     sp, dp = _ids([1, 2, 3, 4, 5], torch.int64, device), _ids([7, 0, 7, 9, 7], torch.int64, device)
@@ -368,7 +370,7 @@ BAD = [  # (case, change to the arguments, exception, message after "transfer_pa
     ),
     ("src None", lambda a: a.update(src=None), TypeError, r"src: expected a torch.Tensor, got NoneType$"),
     ("max_sms 0", lambda a: a.update(max_sms=0), ValueError, r"max_sms: expected an int >= 1, got 0$"),
-    ("max_sms float", lambda a: a.update(max_sms=2.0), TypeError, r"max_sms: expected an int, got float$"),
+    ("max_sms float", lambda a: a.update(max_sms=2.0), TypeError, r"max_sms: expected None or an int, got float$"),
     (
         "expanded dst",
         lambda a: a.update(dst=a["dst"][:, :1].expand(2, 8, 16, 4, 32)),
@@ -431,7 +433,7 @@ def test_directions_gpu(backend, direction, dtype, page, page_size):
 
 @gpu
 @pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("max_sms", [1, 2, 4, 1000])
+@pytest.mark.parametrize("max_sms", [None, 1, 2, 4, 1000])
 def test_max_sms_and_many_items_gpu(direction, max_sms):
     """More (pair, layer) runs than the bounded grid has warps (the grid-stride loop), at every SM bound;
     max_sms past the device's SMs is capped, not refused."""
@@ -449,13 +451,20 @@ def test_max_sms_and_many_items_gpu(direction, max_sms):
 
 @gpu
 @pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("max_sms,layers,n", [(1, 40, 100), (4, 40, 100), (1, 61, 3), (2, 7, 250)])
-def test_layer_groups_gpu(direction, max_sms, layers, n):
-    """The kernel's work items: a pair and an interleaved set of its layers (about 8 items per warp of
-    the grid), here with several layers per item (40 layers of 100 pairs on 32 warps: 3 sets), one
-    layer per item (3 pairs of 61 layers), one item per pair (250 pairs of 7 layers): every run once."""
-    src, dst = _pools_for(direction, layers, 260, (2, 64), torch.bfloat16)
-    sp, dp = torch.randperm(260)[:n], torch.randperm(260)[:n]
+@pytest.mark.parametrize(
+    "max_sms,layers,n,page",
+    [
+        (1, 40, 100, (2, 64)),  # a part of one chunk per run, 4000 runs on 24 warps
+        (4, 3, 9, (64, 8, 128)),  # 64 chunks per run (128 KiB pages)
+        (2, 5, 20, (1, 1032)),  # 129 vectors: a full chunk and one vector of the next
+        (None, 61, 3, (1, 576)),  # one run's chunk per layer
+    ],
+)
+def test_chunks_gpu(direction, max_sms, layers, n, page):
+    """The kernel's work: chunks of 128 vectors, runs cut into them, two chunks per warp at a time in a
+    grid-stride loop: every run once and whole, however its pages and layers fall into chunks."""
+    src, dst = _pools_for(direction, layers, 2 * n + 3, page, torch.bfloat16)
+    sp, dp = torch.randperm(2 * n + 3)[:n], torch.randperm(2 * n + 3)[:n]
     sp[n // 2] = -1
     sp, dp = sp.cuda(), dp.int().cuda()
     want = _by_hand(src, dst, sp.cpu(), dp.cpu())
@@ -467,18 +476,26 @@ def test_layer_groups_gpu(direction, max_sms, layers, n):
 @gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("direction", DIRECTIONS)
-def test_duplicates_last_valid_wins_gpu(backend, direction):
-    """Pairs naming one destination page: the last pair with valid ids wins, whole (later pairs with
-    padding or an id past its pool do not count), as on CPU and in the reference."""
+def test_duplicates_gpu(backend, direction):
+    """Pairs naming one destination page race on the SM kernel: each 16-byte vector of that page comes
+    from one of their source pages (later pairs with padding or an id past its pool do not count);
+    every other page is exact."""
     src, dst = _pools_for(direction, 3, 12, (16, 1152), torch.uint8)
+    before = dst.cpu().clone()
     sp = _ids([1, 2, 3, 4, 5, 6, 7, -1, 30], torch.int64, "cuda")
     dp = _ids([7, 0, 7, 9, 7, 0, 0, 7, 7], torch.int32, "cuda")
-    want = _by_hand(src, dst, sp.cpu().where(sp.cpu() < 12, -1), dp.cpu())
     jitkv.transfer_pages(src, dst, sp, dp, backend=backend)
     torch.cuda.synchronize()
     got, s = dst.cpu(), src.cpu()
-    assert torch.equal(got[:, 7], s[:, 5]) and torch.equal(got[:, 0], s[:, 7]) and torch.equal(got[:, 9], s[:, 4])
-    assert_bitwise(got, want)
+    for page, sources in ((7, (1, 3, 5)), (0, (2, 6, 7))):
+        vecs = got[:, page].reshape(-1, 16)
+        from_any = torch.zeros(vecs.shape[0], dtype=torch.bool)
+        for k in sources:
+            from_any |= (vecs == s[:, k].reshape(-1, 16)).all(dim=1)
+        assert bool(from_any.all()), f"page {page}: a vector from none of pages {sources}"
+    assert torch.equal(got[:, 9], s[:, 4])
+    untouched = [p for p in range(12) if p not in (0, 7, 9)]
+    assert torch.equal(got[:, untouched], before[:, untouched])
 
 
 @gpu
@@ -555,9 +572,9 @@ def test_device_rules_gpu():
     with pytest.raises(ValueError, match=rf"^{OP}: dst: expected a pinned CPU tensor \(pin_memory\(\)\) for a copy"):
         jitkv.transfer_pages(**a, backend="jit")
     a = _args("cuda")
-    a.update(src_pages=a["src_pages"].cpu(), dst_pages=a["dst_pages"].cpu())
-    with pytest.raises(ValueError, match=rf"^{OP}: src_pages: expected a tensor on cuda:0 like src \(page ids live"):
-        jitkv.transfer_pages(**a)
+    a.update(src_pages=a["src_pages"].cpu(), dst_pages=a["dst_pages"].cpu(), src=a["src"].cpu())
+    with pytest.raises(ValueError, match=rf"^{OP}: src: expected a pinned CPU tensor \(pin_memory\(\)\) for a copy"):
+        jitkv.transfer_pages(**a)  # host ids (the copy engines): the host pool must be pinned too
     a = _args("cpu")
     a.update(src_pages=a["src_pages"].cuda(), dst_pages=a["dst_pages"].cuda())
     with pytest.raises(ValueError, match=rf"^{OP}: src_pages: expected a tensor on cpu like src and dst"):
@@ -584,6 +601,119 @@ def test_cuda_graph_replay(backend, direction):
     assert_bitwise(dst.cpu(), want)
 
 
+@gpu
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("v_page", [(16, 2, 64), (16, 2, 32)], ids=["one-launch", "per-pool"])
+def test_kv_tuple_one_launch_or_per_pool_gpu(direction, v_page):
+    """(K, V) of one page size go in one launch (the binding checks all four pools first), of two page
+    sizes one launch per pool: both write what each pool's own call would."""
+    (k, hk), (v, hv) = (
+        _pools_for(direction, 3, 10, (16, 2, 64), torch.bfloat16),
+        _pools_for(direction, 3, 10, v_page, torch.bfloat16),
+    )
+    sp, dp = _ids([8, 1, -1, 4, 9], torch.int64, "cuda"), _ids([9, 0, 3, 7, 2], torch.int32, "cuda")
+    want = [_by_hand(k, hk, sp.cpu(), dp.cpu()), _by_hand(v, hv, sp.cpu(), dp.cpu())]
+    jitkv.transfer_pages((k, v), (hk, hv), sp, dp)
+    torch.cuda.synchronize()
+    assert_bitwise(hk.cpu(), want[0])
+    assert_bitwise(hv.cpu(), want[1])
+
+
+@gpu
+def test_kv_tuple_unpinned_second_pool_copies_nothing_gpu():
+    """A (K, V) tuple whose V host pool is not pinned: ValueError naming it, K not copied either."""
+    k, hk = _pools_for("d2h", 2, 6, (16, 2, 64), torch.bfloat16)
+    v = _pool("layer_first", 2, 6, (16, 2, 64), torch.bfloat16, "cuda")
+    hv = _pool("page_first", 2, 6, (16, 2, 64), torch.bfloat16)
+    before = hk.clone()
+    ids = _ids([0, 1, 2], torch.int64, "cuda")
+    with pytest.raises(ValueError, match=rf"^{OP}: dst\[1\]: expected a pinned CPU tensor"):
+        jitkv.transfer_pages((k, v), (hk, hv), ids, ids)
+    torch.cuda.synchronize()
+    assert_bitwise(hk, before)
+
+
+# ------------------------------------------------------------------------- host ids: copy engines
+
+
+@gpu
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("page", [(64, 1152), (64, 8, 128)], ids=["72KiB", "128KiB"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_host_ids_copy_engines_gpu(direction, page, layout):
+    """Ids on the host with a GPU pool: the copy engines (pages of CE_MIN_PAGE_BYTES or more), adjacent
+    runs merged (consecutive ids, and a page-first pool's layers), duplicates resolved on the host (the
+    last valid pair wins), padding skipped; the whole destination bitwise against the rule by hand, and
+    backend_info names the copy engine."""
+    dtype = torch.uint8 if len(page) == 2 else torch.bfloat16
+    src, dst = _pools_for(direction, 3, 12, page, dtype)
+    if layout == "page_first" and direction == "d2d":
+        src = _pool("page_first", 3, 12, page, dtype, "cuda")
+        dst = _pool("page_first", 3, 12, page, dtype, "cuda")
+    assert math.prod(page) * dst.element_size() >= transfer_ops.CE_MIN_PAGE_BYTES
+    sp = _ids([1, 2, 3, 4, 5, 6, 7, -1, 9, 10], torch.int64, "cpu")
+    dp = _ids([7, 8, 9, 0, 7, 1, 2, 3, -1, 4], torch.int32, "cpu")
+    want = _by_hand(src, dst, sp, dp)
+    jitkv.ops.reset()
+    jitkv.transfer_pages(src, dst, sp, dp)
+    torch.cuda.synchronize()
+    assert_bitwise(dst.cpu(), want)
+    info = jitkv.backend_info(OP)["cuda:0"]
+    assert info["mechanism"] == "copy engine" and info["reason"] == "page ids on the host: the copy engines"
+
+
+@gpu
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_host_ids_small_pages_take_the_sm_kernel_gpu(direction):
+    """Ids on the host, pages under CE_MIN_PAGE_BYTES: the ids are moved and the SM kernel copies; an
+    id past its pool raises IndexError before anything is copied (host ids: no sync to check them)."""
+    src, dst = _pools_for(direction, 2, 9, (1, 576), torch.bfloat16)
+    sp, dp = _ids([8, 0, 3, -1], torch.int64, "cpu"), _ids([1, 2, 8, 5], torch.int64, "cpu")
+    want = _by_hand(src, dst, sp, dp)
+    jitkv.ops.reset()
+    jitkv.transfer_pages(src, dst, sp, dp)
+    torch.cuda.synchronize()
+    assert_bitwise(dst.cpu(), want)
+    assert jitkv.backend_info(OP)["cuda:0"]["mechanism"] == "SM copy kernel"
+    before = dst.cpu().clone()
+    with pytest.raises(IndexError, match=rf"^{OP}: dst_pages: position 1 has page 9, out of range"):
+        jitkv.transfer_pages(src, dst, sp, _ids([1, 9, 8, 5], torch.int64, "cpu"))
+    torch.cuda.synchronize()
+    assert_bitwise(dst.cpu(), before)
+
+
+@gpu
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_host_ids_copy_engines_under_graph_capture_gpu(direction):
+    """A stream being captured gets one memcpy node per merged run (the batch API cannot be captured):
+    replays copy the pages the ids named at capture."""
+    src, dst = _pools_for(direction, 2, 8, (16, 1152), torch.uint8)
+    sp, dp = _ids([1, 2, 5], torch.int64, "cpu"), _ids([0, 1, 6], torch.int64, "cpu")
+    jitkv.transfer_pages(src, dst, sp, dp)
+    torch.cuda.synchronize()
+    dst.random_(0, 256)
+    want = _by_hand(src, dst, sp, dp)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        jitkv.transfer_pages(src, dst, sp, dp)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise(dst.cpu(), want)
+
+
+@gpu
+def test_host_ids_unpinned_refused():
+    """Host ids with an unpinned host pool: ValueError naming it, nothing copied."""
+    src = _pool("layer_first", 2, 4, (16, 1152), torch.uint8)
+    dst = _pool("layer_first", 2, 4, (16, 1152), torch.uint8, "cuda")
+    before = dst.cpu().clone()
+    ids = _ids([0, 1], torch.int64, "cpu")
+    for backend in (None, "jit", "torch"):
+        with pytest.raises(ValueError, match=rf"^{OP}: src: expected a pinned CPU tensor"):
+            jitkv.transfer_pages(src, dst, ids, ids, backend=backend)
+    assert_bitwise(dst.cpu(), before)
+
+
 # ---------------------------------------------------------------------------------- CUDA variant
 
 
@@ -603,4 +733,7 @@ def test_variant_vector_width():
     assert variant(shifted, pool, ids, ids, 4) == (4,)
     assert variant(flat[1:-1].view(2, 8, 16, 576), pool, ids, ids, 4) == (1,)  # 2 bytes past
     assert variant(rand((8,), torch.uint8), pool, ids, ids, 4) == (16,)  # the binding's error follows
-    assert set(transfer_ops.specs("9.0a")) == {transfer_ops.cuda_spec("9.0a", v) for v in (16, 4, 1)}
+    assert set(transfer_ops.specs("9.0a")) == {
+        *(transfer_ops.cuda_spec("9.0a", v) for v in (16, 4, 1)),
+        transfer_ops.copy_engine_spec("9.0a"),
+    }

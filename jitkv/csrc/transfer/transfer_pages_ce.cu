@@ -1,0 +1,157 @@
+// tvm-ffi binding of transfer_pages' copy-engine path on CUDA: the page ids on the host, the pools a
+// device pool and a pinned host pool (or two device pools of one GPU). No SM runs: the copies go to the
+// GPU's copy engines, so an offload or a load overlaps the forward pass without taking its SMs.
+//
+// Algorithm: parse and check (parse.h), the pairs resolved on the host (plan.h: padding skipped, an id
+// past its pool raises IndexError before anything is queued, the last pair of a destination page
+// wins), then one run of page_bytes per (pair, layer), a run merged into the one before it when both
+// its source and destination follow on (adjacent pages, or a page-first pool's layers), layer by
+// layer unless both pools are page-first. The runs go to cudaMemcpyBatchAsync in one call (stream
+// ordered; PreferOverlapWithCompute asks for the copy engines); a stream being captured into a graph,
+// or a driver without the batch API, gets one cudaMemcpyAsync per run (memcpy nodes under capture),
+// all on the caller's current stream (the batch on the per-thread default stream in place of the
+// legacy one, which the batch API refuses: ordered the same, see submit). The batch API copies its
+// descriptors before it returns, so the host vectors here may go.
+#include <cuda_runtime.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/function.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "jitkv/check.h"
+#include "jitkv/cuda/launch.cuh"
+#include "transfer/host_pool.h"
+#include "transfer/params.h"
+#include "transfer/parse.h"
+#include "transfer/plan.h"
+
+namespace {
+
+using namespace jitkv::transfer;
+using tvm::ffi::TensorView;
+
+constexpr const char* kOp = "transfer_pages";
+
+struct Runs {
+  std::vector<void*> dst;
+  std::vector<const void*> src;
+  std::vector<size_t> bytes;
+
+  void add(char* to, const char* from, size_t n) {
+    if (!dst.empty() && static_cast<char*>(dst.back()) + bytes.back() == to &&
+        static_cast<const char*>(src.back()) + bytes.back() == from) {
+      bytes.back() += n;
+      return;
+    }
+    dst.push_back(to);
+    src.push_back(from);
+    bytes.push_back(n);
+  }
+};
+
+Runs plan_runs(const TransferParams& p, const std::vector<PagePair>& pairs) {
+  Runs runs;
+  const size_t n = static_cast<size_t>(p.page_bytes);
+  auto run = [&](const PagePair& pair, int64_t layer) {
+    runs.add(p.dst.base + layer * p.dst.layer_stride + pair.dst * p.dst.page_stride,
+             p.src.base + layer * p.src.layer_stride + pair.src * p.src.page_stride, n);
+  };
+  const bool page_first = p.src.layer_stride == p.page_bytes && p.dst.layer_stride == p.page_bytes;
+  if (page_first) {
+    for (const PagePair& pair : pairs)
+      for (int64_t l = 0; l < p.num_layers; ++l) run(pair, l);
+  } else {
+    for (int64_t l = 0; l < p.num_layers; ++l)
+      for (const PagePair& pair : pairs) run(pair, l);
+  }
+  return runs;
+}
+
+void throw_cuda(const char* what, cudaError_t err) {
+  cudaGetLastError();  // clear it: torch's next check would report it as its own
+  TVM_FFI_THROW(RuntimeError) << kOp << ": " << what << " failed: " << cudaGetErrorString(err);
+}
+
+void submit(Runs& runs, cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t err = cudaStreamIsCapturing(stream, &capture);
+  if (err != cudaSuccess) throw_cuda("cudaStreamIsCapturing", err);
+  if (capture == cudaStreamCaptureStatusNone) {
+    cudaMemcpyAttributes attr = {};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    size_t first = 0;
+    // The batch API refuses the legacy default stream (torch's current stream unless the caller set
+    // one). The per-thread default stream is a blocking stream: it waits for the legacy stream's
+    // earlier work and the legacy stream's later work waits for it, so the copies keep their order.
+    const bool legacy = stream == nullptr || stream == cudaStreamLegacy;
+    cudaStream_t batch_stream = legacy ? cudaStreamPerThread : stream;
+    err = cudaMemcpyBatchAsync(runs.dst.data(), runs.src.data(), runs.bytes.data(), runs.dst.size(), &attr, &first, 1,
+                               batch_stream);
+    if (err == cudaSuccess) return;
+    if (err != cudaErrorNotSupported && err != cudaErrorCallRequiresNewerDriver)
+      throw_cuda("cudaMemcpyBatchAsync", err);
+    cudaGetLastError();  // the driver lacks the batch API: one copy per run below
+  }
+  for (size_t k = 0; k < runs.dst.size(); ++k) {
+    err = cudaMemcpyAsync(runs.dst[k], runs.src[k], runs.bytes[k], cudaMemcpyDefault, stream);
+    if (err != cudaSuccess) throw_cuda("cudaMemcpyAsync", err);
+  }
+}
+
+// The device rule of this path: the ids on the host; every CUDA pool on one GPU (`device`, the GPU the
+// caller's stream belongs to), the others pinned host pools; not both pools on the host.
+void check_devices(const TensorView& src, const TensorView& dst, const TensorView& src_pages,
+                   const TensorView& dst_pages, DLDevice dev) {
+  if (!is_host(src_pages)) {
+    TVM_FFI_THROW(ValueError) << kOp << ": src_pages: expected a CPU tensor for the copy-engine path, got one on "
+                              << jitkv::device_str(src_pages.device());
+  }
+  if (!is_host(dst_pages)) {
+    TVM_FFI_THROW(ValueError) << kOp << ": dst_pages: expected a CPU tensor like src_pages, got one on "
+                              << jitkv::device_str(dst_pages.device());
+  }
+  if (is_host(src) && is_host(dst)) {
+    TVM_FFI_THROW(ValueError) << kOp << ": src: the copy-engine path moves pages to or from a GPU; src and dst are "
+                              << "both on the host";
+  }
+  if (!is_host(src)) jitkv::check_device(kOp, "src", src, dev, "dst");
+  if (!is_host(dst)) jitkv::check_device(kOp, "dst", dst, dev, "src");
+}
+
+// The arguments parsed and checked (devices, pinned host pools) and the pairs resolved: IndexError for
+// an id past its pool, before anything is copied.
+std::vector<PagePair> checked_pairs(const TensorView& src, const TensorView& dst, const TensorView& src_pages,
+                                    const TensorView& dst_pages, DLDevice dev, TransferParams* p) {
+  check_devices(src, dst, src_pages, dst_pages, dev);
+  *p = parse_params(kOp, src, dst, src_pages, dst_pages);
+  std::vector<PagePair> pairs = resolve_pairs(kOp, *p);
+  check_host_pool(kOp, "src", src, dev, false);
+  check_host_pool(kOp, "dst", dst, dev, false);
+  return pairs;
+}
+
+void transfer_pages_ce(TensorView src, TensorView dst, TensorView src_pages, TensorView dst_pages, int64_t device) {
+  const DLDevice dev{kDLCUDA, static_cast<int32_t>(device)};
+  jitkv::cuda::DeviceGuard guard(dev.device_id);
+  TransferParams p;
+  const std::vector<PagePair> pairs = checked_pairs(src, dst, src_pages, dst_pages, dev, &p);
+  if (pairs.empty() || p.num_layers == 0 || p.page_bytes == 0) return;
+  Runs runs = plan_runs(p, pairs);
+  submit(runs, static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id)));
+}
+
+// The checks alone (host ids whose pages go to the SM kernel: the ids are range checked here, on the
+// host, where they are, rather than skipped on the device).
+void transfer_pages_check(TensorView src, TensorView dst, TensorView src_pages, TensorView dst_pages, int64_t device) {
+  const DLDevice dev{kDLCUDA, static_cast<int32_t>(device)};
+  jitkv::cuda::DeviceGuard guard(dev.device_id);
+  TransferParams p;
+  checked_pairs(src, dst, src_pages, dst_pages, dev, &p);
+}
+
+}  // namespace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(transfer_pages_ce, transfer_pages_ce);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(transfer_pages_check, transfer_pages_check);
