@@ -114,8 +114,23 @@ def _transfer_tuples(src, dst, src_pages, dst_pages, max_sms, backend):
         if src_pages.is_cpu:
             for s, d in zip(src, dst):
                 reference.check_pages(src_pages, dst_pages, s.shape[1], d.shape[1])
+            if _ids_to_the_gpu(src, dst, backend):  # checked: the ids move once for every pool
+                device = next(t.device for t in (*src, *dst) if t.is_cuda)
+                ids = torch.stack((src_pages.to(torch.int64), dst_pages.to(torch.int64))).to(device)
+                src_pages, dst_pages = ids[0], ids[1]
+                if len(src) == 2 and _run_pair(src, dst, src_pages, dst_pages, max_sms, backend):
+                    return
     for s, d in zip(src, dst):
         TRANSFER_PAGES.run((s, d, src_pages, dst_pages, max_sms), backend)
+
+
+def _ids_to_the_gpu(src, dst, backend) -> bool:
+    """Host ids of a tuple with GPU pools whose pages all go to the SM kernel (under CE_MIN_PAGE_BYTES,
+    outside graph capture, the jit backend asked for or automatic)."""
+    if backend not in (None, "jit") or not any(t.is_cuda for t in (*src, *dst)):
+        return False
+    small = all(math.prod(t.shape[2:]) * t.element_size() < CE_MIN_PAGE_BYTES for t in src)
+    return small and not torch.cuda.is_current_stream_capturing()
 
 
 def _run_pair(src, dst, src_pages, dst_pages, max_sms, backend) -> bool:
@@ -339,26 +354,27 @@ class Variant:
 VECS = (16, 4, 1)
 
 
+_VARIANTS = {16: (16,), 8: (4,), 4: (4,)}  # the lowest set bit of the OR of the byte values -> fields
+
+
 def variant(src, dst, src_pages, dst_pages, max_sms) -> tuple:
-    """The fields of the CUDA Variant, read on every CUDA call. Pools the binding refuses anyway (fewer
-    than 2 dims) go to the widest module for its precise error."""
+    """The fields of the CUDA Variant, read on every CUDA call (the widest vector dividing every data
+    pointer, layer and page stride and the page bytes: the lowest set bit of their OR). Pools the
+    binding refuses anyway (fewer than 2 dims) go to the widest module for its precise error."""
     if src.dim() < 2 or dst.dim() < 2:
         return (16,)
     ses, des = src.element_size(), dst.element_size()
-    page_bytes = math.prod(src.shape[2:]) * ses
-    values = (
-        src.data_ptr(),
-        dst.data_ptr(),
-        src.stride(0) * ses,
-        src.stride(1) * ses,
-        dst.stride(0) * des,
-        dst.stride(1) * des,
-        page_bytes,
+    ss, ds = src.stride(), dst.stride()
+    bits = (
+        src.data_ptr()
+        | dst.data_ptr()
+        | (ss[0] * ses)
+        | (ss[1] * ses)
+        | (ds[0] * des)
+        | (ds[1] * des)
+        | (math.prod(src.shape[2:]) * ses)
     )
-    for vec in VECS[:-1]:
-        if all(v % vec == 0 for v in values):
-            return (vec,)
-    return (1,)
+    return _VARIANTS.get(min(bits & -bits, 16) if bits else 16, (1,))
 
 
 # ------------------------------------------------------------------------------------------- jit
@@ -565,6 +581,11 @@ def _transfer_rows(h, case, t, n, pools, to_dev):
         (f"jitkv, GPU ids (SM kernel, {LINK_SMS} SMs)", lambda i: transfer_pages(src, dst, sp_d, dp_d)),
         ("jitkv, host ids", lambda i: transfer_pages(src, dst, sp_h, dp_h)),
     ]
+    # Under graph replay (no host cost between calls): what the GPU takes for the copy alone.
+    graphed = [
+        ("torch contiguous pinned copy_, graph", lambda i: flat_dst.copy_(flat_src, non_blocking=True)),
+        (f"jitkv, GPU ids (SM kernel, {LINK_SMS} SMs), graph", lambda i: transfer_pages(src, dst, sp_d, dp_d)),
+    ]
     if ce is not None:
         cases.append(
             (
@@ -581,7 +602,8 @@ def _transfer_rows(h, case, t, n, pools, to_dev):
         )
     direction = "host -> device" if to_dev else "device -> host"
     names = tuple(c[0] for c in cases)
-    return h.rows(OP, f"{case}, {direction}", t, 2 * payload, cases, eager=names, ceiling=False)
+    rows = h.rows(OP, f"{case}, {direction}", t, 2 * payload, cases, eager=names, ceiling=False)
+    return rows + h.rows(OP, f"{case}, {direction}", t, 2 * payload, graphed, ceiling=False)
 
 
 def _pack_rows(h):

@@ -702,6 +702,22 @@ def test_host_ids_copy_engines_under_graph_capture_gpu(direction):
 
 
 @gpu
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_host_ids_kv_tuple_small_pages_gpu(direction):
+    """A (K, V) tuple with host ids and small pages: range checked on the host, the ids moved once,
+    one launch of the SM kernel; both pools bitwise."""
+    (k, hk), (v, hv) = (_pools_for(direction, 2, 9, (16, 2, 64), torch.bfloat16) for _ in range(2))
+    sp, dp = _ids([8, 0, -1, 3], torch.int32, "cpu"), _ids([1, 2, 8, 5], torch.int64, "cpu")
+    want = [_by_hand(k, hk, sp, dp), _by_hand(v, hv, sp, dp)]
+    jitkv.transfer_pages((k, v), (hk, hv), sp, dp)
+    torch.cuda.synchronize()
+    assert_bitwise(hk.cpu(), want[0])
+    assert_bitwise(hv.cpu(), want[1])
+    with pytest.raises(IndexError, match=rf"^{OP}: src_pages: position 0 has page 9, out of range"):
+        jitkv.transfer_pages((k, v), (hk, hv), _ids([9], torch.int64, "cpu"), _ids([0], torch.int64, "cpu"))
+
+
+@gpu
 def test_host_ids_unpinned_refused():
     """Host ids with an unpinned host pool: ValueError naming it, nothing copied."""
     src = _pool("layer_first", 2, 4, (16, 1152), torch.uint8)
