@@ -116,8 +116,7 @@ def _transfer_tuples(src, dst, src_pages, dst_pages, max_sms, backend):
                 reference.check_pages(src_pages, dst_pages, s.shape[1], d.shape[1])
             if _ids_to_the_gpu(src, dst, backend):  # checked: the ids move once for every pool
                 device = next(t.device for t in (*src, *dst) if t.is_cuda)
-                ids = torch.stack((src_pages.to(torch.int64), dst_pages.to(torch.int64))).to(device)
-                src_pages, dst_pages = ids[0], ids[1]
+                src_pages, dst_pages = _ids_on(device, src_pages, dst_pages)
                 if len(src) == 2 and _run_pair(src, dst, src_pages, dst_pages, max_sms, backend):
                     return
     for s, d in zip(src, dst):
@@ -454,8 +453,13 @@ def _host_ids_with_gpu(src, dst, src_pages, dst_pages, max_sms):
         reference.check_pages(src_pages, dst_pages, src.shape[1], dst.shape[1])
     why = "page ids on the host, pages under CE_MIN_PAGE_BYTES: the SM kernel" if ce else _CE_MISSING[index]
     _note(index, why, "SM copy kernel", {})
-    ids = (src_pages.to(device, non_blocking=True), dst_pages.to(device, non_blocking=True))
-    TRANSFER_PAGES.run((src, dst, *ids, max_sms), "jit")
+    ids = _ids_on(device, src_pages, dst_pages)
+    TRANSFER_PAGES.run((src, dst, ids[0], ids[1], max_sms), "jit")
+
+
+def _ids_on(device, src_pages, dst_pages):
+    """Host ids on ``device`` in one copy (a pageable copy waits for the link: one round trip, not two)."""
+    return torch.stack((src_pages.to(torch.int64), dst_pages.to(torch.int64))).to(device)
 
 
 def _copy_engine(device, index):
