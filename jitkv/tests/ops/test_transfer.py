@@ -433,24 +433,6 @@ def test_directions_gpu(backend, direction, dtype, page, page_size):
 
 @gpu
 @pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("max_sms", [None, 1, 2, 4, 1000])
-def test_max_sms_and_many_items_gpu(direction, max_sms):
-    """More (pair, layer) runs than the bounded grid has warps (the grid-stride loop), at every SM bound;
-    max_sms past the device's SMs is capped, not refused."""
-    layers, pages = 5, 400
-    src, dst = _pools_for(direction, layers, pages, (4, 576), torch.bfloat16)
-    sp = torch.randperm(pages)[:300]
-    dp = torch.randperm(pages)[:300]
-    sp[::7] = -1
-    sp, dp = sp.cuda(), dp.cuda()
-    want = _by_hand(src, dst, sp.cpu(), dp.cpu())
-    jitkv.transfer_pages(src, dst, sp, dp, max_sms=max_sms, backend="jit")
-    torch.cuda.synchronize()
-    assert_bitwise(dst.cpu(), want)
-
-
-@gpu
-@pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize(
     "max_sms,layers,n,page",
     [
@@ -458,11 +440,13 @@ def test_max_sms_and_many_items_gpu(direction, max_sms):
         (4, 3, 9, (64, 8, 128)),  # 64 chunks per run (128 KiB pages)
         (2, 5, 20, (1, 1032)),  # 129 vectors: a full chunk and one vector of the next
         (None, 61, 3, (1, 576)),  # one run's chunk per layer
+        (1000, 5, 300, (4, 576)),  # max_sms past the device's SMs: capped, not refused
     ],
 )
 def test_chunks_gpu(direction, max_sms, layers, n, page):
     """The kernel's work: chunks of 128 vectors, runs cut into them, two chunks per warp at a time in a
-    grid-stride loop: every run once and whole, however its pages and layers fall into chunks."""
+    grid-stride loop over more chunks than the bounded grid has warps, at every SM bound: every run once
+    and whole, however its pages and layers fall into chunks."""
     src, dst = _pools_for(direction, layers, 2 * n + 3, page, torch.bfloat16)
     sp, dp = torch.randperm(2 * n + 3)[:n], torch.randperm(2 * n + 3)[:n]
     sp[n // 2] = -1
