@@ -454,7 +454,7 @@ def _host_ids_with_gpu(src, dst, src_pages, dst_pages, max_sms):
     why = "page ids on the host, pages under CE_MIN_PAGE_BYTES: the SM kernel" if ce else _CE_MISSING[index]
     _note(index, why, "SM copy kernel", {})
     ids = _ids_on(device, src_pages, dst_pages)
-    TRANSFER_PAGES.run((src, dst, ids[0], ids[1], max_sms), "jit")
+    TRANSFER_PAGES.run((src, dst, ids[0], ids[1], max_sms), None)  # the GPU's own choice (jit, else torch)
 
 
 def _ids_on(device, src_pages, dst_pages):

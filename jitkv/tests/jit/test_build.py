@@ -335,6 +335,21 @@ def test_accesses_before_pdl_wait_finds_a_hoisted_load():
     assert accesses_before_pdl_wait(sass) == {"hoisted": ["@!P0 LDG.E.64.CONSTANT R14, desc[UR6][R14.64]"]}
 
 
+def compile_only_specs():
+    """(every prebuilt sm_90a module of every op, the forced TMA copy, rows of sglang's odd test widths
+    (13 + 8 bf16: no 16-byte vector divides them) in the copy and an fp8 writer, the benchmark's own
+    modules; the TMA copy's spec). A function, so that the no-compiler process below lists the same."""
+    from jitkv.benchmark.gpu import latency_floor_spec
+    from jitkv.benchmark.transfer import block_memcpy_spec
+    from jitkv.codes import KvFormat, SrcDtype
+    from jitkv.ops.mla import cuda_spec as mla_spec
+    from jitkv.prebuild import specs_for
+
+    odd = [mla_spec("9.0a", 26, 16), mla_spec("9.0a", 26, 16, kv_format=KvFormat.E4M3, src_dtype=SrcDtype.BF16)]
+    tma = mla_spec("9.0a", 1024, 128, kernel="tma")
+    return [*specs_for("9.0a"), tma, *odd, latency_floor_spec("9.0a"), block_memcpy_spec("9.0a")], tma
+
+
 def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
     """The Hopper kernels (the MLA fp8 writers included, and the benchmark's latency-floor kernel) compile
     with no GPU present (CI has nvcc, no GPU), and a process without nvcc finds them intact. In their SASS
@@ -344,18 +359,10 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
     cuobjdump = _cuobjdump()
     if cuobjdump is None and os.environ.get("JITKV_REQUIRE_NVCC"):
         pytest.fail("JITKV_REQUIRE_NVCC is set but cuobjdump was not found (pip install nvidia-cuda-cuobjdump)")
-    from jitkv.benchmark.gpu import latency_floor_spec
-    from jitkv.benchmark.transfer import block_memcpy_spec
-    from jitkv.codes import KvFormat, SrcDtype
-    from jitkv.ops.mla import cuda_spec as mla_spec
-    from jitkv.prebuild import build_specs, specs_for
+    from jitkv.prebuild import build_specs
 
     monkeypatch.setenv("JITKV_CACHE_DIR", str(tmp_path))
-    # Every prebuilt module of every op, the forced TMA copy, rows of sglang's odd test widths (13 + 8
-    # bf16: no 16-byte vector divides them) in the copy and an fp8 writer, and the latency floors.
-    odd = [mla_spec("9.0a", 26, 16), mla_spec("9.0a", 26, 16, kv_format=KvFormat.E4M3, src_dtype=SrcDtype.BF16)]
-    tma = mla_spec("9.0a", 1024, 128, kernel="tma")
-    specs = [*specs_for("9.0a"), tma, *odd, latency_floor_spec("9.0a"), block_memcpy_spec("9.0a")]
+    specs, tma = compile_only_specs()
     failed = {k: v for k, v in build_specs(specs, jobs=2).items() if v != "ok"}
     assert not failed, failed
     built = []
@@ -378,16 +385,10 @@ def test_cuda_compile_only_sm90a(tmp_path, monkeypatch):
                 assert "UBLKCP" in sass  # the TMA bulk store is really there
     found = run_py(
         """
-        from jitkv.benchmark.gpu import latency_floor_spec
         from jitkv.jit import artifact_dir, is_built
         from jitkv.jit.build import verify_artifact
-        from jitkv.prebuild import specs_for
-        from jitkv.ops.mla import cuda_spec
-        from jitkv.codes import KvFormat, SrcDtype
-        extra = [cuda_spec("9.0a", 1024, 128, kernel="tma"), cuda_spec("9.0a", 26, 16),
-                 cuda_spec("9.0a", 26, 16, kv_format=KvFormat.E4M3, src_dtype=SrcDtype.BF16),
-                 latency_floor_spec("9.0a")]
-        found = [artifact_dir(s) for s in [*specs_for("9.0a"), *extra] if is_built(s)]
+        from jitkv.tests.jit.test_build import compile_only_specs
+        found = [artifact_dir(s) for s in compile_only_specs()[0] if is_built(s)]
         print("INTACT", sorted(d.name for d in found if verify_artifact(d)))
         """,
         tmp_path,
