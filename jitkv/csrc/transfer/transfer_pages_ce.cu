@@ -21,7 +21,7 @@
 
 #include "jitkv/check.h"
 #include "jitkv/cuda/launch.cuh"
-#include "transfer/host_pool.h"
+#include "transfer/host_pool.cuh"
 #include "transfer/params.h"
 #include "transfer/parse.h"
 #include "transfer/plan.h"
