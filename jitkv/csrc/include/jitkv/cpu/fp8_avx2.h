@@ -134,42 +134,44 @@ JITKV_CPU_VEC __m128i pack8(__m256i q) {
   return _mm_packus_epi16(w, w);
 }
 
-// 16 bf16 source words -> their 16 codes on 16-bit lanes in source order, without the sign; nan gains
-// the lanes holding NaN. a, the magic and its low bits on 16-bit lanes (see "Vector paths"); the
-// unpacks make the fp32 values and magics of each 128-bit lane's words 0-3 and 4-7, and the pack puts
-// their codes back in order.
+// 16 bf16 source magnitudes (the words less their sign) -> their 16 codes on 16-bit lanes, each 128-bit
+// lane's in the order of its words 0, 4, 1, 5, 2, 6, 3, 7. The magic and its low bits on 16-bit lanes
+// (see "Vector paths"); the unpacks make the fp32 values and magics of each lane's words 0-3 and 4-7,
+// and one blend puts the low word of each result side by side (quantize32 restores the order).
 template <Fp8Path P>
-JITKV_CPU_VEC __m256i codes16_bf16(__m256i w, const Fp8Vec& F, __m256i& nan) {
-  const __m256i a = _mm256_and_si256(w, _mm256_set1_epi16(0x7fff));
-  nan = _mm256_or_si256(nan, _mm256_cmpgt_epi16(a, _mm256_set1_epi16(0x7f80)));
+JITKV_CPU_VEC __m256i codes16_bf16(__m256i a, const Fp8Vec& F) {
   const __m256i ac = _mm256_min_epi16(a, F.x0h);
   const __m256i hi =
       _mm256_and_si256(_mm256_add_epi16(_mm256_max_epi16(ac, F.aminh), F.k1h), _mm256_set1_epi16(0x7f80));
   const __m256i lo = _mm256_sub_epi16(_mm256_mulhi_epu16(hi, F.mulh), F.c0h);  // hi >> (23 - M), less c0
-  const __m256i z = _mm256_setzero_si256(), low16 = _mm256_set1_epi32(0xffff);
-  const __m256i c0 = _mm256_and_si256(
-      rounded8<SrcKind::kBF16, P>(_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, ac)), _mm256_unpacklo_epi16(lo, hi), F),
-      low16);
-  const __m256i c1 = _mm256_and_si256(
-      rounded8<SrcKind::kBF16, P>(_mm256_castsi256_ps(_mm256_unpackhi_epi16(z, ac)), _mm256_unpackhi_epi16(lo, hi), F),
-      low16);
-  return _mm256_packus_epi32(c0, c1);
+  const __m256i z = _mm256_setzero_si256();
+  const __m256i c0 =
+      rounded8<SrcKind::kBF16, P>(_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, ac)), _mm256_unpacklo_epi16(lo, hi), F);
+  const __m256i c1 =
+      rounded8<SrcKind::kBF16, P>(_mm256_castsi256_ps(_mm256_unpackhi_epi16(z, ac)), _mm256_unpackhi_epi16(lo, hi), F);
+  return _mm256_blend_epi16(c0, _mm256_slli_epi32(c1, 16), 0xaa);
 }
 
 // Elements [i, i+32) -> 32 bytes in order. The packs interleave 4-byte groups of the four inputs
-// within each 128-bit lane; one dword permute undoes it. bf16 sources: two codes16_bf16, whose pack
-// interleaves 8-byte groups of the two halves (one qword permute undoes it), and the sign bytes from a
-// signed saturating pack of the source words (every negative word gives bit 7).
+// within each 128-bit lane; one dword permute undoes it. bf16 sources: a NaN anywhere sends the 32 to
+// the division; two codes16_bf16, whose pack interleaves 8-byte groups of the two halves with each
+// group's bytes in codes16_bf16's order (a byte shuffle and a qword permute undo both), and the sign
+// bytes from a signed saturating pack of the source words (every negative word gives bit 7).
 template <SrcKind K, Fp8Path P>
 JITKV_CPU_VEC __m256i quantize32(const void* p, int64_t i, const Fp8Vec& F) {
   if constexpr (K == SrcKind::kBF16 && P != Fp8Path::kDivide) {
     const __m256i* s = reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i);
     const __m256i w0 = _mm256_loadu_si256(s), w1 = _mm256_loadu_si256(s + 1);
-    __m256i nan = _mm256_setzero_si256();
-    const __m256i c0 = codes16_bf16<P>(w0, F, nan), c1 = codes16_bf16<P>(w1, F, nan);
+    const __m256i mag = _mm256_set1_epi16(0x7fff);
+    const __m256i a0 = _mm256_and_si256(w0, mag), a1 = _mm256_and_si256(w1, mag);
+    const __m256i nan = _mm256_cmpgt_epi16(_mm256_max_epi16(a0, a1), _mm256_set1_epi16(0x7f80));
     if (__builtin_expect(!_mm256_testz_si256(nan, nan), 0)) return quantize32<K, Fp8Path::kDivide>(p, i, F);
-    const __m256i b = _mm256_or_si256(_mm256_packus_epi16(c0, c1),
-                                      _mm256_and_si256(_mm256_packs_epi16(w0, w1), _mm256_set1_epi8(char(0x80))));
+    const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,  //
+                                           0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    const __m256i codes =
+        _mm256_shuffle_epi8(_mm256_packus_epi16(codes16_bf16<P>(a0, F), codes16_bf16<P>(a1, F)), order);
+    const __m256i b =
+        _mm256_or_si256(codes, _mm256_and_si256(_mm256_packs_epi16(w0, w1), _mm256_set1_epi8(char(0x80))));
     return _mm256_permute4x64_epi64(b, 0xd8);
   } else {
     const __m256i w01 = _mm256_packus_epi32(quantize8<K, P>(load8<K>(p, i), F), quantize8<K, P>(load8<K>(p, i + 8), F));
