@@ -145,8 +145,19 @@ class Indexer:
     AMAX_MIN = 1e-4
 
 
+# ------------------------------------------------------------------------ kernel launch constants
+
+
+class Transfer:
+    """transfer_pages' SM copy kernel (docs/design.md §2): the SMs it takes by default for a copy with a
+    host pool (the link bounds it and a few SMs saturate the link; it must leave the forward pass its
+    SMs). A copy inside the GPU takes every SM."""
+
+    LINK_SMS = 4
+
+
 _ENUMS = (KvFormat, SrcDtype, ScaleFmt, Status, RopeQ, MlaKernel, MlaFp8Kernel)
-_RECORDS = (DsMla, Dsv4, Indexer)
+_RECORDS = (DsMla, Dsv4, Indexer, Transfer)
 # Constants whose C++ type is float (the kernels compute in fp32); every other record constant is an int.
 _FLOATS = {"FP8_MAX", "AMAX_MIN"}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 import jitkv
+from jitkv import codes
 
 from .common import Row
 
@@ -43,7 +44,10 @@ def gemm_slowdown_rows(pools, transfer_pages, copy_engine) -> list[Row]:
     mechanisms = [
         ("GEMM alone", None),
         ("beside torch contiguous pinned copy_", lambda: flat_d.copy_(flat_h, non_blocking=True)),
-        ("beside jitkv SM kernel (GPU ids, 4 SMs)", lambda: transfer_pages(host, dev, sp_d, dp_d)),
+        (
+            f"beside jitkv SM kernel (GPU ids, {codes.Transfer.LINK_SMS} SMs)",
+            lambda: transfer_pages(host, dev, sp_d, dp_d),
+        ),
     ]
     if ce is not None:
         mechanisms.append(

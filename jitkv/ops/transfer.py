@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch.compiler import is_compiling
 
-from .. import checks, reference
+from .. import checks, codes, reference
 from ..jit import JitSpec, JitUnavailable, cuda_arch, get_function
 from ._op import Op, jit_function
 from ._samples import index, rand
@@ -17,10 +17,7 @@ from ._samples import index, rand
 __all__ = ["pack_pages", "transfer_pages", "unpack_pages"]
 
 OP = "transfer_pages"
-# The SMs the CUDA kernel takes by default for a copy with a host pool (csrc/transfer/kernels.cuh
-# kLinkSms): it runs beside the forward pass and must leave it its SMs, and a host<->device copy is bound
-# by the link, which a few SMs' loads in flight saturate. A copy inside the GPU takes every SM.
-LINK_SMS = 4
+LINK_SMS = codes.Transfer.LINK_SMS  # the kernel's default SM bound for a copy with a host pool
 
 
 def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=None, backend=None):
@@ -47,10 +44,10 @@ def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=None, backend=None
             docs/design.md §3. Pairs naming one destination page: with host ids the last valid one
             wins; with GPU ids they race and the page gets 16-byte vectors of any of their sources.
         max_sms: the most SMs the CUDA kernel uses (an int >= 1; the device's count caps it). None
-            (the default): 4 (``LINK_SMS``) for a copy with a host pool, which runs beside the forward
-            pass and must not take its SMs while the link, which a few SMs saturate, bounds it; every
-            SM for a copy inside the GPU (a pack for a handoff), which HBM bounds. Ignored on CPU, by
-            the copy engines and by the torch backend.
+            (the default): 4 (``codes.Transfer.LINK_SMS``) for a copy with a host pool, which runs
+            beside the forward pass and must not take its SMs while the link, which a few SMs
+            saturate, bounds it; every SM for a copy inside the GPU (a pack for a handoff), which HBM
+            bounds. Ignored on CPU, by the copy engines and by the torch backend.
         backend: "jit", "torch" or None (auto; also ``JITKV_BACKEND``).
 
     Devices: a copy between a GPU and pinned host memory, within one GPU, or between two host pools.
@@ -128,8 +125,7 @@ def _ids_to_the_gpu(src, dst, backend) -> bool:
     outside graph capture, the jit backend asked for or automatic)."""
     if backend not in (None, "jit") or not any(t.is_cuda for t in (*src, *dst)):
         return False
-    small = all(math.prod(t.shape[2:]) * t.element_size() < CE_MIN_PAGE_BYTES for t in src)
-    return small and not torch.cuda.is_current_stream_capturing()
+    return not any(_copy_engines_take(t) for t in src)
 
 
 def _run_pair(src, dst, src_pages, dst_pages, max_sms, backend) -> bool:
@@ -177,14 +173,8 @@ def pack_pages(src, src_pages, out, *, max_sms=None, backend=None):
 
     Algorithm: ``transfer_pages`` with out viewed as a pool and destination pages ``0..N-1``.
     """
-    op = "pack_pages"
-    pools = _pools(op, "src", src)
-    n = checks.tensor(op, "src_pages", src_pages).numel()
-    views = _buffer_views(op, "out", out, pools, n, isinstance(src, (tuple, list)))
-    pages = torch.arange(n, dtype=src_pages.dtype, device=src_pages.device)
-    transfer_pages(
-        src, views if isinstance(src, (tuple, list)) else views[0], src_pages, pages, max_sms=max_sms, backend=backend
-    )
+    view, pages = _buffer_as_pool("pack_pages", "src", src, "src_pages", src_pages, "out", out)
+    transfer_pages(src, view, src_pages, pages, max_sms=max_sms, backend=backend)
 
 
 def unpack_pages(buf, dst, dst_pages, *, max_sms=None, backend=None):
@@ -204,14 +194,18 @@ def unpack_pages(buf, dst, dst_pages, *, max_sms=None, backend=None):
 
     Algorithm: ``transfer_pages`` with buf viewed as a pool and source pages ``0..N-1``.
     """
-    op = "unpack_pages"
-    pools = _pools(op, "dst", dst)
-    n = checks.tensor(op, "dst_pages", dst_pages).numel()
-    views = _buffer_views(op, "buf", buf, pools, n, isinstance(dst, (tuple, list)))
-    pages = torch.arange(n, dtype=dst_pages.dtype, device=dst_pages.device)
-    transfer_pages(
-        views if isinstance(dst, (tuple, list)) else views[0], dst, pages, dst_pages, max_sms=max_sms, backend=backend
-    )
+    view, pages = _buffer_as_pool("unpack_pages", "dst", dst, "dst_pages", dst_pages, "buf", buf)
+    transfer_pages(view, dst, pages, dst_pages, max_sms=max_sms, backend=backend)
+
+
+def _buffer_as_pool(op, pools_name, pools, ids_name, ids, buf_name, buf):
+    """A pack buffer as the pool (or tuple of pools) that pairs with ``pools`` in transfer_pages, and
+    its pages ``0..N-1`` (N: the ids' count) on the ids' device, after checking pools, ids and buffer."""
+    seq = _pools(op, pools_name, pools)
+    n = checks.tensor(op, ids_name, ids).numel()
+    is_tuple = isinstance(pools, (tuple, list))
+    views = _buffer_views(op, buf_name, buf, seq, n, is_tuple)
+    return (views if is_tuple else views[0]), torch.arange(n, dtype=ids.dtype, device=ids.device)
 
 
 def _pools(op, name, pools):
@@ -441,8 +435,7 @@ def _host_ids_with_gpu(src, dst, src_pages, dst_pages, max_sms):
     device = src.device if src.is_cuda else dst.device
     index = device.index if device.index is not None else torch.cuda.current_device()
     ce = _copy_engine(device, index)
-    page_bytes = math.prod(src.shape[2:]) * src.element_size()
-    if ce is not None and (page_bytes >= CE_MIN_PAGE_BYTES or torch.cuda.is_current_stream_capturing()):
+    if ce is not None and _copy_engines_take(src):
         _note(index, "page ids on the host: the copy engines", "copy engine", ce[2])
         ce[0](src, dst, src_pages, dst_pages, index)
         return
@@ -457,6 +450,13 @@ def _host_ids_with_gpu(src, dst, src_pages, dst_pages, max_sms):
     TRANSFER_PAGES.run((src, dst, ids[0], ids[1], max_sms), None)  # the GPU's own choice (jit, else torch)
 
 
+def _copy_engines_take(pool) -> bool:
+    """Whether host ids of ``pool``'s pages go to the copy engines: pages of CE_MIN_PAGE_BYTES or more,
+    or any page while the stream is captured (the ids cannot be moved to the GPU then)."""
+    page_bytes = math.prod(pool.shape[2:]) * pool.element_size()
+    return page_bytes >= CE_MIN_PAGE_BYTES or torch.cuda.is_current_stream_capturing()
+
+
 def _ids_on(device, src_pages, dst_pages):
     """Host ids on ``device`` in one copy (a pageable copy waits for the link: one round trip, not two)."""
     return torch.stack((src_pages.to(torch.int64), dst_pages.to(torch.int64))).to(device)
@@ -468,7 +468,8 @@ def _copy_engine(device, index):
     if index not in _CE:
         try:
             spec = copy_engine_spec(cuda_arch(device))
-            _CE[index] = (get_function(spec, CE), get_function(spec, CE_CHECK), jit_function(spec, CE)[1])
+            copy, info = jit_function(spec, CE)
+            _CE[index] = (copy, get_function(spec, CE_CHECK), info)
         except JitUnavailable as e:
             _CE[index], _CE_MISSING[index] = None, f"page ids on the host, copy engines unavailable: {e.reason}"
     return _CE[index]

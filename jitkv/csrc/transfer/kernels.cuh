@@ -32,6 +32,7 @@
 
 #include <cstdint>
 
+#include "jitkv/codes.h"
 #include "jitkv/cuda/launch.cuh"
 #include "jitkv/cuda/vec.cuh"
 #include "transfer/params.h"
@@ -42,7 +43,7 @@ constexpr int kWarps = 8;      // warps per CTA
 constexpr int kCtasPerSm = 3;  // CTAs per SM of the max_sms the grid may use (85 registers a thread: no spills)
 constexpr int kUnroll = 4;     // vectors per lane of a chunk
 constexpr int kChunk = 32 * kUnroll;
-constexpr int kLinkSms = 4;  // the default SM bound of a copy with a host pool (docs/design.md §2)
+constexpr int kLinkSms = codes::Transfer::kLinkSms;  // the default SM bound of a copy with a host pool
 
 __device__ __forceinline__ int64_t load_id(const void* p, int64_t i, bool i64) {
   return i64 ? cuda::load(static_cast<const int64_t*>(p) + i)
