@@ -69,7 +69,7 @@ class LlamaPagedEngine(PagedEngine):
     def __init__(self, model, *, num_blocks: int, block_size: int, seed: int = 0):
         super().__init__(model, num_blocks=num_blocks, block_size=block_size, seed=seed)
         cfg = model.config
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         gen = torch.Generator().manual_seed(seed)
 
         # The pool starts as random garbage, not zeros: a read of a slot nobody wrote (a wrong
@@ -77,8 +77,11 @@ class LlamaPagedEngine(PagedEngine):
         def garbage():
             return torch.randn(shape, generator=gen).to(model.device, model.dtype)
 
-        self.k_cache = [garbage() for _ in range(cfg.num_hidden_layers)]
-        self.v_cache = [garbage() for _ in range(cfg.num_hidden_layers)]
+        # One layer-first pool per K and V, [layers, num_blocks, block_size, Hkv, D] (the layout
+        # jitkv.transfer_pages and pack_pages move pages of, see pd_handoff.py); each layer's cache
+        # is a view of it.
+        self.pools = (garbage(), garbage())
+        self.k_cache, self.v_cache = (list(pool.unbind(0)) for pool in self.pools)
 
     def attention(self, layer, attn, x, batch):
         t = x.shape[0]

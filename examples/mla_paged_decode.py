@@ -82,12 +82,14 @@ class MlaPagedEngine(PagedEngine):
     def __init__(self, model, *, num_blocks: int, block_size: int, seed: int = 0):
         super().__init__(model, num_blocks=num_blocks, block_size=block_size, seed=seed)
         cfg = model.config
-        shape = (num_blocks * block_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        shape = (cfg.num_hidden_layers, num_blocks, block_size, width)
         gen = torch.Generator().manual_seed(seed)
         # Random garbage rather than zeros, so that a read of a slot nobody wrote changes the tokens.
-        self.kv_buffer = [
-            torch.randn(shape, generator=gen).to(model.device, model.dtype) for _ in range(cfg.num_hidden_layers)
-        ]
+        # One layer-first pool [layers, num_blocks, block_size, width] (the layout jitkv.transfer_pages
+        # and pack_pages move pages of, see pd_handoff.py); each layer's buffer is a view of it.
+        self.pools = torch.randn(shape, generator=gen).to(model.device, model.dtype)
+        self.kv_buffer = [pool.view(num_blocks * block_size, width) for pool in self.pools.unbind(0)]
         # Views of each layer's kv_b_proj weight [H * (nope + v), r], split per head.
         self.w_uk, self.w_uv = [], []
         for layer in model.model.layers:

@@ -52,6 +52,17 @@ class BlockTable:
             self.table[req, self.num_blocks_of[req]] = self.free.pop()
             self.num_blocks_of[req] += 1
 
+    def admit(self, req: int, length: int) -> torch.Tensor:
+        """Pages for request ``req`` holding ``length`` tokens whose K/V arrive from elsewhere (a
+        prefill on another GPU): its block ids, in position order, [ceil(length / block_size)]."""
+        self._grow(req, length)
+        self.lens[req] = length
+        return self.pages(req)
+
+    def pages(self, req: int) -> torch.Tensor:
+        """Request ``req``'s block ids in position order (int64, on the host)."""
+        return self.table[req, : self.num_blocks_of[req]].clone()
+
     def batch(self, new_tokens: list[list[int]], device: torch.device) -> Batch:
         """Append new_tokens[b] to request b and describe the forward that processes them.
 
@@ -140,7 +151,9 @@ class PagedEngine:
     """Greedy decoding of a decoder-only HF model (``model.model.layers`` of pre-norm blocks with
     ``self_attn`` and ``mlp``) over a paged KV pool of ``num_blocks`` blocks of ``block_size`` slots.
 
-    Subclasses allocate the pool in ``__init__`` and implement ``attention``."""
+    Subclasses allocate the pool in ``__init__`` as ``self.pools`` (a layer-first pool
+    ``[layers, num_blocks, block_size, ...]`` or a tuple of them, the layout of jitkv's page
+    transfers) and implement ``attention``."""
 
     def __init__(self, model, *, num_blocks: int, block_size: int, seed: int = 0):
         self.model = model

@@ -98,3 +98,35 @@ def test_main(load, name, engine_name, op, device, capsys):
     out = capsys.readouterr().out
     assert out.count("matches HF generate") == 2
     assert "tokens/s" in out and f"{op}: " in out
+
+
+# examples/pd_handoff.py: prefill in this process, decode in a spawned one, each request's pages packed,
+# sent (gloo on CPU, NCCL on two GPUs) and unpacked under another block order.
+HANDOFF_DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")),
+]
+HANDOFF_ARGS = ["--steps", "4", "--prompt-lens", "6,9,2", "--block-size", "4"]
+
+
+@pytest.mark.parametrize("device", HANDOFF_DEVICES)
+@pytest.mark.parametrize("model", ["llama", "mla"])
+def test_handoff_matches_hf_generate(load, model, device, capsys):
+    assert load("pd_handoff").main(["--device", device, "--model", model, *HANDOFF_ARGS]) == 0
+    assert capsys.readouterr().out.count("matches HF generate") == 3
+
+
+def test_handoff_tokens_depend_on_the_unpacked_pages(load, capsys):
+    """Pages received but not unpacked: the decode rank attends over its own pool's garbage."""
+    assert load("pd_handoff").main(["--device", "cpu", "--drop-kv", *HANDOFF_ARGS]) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device", HANDOFF_DEVICES)
+def test_handoff_bench_moves_every_page(load, device, capsys):
+    """The benchmark's methods each leave the decode pool's pages equal to the source pages (checked
+    there) and print a row per geometry."""
+    argv = ["--device", device, "--bench", "--bench-tokens", "256", "--bench-reps", "1", "--bench-chunks", "3"]
+    assert load("pd_handoff").main(argv) == 0
+    out = capsys.readouterr().out
+    assert "MISMATCH" not in out and out.count("| Llama-3-8B") == 1 and out.count("| DeepSeek-V3") == 1
