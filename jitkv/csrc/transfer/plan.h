@@ -4,7 +4,7 @@
 
 #include <tvm/ffi/error.h>
 
-#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -43,14 +43,19 @@ inline std::vector<PagePair> resolve_pairs(const char* op, const TransferParams&
     pairs.push_back(PagePair{s, d});
   }
   if (sorted) return pairs;  // strictly increasing destinations: no duplicates (the common case)
-  // A stable sort by destination keeps pairs in call order within a page: the last of each run wins.
-  std::stable_sort(pairs.begin(), pairs.end(), [](const PagePair& a, const PagePair& b) { return a.dst < b.dst; });
-  size_t m = 0;
-  for (size_t k = 0; k < pairs.size(); ++k) {
-    if (k + 1 < pairs.size() && pairs[k + 1].dst == pairs[k].dst) continue;
-    pairs[m++] = pairs[k];
+  // Walked from the last pair back with a bitset of destination pages, each page keeps the last pair
+  // naming it; the kept pairs stay in call order. O(n), plus pool pages / 8 bytes zeroed (a sort by
+  // destination is O(n log n): several times the copy of 64k one-token pages on the host).
+  std::vector<uint64_t> seen(static_cast<size_t>((p.dst.num_pages + 63) / 64), 0);
+  size_t m = pairs.size();
+  for (size_t k = pairs.size(); k-- > 0;) {
+    const uint64_t d = static_cast<uint64_t>(pairs[k].dst), bit = uint64_t{1} << (d & 63);
+    uint64_t& word = seen[d >> 6];
+    if (word & bit) continue;
+    word |= bit;
+    pairs[--m] = pairs[k];  // m > k before the decrement: only pairs already walked are overwritten
   }
-  pairs.resize(m);
+  pairs.erase(pairs.begin(), pairs.begin() + static_cast<std::ptrdiff_t>(m));
   return pairs;
 }
 
