@@ -215,6 +215,11 @@ class Op:
             return self._cuda_runner(device.index if device.index is not None else 0, backend, variant)
         return self._cpu_runner(backend)
 
+    def cuda_runner(self, index: int, backend: str | None, key: tuple) -> Callable:
+        """The runner of CUDA device ``index`` for these variant fields, as ``run`` finds it: a dict
+        lookup once made (no lock), for an op module's own fast path (transfer_pages' (K, V) launch)."""
+        return self._cuda.get((index, backend, key)) or self._cuda_runner(index, backend, key)
+
     def _cpu_runner(self, backend):
         with _LOCK:
             fn = self._cpu.get(backend)

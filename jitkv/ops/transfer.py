@@ -4,7 +4,6 @@ unpack_pages, a request's pages in one buffer for a handoff to another GPU (docs
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch.compiler import is_compiling
@@ -131,23 +130,29 @@ def _ids_to_the_gpu(src, dst, backend) -> bool:
 def _run_pair(src, dst, src_pages, dst_pages, max_sms, backend) -> bool:
     """A (K, V) tuple with GPU ids in one launch of the SM kernel, when both pool pairs have one page
     size and layer count and the jit backend runs (every argument checked by the binding before
-    anything is copied). False where the per-pool path must run instead."""
-    if not (isinstance(src_pages, torch.Tensor) and src_pages.is_cuda and backend in (None, "jit")):
+    anything is copied). False where the per-pool path must run instead.
+
+    This is the engines' per-layer call, so it reads each argument once and finds the launcher in
+    the op's runner cache without a lock; the binding picks the vector width."""
+    if backend not in (None, "jit"):
         return False
-    _max_sms(max_sms)
     try:
+        if not src_pages.is_cuda:
+            return False
         (s0, s1), (d0, d1) = src, dst
+        shape0, shape1 = s0.shape, s1.shape
         if (
-            s0.shape[0] != s1.shape[0]
-            or math.prod(s0.shape[2:]) * s0.element_size() != math.prod(s1.shape[2:]) * s1.element_size()
+            len(shape0) < 2
+            or shape0[0] != shape1[0]
+            or math.prod(shape0[2:]) * s0.element_size() != math.prod(shape1[2:]) * s1.element_size()
         ):
             return False
-        vec = min(variant(s0, d0, src_pages, dst_pages, max_sms)[0], variant(s1, d1, src_pages, dst_pages, max_sms)[0])
     except (AttributeError, TypeError, ValueError):
         return False  # the per-pool path names the bad argument
-    pair = getattr(TRANSFER_PAGES.runner(src_pages.device, backend, (vec,)), "pair", None)
+    pair = getattr(TRANSFER_PAGES.cuda_runner(src_pages.get_device(), backend, ()), "pair", None)
     if pair is None:
         return False
+    _max_sms(max_sms)
     pair(s0, d0, s1, d1, src_pages, dst_pages, 0 if max_sms is None else max_sms)
     return True
 
@@ -333,43 +338,6 @@ def debug_check(src, dst, src_pages, dst_pages, max_sms):
     reference.check_pages(src_pages, dst_pages, src.shape[1], dst.shape[1])
 
 
-# -------------------------------------------------------------------------------------- variants
-
-
-@dataclass(frozen=True)
-class Variant:
-    """The CUDA module a call runs: the kernel's vector bytes, 16 when every data pointer, layer and
-    page stride and the page bytes are multiples of 16, else 4 when they are of 4, else 1."""
-
-    vec: int
-
-
-VECS = (16, 4, 1)
-
-
-_VARIANTS = {16: (16,), 8: (4,), 4: (4,)}  # the lowest set bit of the OR of the byte values -> fields
-
-
-def variant(src, dst, src_pages, dst_pages, max_sms) -> tuple:
-    """The fields of the CUDA Variant, read on every CUDA call (the widest vector dividing every data
-    pointer, layer and page stride and the page bytes: the lowest set bit of their OR). Pools the
-    binding refuses anyway (fewer than 2 dims) go to the widest module for its precise error."""
-    if src.dim() < 2 or dst.dim() < 2:
-        return (16,)
-    ses, des = src.element_size(), dst.element_size()
-    ss, ds = src.stride(), dst.stride()
-    bits = (
-        src.data_ptr()
-        | dst.data_ptr()
-        | (ss[0] * ses)
-        | (ss[1] * ses)
-        | (ds[0] * des)
-        | (ds[1] * des)
-        | (math.prod(src.shape[2:]) * ses)
-    )
-    return _VARIANTS.get(min(bits & -bits, 16) if bits else 16, (1,))
-
-
 # ------------------------------------------------------------------------------------------- jit
 
 
@@ -377,11 +345,9 @@ def cpu_spec() -> JitSpec:
     return JitSpec("transfer_cpu", ("transfer/transfer_pages_cpu.cpp",), exports=(OP,))
 
 
-def cuda_spec(arch: str, vec: int) -> JitSpec:
-    """The CUDA module copying ``vec``-byte vectors (16, 4 or 1)."""
-    return JitSpec(
-        "transfer_cuda", ("transfer/transfer_pages_cuda.cu",), args=(("vec", vec),), target=arch, exports=(OP, PAIR)
-    )
+def cuda_spec(arch: str) -> JitSpec:
+    """The CUDA module: the SM copy kernel for 16-, 4- and 1-byte vectors, the binding choosing per call."""
+    return JitSpec("transfer_cuda", ("transfer/transfer_pages_cuda.cu",), target=arch, exports=(OP, PAIR))
 
 
 def copy_engine_spec(arch: str) -> JitSpec:
@@ -395,7 +361,7 @@ CE, CE_CHECK, PAIR = "transfer_pages_ce", "transfer_pages_check", "transfer_page
 def specs(target: str) -> list[JitSpec]:
     if target == "cpu":
         return [cpu_spec()]
-    return [*(cuda_spec(target, vec) for vec in VECS), copy_engine_spec(target)]
+    return [cuda_spec(target), copy_engine_spec(target)]
 
 
 def _jit(device, variant):
@@ -410,7 +376,7 @@ def _jit(device, variant):
                 fn(src, dst, src_pages, dst_pages)
 
         return run_cpu, info
-    spec = cuda_spec(cuda_arch(device), variant.vec)
+    spec = cuda_spec(cuda_arch(device))
     fn, info = jit_function(spec, OP)
 
     def run_cuda(src, dst, src_pages, dst_pages, max_sms):
@@ -634,8 +600,6 @@ TRANSFER_PAGES = Op(
     home="src_pages",
     check=check,
     debug_check=debug_check,
-    variant=variant,
-    variant_type=Variant,
     specs=specs,
     reference=reference.transfer_pages,
     sample=sample,

@@ -4,8 +4,9 @@
 // the caller's current stream of the ids' device (jitkv/cuda/launch.cuh: device guard, and PDL from
 // sm_90 as every jitkv kernel: the kernel waits for the previous grid before its first access).
 //
-// Template argument (JitSpec args): JITKV_VEC, the kernel's vector bytes (16, 4 or 1); the views must
-// have every base, stride and page_bytes a multiple of it (jitkv/ops/transfer.py variant picks it).
+// The kernel's vectors: 16 bytes when every data pointer, layer and page stride and the page bytes
+// are multiples of 16, else 4 when they are of 4, else 1 (vector_bytes); all three instantiations
+// live in this one module, so the host chooses per call at the cost of an OR, not a module per width.
 //
 // The grid is bounded: max_sms (at most the device's SMs; 0: kLinkSms for a copy with a host pool,
 // every SM for one inside the GPU) x kCtasPerSm CTAs of kWarps warps, fewer when there are fewer
@@ -21,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 
 #include "jitkv/check.h"
 #include "jitkv/cuda/launch.cuh"
@@ -35,27 +37,22 @@ using namespace jitkv::transfer;
 using tvm::ffi::TensorView;
 
 constexpr const char* kOp = "transfer_pages";
-constexpr int kVec = JITKV_VEC;
-static_assert(kVec == 16 || kVec == 4 || kVec == 1, "JITKV_VEC: 16, 4 or 1");
 
 uint64_t u(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr); }
 uint64_t u(int64_t x) { return static_cast<uint64_t>(x); }
 
-bool aligned(const Pool& pool) { return (u(pool.base) | u(pool.layer_stride) | u(pool.page_stride)) % kVec == 0; }
-
-void check_module(const TransferParams& p) {
-  const bool ok = aligned(p.src) && aligned(p.dst) && aligned(p.src2) && aligned(p.dst2) && p.page_bytes % kVec == 0;
-  if (!ok) {
-    TVM_FFI_THROW(ValueError) << kOp << ": src: this module copies " << kVec << "-byte vectors: every data pointer, "
-                              << "layer and page stride, and the page bytes must be multiples of " << kVec;
+// The widest vector (16, 4 or 1 bytes) dividing every base, stride and the page bytes (module comment).
+int vector_bytes(const TransferParams& p) {
+  uint64_t bits = u(p.page_bytes);
+  for (const Pool* pool : {&p.src, &p.dst, &p.src2, &p.dst2}) {
+    bits |= u(pool->base) | u(pool->layer_stride) | u(pool->page_stride);
   }
+  return bits % 16 == 0 ? 16 : bits % 4 == 0 ? 4 : 1;
 }
 
 // The grid (module comment) and the launch on the caller's current stream of `dev`.
-void launch(const TransferParams& p, DLDevice dev, bool with_host, int64_t max_sms) {
-  if (max_sms < 0) {
-    TVM_FFI_THROW(ValueError) << kOp << ": max_sms: expected an int >= 1 (or 0: the default), got " << max_sms;
-  }
+template <int kVec>
+void launch_vec(const TransferParams& p, DLDevice dev, bool with_host, int64_t max_sms) {
   const int64_t runs = p.n * p.num_layers * p.num_pools;
   const int64_t chunks = runs * ((p.page_bytes / kVec + kChunk - 1) / kChunk);
   if (chunks >= (int64_t{1} << 31) || p.page_bytes / kVec >= (int64_t{1} << 31)) {
@@ -74,10 +71,23 @@ void launch(const TransferParams& p, DLDevice dev, bool with_host, int64_t max_s
   jitkv::cuda::check_launch(kOp, err);
 }
 
+void launch(const TransferParams& p, DLDevice dev, bool with_host, int64_t max_sms) {
+  if (max_sms < 0) {
+    TVM_FFI_THROW(ValueError) << kOp << ": max_sms: expected an int >= 1 (or 0: the default), got " << max_sms;
+  }
+  switch (vector_bytes(p)) {
+    case 16:
+      return launch_vec<16>(p, dev, with_host, max_sms);
+    case 4:
+      return launch_vec<4>(p, dev, with_host, max_sms);
+    default:
+      return launch_vec<1>(p, dev, with_host, max_sms);
+  }
+}
+
 void transfer_pages(TensorView src, TensorView dst, TensorView src_pages, TensorView dst_pages, int64_t max_sms) {
   const DLDevice dev = cuda_device(kOp, src, dst, src_pages, dst_pages);
   const TransferParams p = parse_params(kOp, src, dst, src_pages, dst_pages);
-  check_module(p);
   jitkv::cuda::DeviceGuard guard(dev.device_id);
   check_host_pool(kOp, "src", src, dev, true);
   check_host_pool(kOp, "dst", dst, dev, true);
@@ -100,7 +110,6 @@ void transfer_pages_pair(TensorView src, TensorView dst, TensorView src2, Tensor
   p.src2 = q.src;
   p.dst2 = q.dst;
   p.num_pools = 2;
-  check_module(p);
   jitkv::cuda::DeviceGuard guard(dev.device_id);
   check_host_pool(kOp, "src[0]", src, dev, true);
   check_host_pool(kOp, "dst[0]", dst, dev, true);

@@ -2,7 +2,7 @@
 on every backend (CPU: jit, torch; CUDA: the jit SM copy kernel, torch) and, on a GPU, device to device,
 host to device and device to host; the rule checked without the reference; layer-first and page-first
 pools, tuples of pools, padding, duplicates, out-of-range ids, max_sms, CUDA graphs, bad input with the
-argument named; the pack format and its round trip; the CUDA variant's vector width."""
+argument named; the pack format and its round trip; the CUDA kernel's vector width."""
 
 from __future__ import annotations
 
@@ -109,6 +109,21 @@ def test_duplicate_destinations_one_wins(device, backend):
     assert torch.equal(got[:, 0], s[:, 2]) and torch.equal(got[:, 9], s[:, 4])
     untouched = [p for p in range(10) if p not in (0, 7, 9)]
     assert torch.equal(got[:, untouched], before[:, untouched])
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_host_ids_last_valid_pair_wins(backend):
+    """Ids read on the host (the CPU kernel; the copy engines share its plan): 400 pairs in random
+    order over a pool of 300 pages (several words of the plan's bitset), with duplicates and padding;
+    each destination page gets its last valid pair's source page, exactly."""
+    gen = torch.Generator().manual_seed(5)
+    src = _pool("layer_first", 2, 50, (4, 8), torch.bfloat16)
+    dst = _pool("page_first", 2, 300, (4, 8), torch.bfloat16)
+    sp, dp = torch.randint(0, 50, (400,), generator=gen), torch.randint(0, 300, (400,), generator=gen)
+    sp[::37], dp[5::41] = -1, -2
+    by_hand = _by_hand(src, dst, sp, dp)
+    jitkv.transfer_pages(src, dst, sp, dp, backend=backend)
+    assert_bitwise(dst, by_hand)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -714,26 +729,32 @@ def test_host_ids_unpinned_refused():
     assert_bitwise(dst.cpu(), before)
 
 
-# ---------------------------------------------------------------------------------- CUDA variant
+# ---------------------------------------------------------------------------------- vector width
 
 
-def test_variant_vector_width():
-    """The CUDA module's vectors: 16 bytes when every pointer, stride and the page bytes allow, else 4,
-    else 1 (read from the views on any device: the rule runs here without a GPU)."""
-    variant = transfer_ops.variant
-    pool = _pool("layer_first", 2, 8, (16, 576), torch.bfloat16)
-    host = _pool("page_first", 2, 8, (16, 576), torch.bfloat16)
-    ids = _ids([0], torch.int64, "cpu")
-    assert variant(pool, host, ids, ids, 4) == (16,)
-    assert variant(rand((2, 8, 3), torch.float32), rand((2, 8, 3), torch.float32), ids, ids, 4) == (4,)
-    assert variant(rand((2, 8, 37), torch.uint8), rand((2, 8, 37), torch.uint8), ids, ids, 4) == (1,)
-    flat = rand((2 * 8 * 16 * 576 + 2,), torch.bfloat16)
-    assert flat.data_ptr() % 16 == 0
-    shifted = flat[2:].view(2, 8, 16, 576)  # a base 4 bytes past a 16-byte boundary
-    assert variant(shifted, pool, ids, ids, 4) == (4,)
-    assert variant(flat[1:-1].view(2, 8, 16, 576), pool, ids, ids, 4) == (1,)  # 2 bytes past
-    assert variant(rand((8,), torch.uint8), pool, ids, ids, 4) == (16,)  # the binding's error follows
-    assert set(transfer_ops.specs("9.0a")) == {
-        *(transfer_ops.cuda_spec("9.0a", v) for v in (16, 4, 1)),
-        transfer_ops.copy_engine_spec("9.0a"),
-    }
+def test_one_cuda_module():
+    """One CUDA module holds the kernel for every vector width (the binding picks it per call), and
+    the copy-engine module is built beside it."""
+    assert transfer_ops.specs("9.0a") == [transfer_ops.cuda_spec("9.0a"), transfer_ops.copy_engine_spec("9.0a")]
+
+
+@gpu
+@pytest.mark.parametrize("shift,layout", [(2, "4-byte"), (1, "1-byte")])
+def test_misaligned_views_gpu(shift, layout):
+    """Pools whose base is 4 (then 2) bytes past a 16-byte boundary: the binding takes narrower
+    vectors (a 16-byte access there is a misaligned-address fault) and the copy is exact, both pools
+    and a (K, V) tuple."""
+    flat = rand((2 * 8 * 16 * 576 + 2,), torch.bfloat16, "cuda")
+    shifted = flat[shift : shift + 2 * 8 * 16 * 576].view(2, 8, 16, 576)
+    pool = _pool("page_first", 2, 8, (16, 576), torch.bfloat16, "cuda")
+    sp, dp = torch.tensor([3, 0, 6], device="cuda"), torch.tensor([7, 2, 5], device="cuda")
+    want = _by_hand(pool, shifted, sp.cpu(), dp.cpu())
+    jitkv.transfer_pages(pool, shifted, sp, dp, backend="jit")
+    torch.cuda.synchronize()
+    assert_bitwise(shifted.cpu(), want)
+    other = _pool("layer_first", 2, 8, (16, 576), torch.bfloat16, "cuda")
+    want_pair = [_by_hand(shifted, other, dp.cpu(), sp.cpu()), _by_hand(pool, pool, dp.cpu(), sp.cpu())]
+    jitkv.transfer_pages((shifted, pool), (other, pool), dp, sp, backend="jit")
+    torch.cuda.synchronize()
+    assert_bitwise(other.cpu(), want_pair[0])
+    assert_bitwise(pool.cpu(), want_pair[1])
