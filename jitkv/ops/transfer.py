@@ -108,8 +108,7 @@ def _transfer_tuples(src, dst, src_pages, dst_pages, max_sms, backend):
             _check(s, d, src_pages, dst_pages, f"src[{j}]", f"dst[{j}]")
         _max_sms(max_sms)
         if src_pages.is_cpu:
-            for s, d in zip(src, dst):
-                reference.check_pages(src_pages, dst_pages, s.shape[1], d.shape[1])
+            _check_host_ids(src, dst, src_pages, dst_pages)
             if _ids_to_the_gpu(src, dst, backend):  # checked: the ids move once for every pool
                 device = next(t.device for t in (*src, *dst) if t.is_cuda)
                 src_pages, dst_pages = _ids_on(device, src_pages, dst_pages)
@@ -423,9 +422,24 @@ def _copy_engines_take(pool) -> bool:
     return page_bytes >= CE_MIN_PAGE_BYTES or torch.cuda.is_current_stream_capturing()
 
 
+def _check_host_ids(src, dst, src_pages, dst_pages):
+    """IndexError for a host id past its pool, naming it, before any pool pair is copied: the copy-engine
+    module's C++ plan where a pool is on a GPU (a few µs), else the reference's torch check."""
+    device = next((t.device for t in (*src, *dst) if t.is_cuda), None)
+    index = None if device is None else (device.index if device.index is not None else torch.cuda.current_device())
+    ce = None if device is None else _copy_engine(device, index)
+    for s, d in zip(src, dst):
+        if ce is not None:
+            ce[1](s, d, src_pages, dst_pages, index)
+        else:
+            reference.check_pages(src_pages, dst_pages, s.shape[1], d.shape[1])
+
+
 def _ids_on(device, src_pages, dst_pages):
-    """Host ids on ``device`` in one copy (a pageable copy waits for the link: one round trip, not two)."""
-    return torch.stack((src_pages.to(torch.int64), dst_pages.to(torch.int64))).to(device)
+    """Host ids on ``device`` in one copy, staged in pinned memory so that the host does not wait for
+    the link (the caching host allocator keeps the staging buffer until the copy has run)."""
+    ids = torch.stack((src_pages.to(torch.int64), dst_pages.to(torch.int64)))
+    return ids.pin_memory().to(device, non_blocking=True)
 
 
 def _copy_engine(device, index):
