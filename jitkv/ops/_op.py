@@ -22,7 +22,7 @@ import os
 import re
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.compiler import is_compiling
@@ -54,8 +54,7 @@ class JitkvFallbackWarning(RuntimeWarning):
     """An op runs on a slower backend than jitkv would prefer (see jitkv.backend_info())."""
 
 
-@dataclass(frozen=True)
-class Param:
+class Param(NamedTuple):
     """One argument of an op's schema. ``type`` is a torch schema type, or ``Scale?`` (an fp8 scale:
     a float or a float32 tensor, which the registered custom op takes as a tensor and a float)."""
 

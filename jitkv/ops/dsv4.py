@@ -3,7 +3,7 @@ the dequantize-and-gather reader."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -171,8 +171,7 @@ def check_gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, o
 # -------------------------------------------------------------------------------------- variants
 
 
-@dataclass(frozen=True)
-class Variant:
+class Variant(NamedTuple):
     """Whether the bf16 rows (k, or out) suit the CUDA kernels' 16-byte vectors: a 16-byte aligned base
     and row strides that are multiples of 8 elements. An unaligned view falls back like any
     unavailable backend (Triton, then torch), recorded in backend_info and warned about once."""

@@ -3,7 +3,7 @@ quantize-and-insert writer and the gather back to contiguous values and scales."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -217,8 +217,7 @@ def _check_dst_scale(op, s, dev, num_tokens):
 # -------------------------------------------------------------------------------------- variants
 
 
-@dataclass(frozen=True)
-class Variant:
+class Variant(NamedTuple):
     """The first argument whose view the CUDA kernels' vectors cannot take (a 16-byte aligned base and
     row stride; 4-byte for dst_scale), or "" when every view suits them. Such a view runs on Triton,
     then torch, recorded in backend_info and warned about once."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -184,8 +184,7 @@ def _check_ds_mla(op, names, buf, nope, rope, scale):
 # -------------------------------------------------------------------------------------- variants
 
 
-@dataclass(frozen=True)
-class Variant:
+class Variant(NamedTuple):
     """The CUDA module a call runs: the source bytes of a row's nope and rope parts, the format (COPY:
     the copy module, else an fp8 writer), and the fp8 writer's source dtype (NONE for a copy)."""
 

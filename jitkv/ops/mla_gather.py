@@ -3,7 +3,7 @@ dequantized (vLLM's cp_gather_cache / gather_and_maybe_dequant_cache; docs/desig
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -174,8 +174,7 @@ def _widths(d, w, fmt):
 # -------------------------------------------------------------------------------------- variants
 
 
-@dataclass(frozen=True)
-class Variant:
+class Variant(NamedTuple):
     """The CUDA module a call runs: the format, the output row bytes, and whether the views suit its
     vectors (16-byte output rows and stores; cache loads of 16 bytes, per-tensor fp8: 8). An unaligned
     view falls back like any unavailable backend (Triton, then torch; warned once)."""

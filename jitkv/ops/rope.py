@@ -4,7 +4,7 @@ quantization, and the K/V (or MLA row) cache write (docs/design.md §2, §3, §4
 from __future__ import annotations
 
 import math
-from dataclasses import astuple, dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -599,8 +599,7 @@ def debug_check_mla(
 # -------------------------------------------------------------------------------------- variants
 
 
-@dataclass(frozen=True)
-class Variant:
+class Variant(NamedTuple):
     """The CUDA build a rope_store_cache call selects: q/k head dim, v head dim, rotary dim, NeoX or
     GPT-J, which norms run, the source dtype, the cos_sin_cache and norm weights' dtypes (F32 or the
     source's; NONE: no norm), what happens to q (RopeQ) and the cache format."""
@@ -695,8 +694,7 @@ def variant(
         raise
 
 
-@dataclass(frozen=True)
-class MlaVariant:
+class MlaVariant(NamedTuple):
     """The CUDA build a rope_set_mla_kv_buffer call selects: nope and rope widths, NeoX or GPT-J, the
     source and cos_sin_cache dtypes, what happens to q (RopeQ; NONE without q_pe) and the format."""
 
@@ -883,7 +881,7 @@ def _jit(device, variant):
         why = cuda_refusal(variant)
         if why:
             raise BackendUnavailable(f"the CUDA kernel cannot take this call: {why}")
-        spec, retry = cuda_spec(cuda_arch(device), variant), astuple(replace(variant, aligned=False))
+        spec, retry = cuda_spec(cuda_arch(device), variant), tuple(variant._replace(aligned=False))
     else:
         spec, retry = cpu_spec(), None
     fn, info = jit_function(spec, OP)
@@ -965,7 +963,7 @@ def _jit_mla(device, variant):
         why = cuda_mla_refusal(variant)
         if why:
             raise BackendUnavailable(f"the CUDA kernel cannot take this call: {why}")
-        spec, retry = cuda_mla_spec(cuda_arch(device), variant), astuple(replace(variant, aligned=False))
+        spec, retry = cuda_mla_spec(cuda_arch(device), variant), tuple(variant._replace(aligned=False))
     else:
         spec, retry = cpu_spec(), None
     fn, info = jit_function(spec, MLA_OP)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -195,8 +195,7 @@ def _pair_views(op, src_name, src, cache_name, cache, n, h):
 # -------------------------------------------------------------------------------------- variants
 
 
-@dataclass(frozen=True)
-class Variant:
+class Variant(NamedTuple):
     """The CUDA build a call runs: ``k_head_bytes``/``v_head_bytes`` (cache bytes per head, 0 and 0:
     the any-alignment build, whose vector width is picked per call), the source dtype of a quantizing
     build (NONE for a copy), the cache format, and ``aligned``: the 16-byte build, whose binding answers

@@ -100,4 +100,4 @@ def test_variant_fields_make_the_variant(name):
     op = OPS[name]
     args = op.args_of(op.sample("cpu", torch.Generator().manual_seed(3)))
     variant = op.variant_type(*op.variant(*args))
-    assert tuple(getattr(variant, f) for f in variant.__dataclass_fields__) == op.variant(*args)
+    assert tuple(getattr(variant, f) for f in variant._fields) == op.variant(*args)
