@@ -24,9 +24,8 @@ void block_memcpy(TensorView src, TensorView dst, TensorView src_pages, TensorVi
   for (int64_t l = 0; l < p.num_layers; ++l) {
     for (int64_t i = 0; i < p.n; ++i) {
       const int64_t s = host_id(p.src_pages, i, p.src_i64), d = host_id(p.dst_pages, i, p.dst_i64);
-      const cudaError_t err = cudaMemcpyAsync(p.dst.base + l * p.dst.layer_stride + d * p.dst.page_stride,
-                                              p.src.base + l * p.src.layer_stride + s * p.src.page_stride,
-                                              static_cast<size_t>(p.page_bytes), cudaMemcpyDefault, stream);
+      const cudaError_t err =
+          cudaMemcpyAsync(p.dst.at(l, d), p.src.at(l, s), static_cast<size_t>(p.page_bytes), cudaMemcpyDefault, stream);
       if (err != cudaSuccess) TVM_FFI_THROW(RuntimeError) << "block_memcpy: " << cudaGetErrorString(err);
     }
   }

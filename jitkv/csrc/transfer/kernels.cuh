@@ -76,14 +76,14 @@ __device__ __forceinline__ Chunk<V> locate(const TransferParams& p, uint32_t c, 
   const int64_t s = load_id(p.src_pages, i, p.src_i64);
   const int64_t d = load_id(p.dst_pages, i, p.dst_i64);
   if (s < 0 || d < 0 || s >= from.num_pages || d >= to.num_pages) return k;
-  k.from = reinterpret_cast<const V*>(from.base + layer * from.layer_stride + s * from.page_stride);
-  k.to = reinterpret_cast<V*>(to.base + layer * to.layer_stride + d * to.page_stride);
+  k.from = reinterpret_cast<const V*>(from.at(layer, s));
+  k.to = reinterpret_cast<V*>(to.at(layer, d));
   k.first = static_cast<int>(c - run * per_run) * kChunk + lane;
   k.count = vectors;
   return k;
 }
 
-// kCtasPerSm CTAs fit on one SM at once (the launch bound caps the registers at 64 per thread).
+// kCtasPerSm CTAs fit on one SM at once (the launch bound caps the registers at 85 per thread).
 template <int kVec>
 __global__ void __launch_bounds__(kWarps * 32, kCtasPerSm)
     transfer_pages_kernel(const __grid_constant__ TransferParams p) {

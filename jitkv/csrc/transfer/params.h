@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "jitkv/host_device.h"
+
 namespace jitkv::transfer {
 
 struct Pool {
@@ -16,6 +18,11 @@ struct Pool {
   int64_t layer_stride;  // bytes
   int64_t page_stride;   // bytes
   int64_t num_pages;
+
+  // The first byte of page `page` of layer `layer`: the one run every copy path moves.
+  JITKV_HOST_DEVICE char* at(int64_t layer, int64_t page) const {
+    return base + layer * layer_stride + page * page_stride;
+  }
 };
 
 // A call moves one pool pair, or (the CUDA kernel, a (K, V) tuple in one launch) two of one page size

@@ -54,8 +54,7 @@ Runs plan_runs(const TransferParams& p, const std::vector<PagePair>& pairs) {
   Runs runs;
   const size_t n = static_cast<size_t>(p.page_bytes);
   auto run = [&](const PagePair& pair, int64_t layer) {
-    runs.add(p.dst.base + layer * p.dst.layer_stride + pair.dst * p.dst.page_stride,
-             p.src.base + layer * p.src.layer_stride + pair.src * p.src.page_stride, n);
+    runs.add(p.dst.at(layer, pair.dst), p.src.at(layer, pair.src), n);
   };
   const bool page_first = p.src.layer_stride == p.page_bytes && p.dst.layer_stride == p.page_bytes;
   if (page_first) {

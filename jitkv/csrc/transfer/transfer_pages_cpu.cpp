@@ -60,9 +60,7 @@ void transfer_pages_cpu(TensorView src, TensorView dst, TensorView src_pages, Te
     for (int64_t r = begin; r < end; ++r) {
       const PagePair& pair = pairs[static_cast<size_t>(r / layers)];
       const int64_t layer = r % layers;
-      const char* from = p.src.base + layer * p.src.layer_stride + pair.src * p.src.page_stride;
-      char* to = p.dst.base + layer * p.dst.layer_stride + pair.dst * p.dst.page_stride;
-      cpu::copy_seg(to, from, p.page_bytes, nt);
+      cpu::copy_seg(p.dst.at(layer, pair.dst), p.src.at(layer, pair.src), p.page_bytes, nt);
     }
     if (nt) cpu::stream_fence();
   });
