@@ -108,9 +108,10 @@ def _transfer_tuples(src, dst, src_pages, dst_pages, max_sms, backend):
             _check(s, d, src_pages, dst_pages, f"src[{j}]", f"dst[{j}]")
         _max_sms(max_sms)
         if src_pages.is_cpu:
-            _check_host_ids(src, dst, src_pages, dst_pages)
+            device, index = _gpu_of((*src, *dst))
+            ce = None if device is None else _copy_engine(device, index)
+            _check_host_ids(ce, index, zip(src, dst), src_pages, dst_pages)
             if _ids_to_the_gpu(src, dst, backend):  # checked: the ids move once for every pool
-                device = next(t.device for t in (*src, *dst) if t.is_cuda)
                 src_pages, dst_pages = _ids_on(device, src_pages, dst_pages)
                 if len(src) == 2 and _run_pair(src, dst, src_pages, dst_pages, max_sms, backend):
                     return
@@ -397,18 +398,15 @@ def _host_ids_with_gpu(src, dst, src_pages, dst_pages, max_sms):
     """Ids on the host, a pool on a GPU: the copy engines (pages of CE_MIN_PAGE_BYTES or more, or a
     stream being captured, where the ids cannot be moved), else the SM kernel with the ids moved to
     the GPU after they are range checked on the host (IndexError, nothing copied)."""
-    device = src.device if src.is_cuda else dst.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    device, index = _gpu_of((src, dst))
     ce = _copy_engine(device, index)
     if ce is not None and _copy_engines_take(src):
         _note(index, "page ids on the host: the copy engines", "copy engine", ce[2])
         ce[0](src, dst, src_pages, dst_pages, index)
         return
-    if ce is not None:
-        ce[1](src, dst, src_pages, dst_pages, index)
-    else:
+    if ce is None:  # the reference's range check takes checked arguments; the C++ one checks them itself
         check(src, dst, src_pages, dst_pages, max_sms)
-        reference.check_pages(src_pages, dst_pages, src.shape[1], dst.shape[1])
+    _check_host_ids(ce, index, ((src, dst),), src_pages, dst_pages)
     why = "page ids on the host, pages under CE_MIN_PAGE_BYTES: the SM kernel" if ce else _CE_MISSING[index]
     _note(index, why, "SM copy kernel", {})
     ids = _ids_on(device, src_pages, dst_pages)
@@ -422,13 +420,20 @@ def _copy_engines_take(pool) -> bool:
     return page_bytes >= CE_MIN_PAGE_BYTES or torch.cuda.is_current_stream_capturing()
 
 
-def _check_host_ids(src, dst, src_pages, dst_pages):
-    """IndexError for a host id past its pool, naming it, before any pool pair is copied: the copy-engine
-    module's C++ plan where a pool is on a GPU (a few µs), else the reference's torch check."""
-    device = next((t.device for t in (*src, *dst) if t.is_cuda), None)
-    index = None if device is None else (device.index if device.index is not None else torch.cuda.current_device())
-    ce = None if device is None else _copy_engine(device, index)
-    for s, d in zip(src, dst):
+def _gpu_of(pools):
+    """(device, index) of the first CUDA pool (index: the current device for a bare "cuda"), or
+    (None, None) when every pool is on the host."""
+    device = next((t.device for t in pools if t.is_cuda), None)
+    if device is None:
+        return None, None
+    return device, device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _check_host_ids(ce, index, pairs, src_pages, dst_pages):
+    """IndexError for a host id past its pool, naming it, before any of the (src, dst) ``pairs`` is
+    copied: the copy-engine module's C++ plan ``ce`` of GPU ``index`` where it is built (a few µs),
+    else the reference's torch check."""
+    for s, d in pairs:
         if ce is not None:
             ce[1](s, d, src_pages, dst_pages, index)
         else:
