@@ -283,5 +283,6 @@ def swap_blocks(src, dst, block_size_in_bytes, block_mapping):
         raise ValueError(
             f"{op}: block_size_in_bytes: expected {block} (the bytes of src[0]), got {block_size_in_bytes}"
         )
-    pairs = block_mapping
-    transfer_pages(src.unsqueeze(0), dst.unsqueeze(0), pairs[:, 0].contiguous(), pairs[:, 1].contiguous())
+    transfer_pages(
+        src.unsqueeze(0), dst.unsqueeze(0), block_mapping[:, 0].contiguous(), block_mapping[:, 1].contiguous()
+    )
