@@ -188,20 +188,27 @@ class PagedEngine:
         then ``steps - 1`` batched decode forwards. Each call starts with an empty pool."""
         pages = BlockTable(len(prompts), self.num_blocks, self.block_size, self._block_order)
         nxt = self.forward(pages.batch(prompts, self.device)).tolist()
-        out = [[t] for t in nxt]
         self.timer.reset()
         _sync(self.device)
         t0 = time.perf_counter()
+        out = self.decode(pages, nxt, steps)
+        _sync(self.device)
+        seconds = time.perf_counter() - t0
+        stats = DecodeStats(len(prompts) * (steps - 1), seconds, self.timer.seconds(), self.timer.calls)
+        return out, stats
+
+    def decode(self, pages: BlockTable, first: list[int], steps: int) -> list[list[int]]:
+        """Each request of ``pages`` from its first token ``first[b]`` (its prompt's K/V already in the
+        pool): ``steps - 1`` batched decode forwards, ``steps`` tokens per request."""
+        out = [[t] for t in first]
+        nxt = first
         for _ in range(steps - 1):
             # .tolist() is the loop's one host sync per step: the engine needs the tokens to
             # build the next batch's metadata on the host.
             nxt = self.forward(pages.batch([[t] for t in nxt], self.device)).tolist()
             for seq, t in zip(out, nxt):
                 seq.append(t)
-        _sync(self.device)
-        seconds = time.perf_counter() - t0
-        stats = DecodeStats(len(prompts) * (steps - 1), seconds, self.timer.seconds(), self.timer.calls)
-        return out, stats
+        return out
 
 
 @torch.inference_mode()

@@ -144,7 +144,7 @@ def decode(device, args) -> None:
     table = BlockTable(
         len(args.prompt_lens), engine.num_blocks, args.block_size, torch.Generator().manual_seed(args.seed + 1)
     )
-    nxt = []
+    first = []
     for b in range(len(args.prompt_lens)):
         header = torch.empty(2, dtype=torch.int64, device=device)
         dist.recv(header, PREFILL)
@@ -154,13 +154,8 @@ def decode(device, args) -> None:
         dist.recv(buf, PREFILL)
         if not args.drop_kv:
             jitkv.unpack_pages(buf, engine.pools, pages)
-        nxt.append(token)
-    out = [[t] for t in nxt]
-    for _ in range(args.steps - 1):
-        nxt = engine.forward(table.batch([[t] for t in nxt], device)).tolist()
-        for seq, t in zip(out, nxt):
-            seq.append(t)
-    dist.send(torch.tensor(out, device=device), PREFILL)
+        first.append(token)
+    dist.send(torch.tensor(engine.decode(table, first, args.steps), device=device), PREFILL)
 
 
 # ------------------------------------------------------------------------------------------ bench
