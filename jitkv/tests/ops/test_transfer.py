@@ -739,8 +739,8 @@ def test_one_cuda_module():
 
 
 @gpu
-@pytest.mark.parametrize("shift,layout", [(2, "4-byte"), (1, "1-byte")])
-def test_misaligned_views_gpu(shift, layout):
+@pytest.mark.parametrize("shift", [2, 1], ids=["4-byte", "1-byte"])
+def test_misaligned_views_gpu(shift):
     """Pools whose base is 4 (then 2) bytes past a 16-byte boundary: the binding takes narrower
     vectors (a 16-byte access there is a misaligned-address fault) and the copy is exact, both pools
     and a (K, V) tuple."""
