@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from . import toolchain
+from . import key_memo, toolchain
 from .cache_dir import cache_dir, is_writable, lookup_layers, private_subdir, untrusted
 from .errors import JitUnavailable
 from .spec import JitSpec, env_flag, write_generated
@@ -73,7 +73,8 @@ def is_built(spec: JitSpec) -> bool:
 
 @cache_once
 def spec_key(spec: JitSpec) -> str:
-    return spec.key()
+    """``spec.key()``, once per process, through the key memo of the write layer (key_memo.py)."""
+    return key_memo.key(spec)
 
 
 @cache_once

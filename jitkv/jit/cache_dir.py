@@ -65,7 +65,7 @@ def lookup_layers() -> Iterator[Path]:
     read-only layer creates nothing and warns nothing."""
     configured = tuple(configured_layers())
     for layer in configured:
-        verdict = _verdict(layer)
+        verdict = layer_verdict(layer)
         if verdict == "":
             yield Path(layer)
         elif verdict:
@@ -102,7 +102,7 @@ def private_subdir(layer: Path, name: str) -> Path:
     return path
 
 
-def _verdict(path: str) -> str | None:
+def layer_verdict(path: str) -> str | None:
     """Why the existing layer root ``path`` is never loaded from ("" when it is trusted), or None when
     there is none. Absence is not memoized: the first build creates the write layer."""
     verdict = _VERDICTS.get(path)
@@ -123,7 +123,7 @@ def _write_choice(configured: tuple[str, ...]) -> _WriteChoice:
     for layer in configured:
         why = _unusable(layer)
         if why is None:
-            ignored = [(s, w) for s, w in skipped if _verdict(s)]
+            ignored = [(s, w) for s, w in skipped if layer_verdict(s)]
             if ignored:
                 warn(f"jitkv: {_listing(ignored)}; builds go to {layer}")
             return _WriteChoice(Path(layer), False, "")
@@ -155,7 +155,7 @@ def _unusable(layer: str) -> str | None:
         pass
     except OSError as e:
         return _not_created(layer, e)
-    verdict = _verdict(layer)
+    verdict = layer_verdict(layer)
     if verdict:
         return f"is ignored: {verdict}"
     try:

@@ -8,8 +8,8 @@ import platform
 import re
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from .. import _version, codes
 from . import toolchain
@@ -22,8 +22,7 @@ GENERATED = {"jitkv/codes.h": codes.header}
 _INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*[<"]([^>"\n]+)[>"]', re.M)
 
 
-@dataclass(frozen=True)
-class JitSpec:
+class JitSpec(NamedTuple):
     """One buildable module.
 
     op:      readable family name, e.g. "mla_cuda".
@@ -38,7 +37,7 @@ class JitSpec:
     target: str = "cpu"
     exports: tuple[str, ...] = ()
     cflags: tuple[str, ...] = ()
-    root: Path = field(default=CSRC)
+    root: Path = CSRC
 
     @property
     def is_cuda(self) -> bool:
@@ -107,15 +106,18 @@ class JitSpec:
         """What the artifact is made of and runs on. No compiler probe: a process without a compiler
         computes the same key and loads what another machine published (the compiler that built an
         artifact is recorded in its manifest instead)."""
-        import tvm_ffi
-
         on_disk, generated = self._closure()
         files = {rel: _scan(str(p))[0] for rel, p in sorted(on_disk.items())}
         files.update({f"generated:{inc}": _generated(inc)[0] for inc in sorted(generated)})
+        return {**self.fixed_components(), "files": files}
+
+    def fixed_components(self) -> dict[str, object]:
+        """The key's components other than the files' bytes: computed without reading a source."""
+        import tvm_ffi
+
         comps: dict[str, object] = {
             "op": self.op,
             "sources": list(self.sources),
-            "files": files,
             "args": [[k, str(v)] for k, v in self.args],
             "target": self.target if self.is_cuda else toolchain.cpu_target(),
             "host_cflags": self.host_cflags(),
@@ -132,6 +134,34 @@ class JitSpec:
     def key(self) -> str:
         blob = repr(sorted(self.key_components().items())).encode()
         return hashlib.sha256(blob).hexdigest()
+
+    def lookups(self) -> tuple[list[str], list[str], dict[str, str]]:
+        """How the closure was found, for a key memo (key_memo.py): the paths opened (entry sources and
+        each include where it was found, before symlinks are resolved), the include candidates that
+        were tried and absent, in search order, and the sha256 of each generated header. While the
+        opened paths keep their contents and the absent ones stay absent, every include resolves to
+        the same file."""
+        opened, absent = [], []
+        dirs = tuple(str(d) for d in self.include_dirs())
+        todo = [str(self.root / s) for s in self.sources]
+        seen: set[str] = set()
+        while todo:
+            path = todo.pop()
+            real = _realpath(path)
+            if real in seen:
+                continue
+            seen.add(real)
+            opened.append(path)
+            for inc in _scan(real)[1]:
+                if inc in GENERATED:
+                    continue
+                for d in (os.path.dirname(real), *dirs):
+                    candidate = os.path.join(d, inc)
+                    if os.path.isfile(candidate):
+                        todo.append(candidate)
+                        break
+                    absent.append(candidate)
+        return opened, sorted(set(absent)), {inc: generated_sha256(inc) for inc in self.generated()}
 
     def readable_name(self) -> str:
         parts = [self.op] + [f"{k}{v}" for k, v in self.args] + [self.target_name]
@@ -150,6 +180,11 @@ def _generated(inc: str) -> tuple[str, str]:
     """(sha256, text) of a GENERATED header, made once per process."""
     text = GENERATED[inc]()
     return hashlib.sha256(text.encode()).hexdigest(), text
+
+
+def generated_sha256(inc: str) -> str:
+    """The sha256 of the GENERATED header ``inc`` as this process makes it."""
+    return _generated(inc)[0]
 
 
 def write_generated(spec: JitSpec, root: Path) -> Path:
@@ -182,7 +217,7 @@ _SCANS: dict[str, tuple[tuple[int, int, int, int], tuple[str, tuple[str, ...]]]]
 # A file whose timestamps are this recent when read is read again next time: a rewrite within one
 # timestamp tick (up to 2 s on some file systems) can leave size and times unchanged (git's "racy
 # clean" rule). Installed sources are always older, so an engine reads each once per process.
-_RACY_NS = 3_000_000_000
+RACY_NS = 3_000_000_000
 
 
 def _scan(path: str) -> tuple[str, tuple[str, ...]]:
@@ -194,7 +229,7 @@ def _scan(path: str) -> tuple[str, tuple[str, ...]]:
         return memo[1]
     data = Path(path).read_bytes()
     scan = hashlib.sha256(data).hexdigest(), tuple(inc.decode() for inc in _INCLUDE.findall(data))
-    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > _RACY_NS:
+    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_NS:
         _SCANS[path] = (sig, scan)
     return scan
 

@@ -63,7 +63,7 @@ def test_key_reads_a_settled_source_once_and_sees_every_edit(tmp_path, monkeypat
     from jitkv.jit import spec as spec_module
 
     root = _tree(tmp_path)
-    monkeypatch.setattr(spec_module, "_RACY_NS", 0)  # every file counts as settled
+    monkeypatch.setattr(spec_module, "RACY_NS", 0)  # every file counts as settled
     monkeypatch.setattr(spec_module, "_SCANS", {})  # check.h may be memoized by earlier tests
     reads = []
     read_bytes = Path.read_bytes
