@@ -50,15 +50,15 @@ def key(spec: JitSpec) -> str:
     return fresh
 
 
-def _memo_path(spec: JitSpec) -> Path | None:
+def _memo_path(spec: JitSpec) -> str | None:
     layer = next((p for p in configured_layers() if layer_verdict(p) == "" and is_writable(p)), None)
     if layer is None:
         return None
-    fixed = repr([sorted(spec.fixed_components().items()), str(spec.root), sorted(map(str, spec.include_dirs()))])
-    return Path(layer) / KEYS / f"{spec.readable_name()}_{hashlib.sha256(fixed.encode()).hexdigest()[:16]}.json"
+    fixed = repr((sorted(spec.fixed_components().items()), str(spec.root), str(spec_module.CSRC)))
+    return os.path.join(layer, KEYS, f"{spec.readable_name()}_{hashlib.sha256(fixed.encode()).hexdigest()[:16]}.json")
 
 
-def _valid_key(path: Path) -> str | None:
+def _valid_key(path: str) -> str | None:
     """The memo's key if the memo is trusted and every recorded fact still holds, else None."""
     try:
         with open(path, "rb") as f:
@@ -78,7 +78,7 @@ def _valid_key(path: Path) -> str | None:
         return None
 
 
-def _remember(spec: JitSpec, key: str, path: Path) -> None:
+def _remember(spec: JitSpec, key: str, path: str) -> None:
     """Write the memo of ``key`` atomically, unless a file it depends on is younger than the racy
     window (or changed while the key was computed: its ctime is then recent too)."""
     opened, absent, generated = spec.lookups()
@@ -88,8 +88,8 @@ def _remember(spec: JitSpec, key: str, path: Path) -> None:
     if any(now - max(sig[1], sig[2]) <= spec_module.RACY_NS for _, sig in sigs + parents):
         return
     memo = {"key": key, "opened": sigs, "parents": parents, "generated": generated}
-    private_subdir(path.parent.parent, KEYS)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    keys = private_subdir(Path(path).parent.parent, KEYS)
+    tmp = keys / f".{os.path.basename(path)}.{uuid.uuid4().hex}"
     try:
         tmp.write_text(json.dumps(memo))
         os.replace(tmp, path)

@@ -64,7 +64,12 @@ class JitSpec(NamedTuple):
         return ["-O3", "-std=c++17", "--expt-relaxed-constexpr", *self.defines(), *self.cflags]
 
     def ldflags(self) -> list[str]:
-        return ["-Wl,--no-undefined"] + ([] if self.is_cuda else ["-fopenmp"])
+        """``--exclude-libs,ALL``: what a static archive brings (libstdc++ on toolchains that link it
+        statically by default) stays private to the module instead of being exported: every module
+        would otherwise export its own copy of the C++ runtime, which interposes between modules and
+        makes each dlopen resolve its symbols against the whole process (docs/performance.md,
+        ``ldflags``)."""
+        return ["-Wl,--no-undefined", "-Wl,--exclude-libs,ALL"] + ([] if self.is_cuda else ["-fopenmp"])
 
     def closure(self) -> list[tuple[str, Path]]:
         """Entry sources plus every quoted or <jitkv/...> include they reach on disk, as (key path,

@@ -411,3 +411,30 @@ def test_prebuild_cli_cpu(tmp_path):
     )
     clear = run_cli("cache", "clear", cache=tmp_path)
     assert clear.returncode == 0 and not any((tmp_path / d / "manifest.json").exists() for d in os.listdir(tmp_path))
+
+
+@pytest.mark.skipif(shutil.which("c++") is None or shutil.which("nm") is None, reason="needs c++ and nm")
+def test_a_statically_linked_cpp_runtime_stays_private_to_its_module(tmp_path, monkeypatch):
+    """Some toolchains link libstdc++ statically into every shared object (CXX wrapping g++ with
+    -static-libstdc++ here); the module keeps it private (-Wl,--exclude-libs,ALL) instead of exporting a
+    C++ runtime of its own, which would interpose between modules and slow every dlopen."""
+    if not any(Path(p).is_file() for p in _compiler_files("libstdc++.a")):
+        pytest.skip("no static libstdc++ for this compiler")
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(
+        '#!/bin/sh\nfor a in "$@"; do [ "$a" = -shared ] && exec c++ "$@" -static-libstdc++; done\nexec c++ "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    monkeypatch.setenv("JITKV_CACHE_DIR", str(tmp_path / "cache"))
+    (lib,) = ensure_built(_spec(_tree(tmp_path / "src"))).glob("*.so")
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True)
+    names = [line.split()[-1] for line in exported.stdout.splitlines()]
+    assert any("add" in n for n in names), names  # the module's own function is exported
+    # the runtime's own functions (templates the module instantiates are its own, and may be exported)
+    assert not [n for n in names if n.startswith(("__cxa_", "_ZSt9terminate", "_ZNSt8ios_base"))], "libstdc++ exported"
+
+
+def _compiler_files(name: str) -> list[str]:
+    out = subprocess.run(["c++", f"-print-file-name={name}"], capture_output=True, text=True)
+    return [out.stdout.strip()] if out.returncode == 0 else []
