@@ -65,7 +65,7 @@ def lookup_layers() -> Iterator[Path]:
     read-only layer creates nothing and warns nothing."""
     configured = tuple(configured_layers())
     for layer in configured:
-        verdict = layer_verdict(layer)
+        verdict = _verdict(layer)
         if verdict == "":
             yield Path(layer)
         elif verdict:
@@ -94,6 +94,12 @@ def is_writable(layer: Path | str) -> bool:
     return stat.S_ISDIR(mode) and _not_writable(layer, mode) is None
 
 
+def existing_write_layer() -> str | None:
+    """The first configured layer that exists, is trusted and writable, or None; unlike cache_dir()
+    it creates, warns and falls back to nothing (where the key memo lives, or None: no memo)."""
+    return next((p for p in configured_layers() if _verdict(p) == "" and is_writable(p)), None)
+
+
 def private_subdir(layer: Path, name: str) -> Path:
     """``layer/name`` created 0700 if absent (staging, locks, failed, logs, damaged)."""
     path = layer / name
@@ -102,7 +108,7 @@ def private_subdir(layer: Path, name: str) -> Path:
     return path
 
 
-def layer_verdict(path: str) -> str | None:
+def _verdict(path: str) -> str | None:
     """Why the existing layer root ``path`` is never loaded from ("" when it is trusted), or None when
     there is none. Absence is not memoized: the first build creates the write layer."""
     verdict = _VERDICTS.get(path)
@@ -123,7 +129,7 @@ def _write_choice(configured: tuple[str, ...]) -> _WriteChoice:
     for layer in configured:
         why = _unusable(layer)
         if why is None:
-            ignored = [(s, w) for s, w in skipped if layer_verdict(s)]
+            ignored = [(s, w) for s, w in skipped if _verdict(s)]
             if ignored:
                 warn(f"jitkv: {_listing(ignored)}; builds go to {layer}")
             return _WriteChoice(Path(layer), False, "")
@@ -155,7 +161,7 @@ def _unusable(layer: str) -> str | None:
         pass
     except OSError as e:
         return _not_created(layer, e)
-    verdict = layer_verdict(layer)
+    verdict = _verdict(layer)
     if verdict:
         return f"is ignored: {verdict}"
     try:

@@ -30,7 +30,7 @@ import uuid
 from pathlib import Path
 
 from . import spec as spec_module
-from .cache_dir import configured_layers, is_writable, layer_verdict, private_subdir, untrusted
+from .cache_dir import existing_write_layer, private_subdir, untrusted
 from .spec import JitSpec
 
 KEYS = "keys"
@@ -51,7 +51,7 @@ def key(spec: JitSpec) -> str:
 
 
 def _memo_path(spec: JitSpec) -> str | None:
-    layer = next((p for p in configured_layers() if layer_verdict(p) == "" and is_writable(p)), None)
+    layer = existing_write_layer()
     if layer is None:
         return None
     fixed = repr((sorted(spec.fixed_components().items()), str(spec.root), str(spec_module.CSRC)))

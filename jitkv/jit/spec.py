@@ -22,6 +22,13 @@ GENERATED = {"jitkv/codes.h": codes.header}
 _INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*[<"]([^>"\n]+)[>"]', re.M)
 
 
+class _Closure(NamedTuple):
+    files: dict[str, Path]  # key path -> real file, entry sources and every include found on disk
+    generated: set[str]  # GENERATED headers included, by include name
+    opened: list[str]  # each file by the path it was found at (before symlinks are resolved)
+    absent: set[str]  # include candidates tried before the one found (or every dir's, for none)
+
+
 class JitSpec(NamedTuple):
     """One buildable module.
 
@@ -74,31 +81,36 @@ class JitSpec(NamedTuple):
     def closure(self) -> list[tuple[str, Path]]:
         """Entry sources plus every quoted or <jitkv/...> include they reach on disk, as (key path,
         file); generated headers are ``generated()``."""
-        return sorted(self._closure()[0].items())
+        return sorted(self._closure().files.items())
 
     def generated(self) -> list[str]:
         """The GENERATED headers the sources include, by include name."""
-        return sorted(self._closure()[1])
+        return sorted(self._closure().generated)
 
-    def _closure(self) -> tuple[dict[str, Path], set[str]]:
-        seen: dict[str, Path] = {}
+    def _closure(self) -> _Closure:
+        files: dict[str, Path] = {}
         generated: set[str] = set()
+        opened: list[str] = []
+        absent: set[str] = set()
         dirs = tuple(str(d) for d in self.include_dirs())
-        todo = [_realpath(str(self.root / s)) for s in self.sources]
+        todo = [str(self.root / s) for s in self.sources]
         while todo:
-            path = todo.pop()
+            found = todo.pop()
+            path = _realpath(found)
             rel = self._key_path(path)
-            if rel in seen:
+            if rel in files:
                 continue
-            seen[rel] = Path(path)
+            files[rel] = Path(path)
+            opened.append(found)
             for inc in _scan(path)[1]:
                 if inc in GENERATED:
                     generated.add(inc)
                     continue
-                found = _find_include(inc, (os.path.dirname(path), *dirs))
-                if found is not None:
-                    todo.append(found)
-        return seen, generated
+                where, tried = _find_include(inc, (os.path.dirname(path), *dirs))
+                absent.update(tried)
+                if where is not None:
+                    todo.append(where)
+        return _Closure(files, generated, opened, absent)
 
     def _key_path(self, path: str) -> str:
         for base in (self.root, CSRC):
@@ -111,9 +123,9 @@ class JitSpec(NamedTuple):
         """What the artifact is made of and runs on. No compiler probe: a process without a compiler
         computes the same key and loads what another machine published (the compiler that built an
         artifact is recorded in its manifest instead)."""
-        on_disk, generated = self._closure()
-        files = {rel: _scan(str(p))[0] for rel, p in sorted(on_disk.items())}
-        files.update({f"generated:{inc}": _generated(inc)[0] for inc in sorted(generated)})
+        closure = self._closure()
+        files = {rel: _scan(str(p))[0] for rel, p in sorted(closure.files.items())}
+        files.update({f"generated:{inc}": _generated(inc)[0] for inc in sorted(closure.generated)})
         return {**self.fixed_components(), "files": files}
 
     def fixed_components(self) -> dict[str, object]:
@@ -143,30 +155,11 @@ class JitSpec(NamedTuple):
     def lookups(self) -> tuple[list[str], list[str], dict[str, str]]:
         """How the closure was found, for a key memo (key_memo.py): the paths opened (entry sources and
         each include where it was found, before symlinks are resolved), the include candidates that
-        were tried and absent, in search order, and the sha256 of each generated header. While the
+        were tried and absent (sorted), and the sha256 of each generated header. While the
         opened paths keep their contents and the absent ones stay absent, every include resolves to
         the same file."""
-        opened, absent = [], []
-        dirs = tuple(str(d) for d in self.include_dirs())
-        todo = [str(self.root / s) for s in self.sources]
-        seen: set[str] = set()
-        while todo:
-            path = todo.pop()
-            real = _realpath(path)
-            if real in seen:
-                continue
-            seen.add(real)
-            opened.append(path)
-            for inc in _scan(real)[1]:
-                if inc in GENERATED:
-                    continue
-                for d in (os.path.dirname(real), *dirs):
-                    candidate = os.path.join(d, inc)
-                    if os.path.isfile(candidate):
-                        todo.append(candidate)
-                        break
-                    absent.append(candidate)
-        return opened, sorted(set(absent)), {inc: generated_sha256(inc) for inc in self.generated()}
+        closure = self._closure()
+        return closure.opened, sorted(closure.absent), {inc: generated_sha256(inc) for inc in sorted(closure.generated)}
 
     def readable_name(self) -> str:
         parts = [self.op] + [f"{k}{v}" for k, v in self.args] + [self.target_name]
@@ -203,16 +196,18 @@ def write_generated(spec: JitSpec, root: Path) -> Path:
 
 
 @cache_once
-def _find_include(inc: str, dirs: tuple[str, ...]) -> str | None:
-    """The real path of ``inc`` in the first of ``dirs`` that has it, or None: a system or tvm-ffi
-    header, covered by the tvm-ffi version and the target. Memoized per process: which headers exist
-    does not change under a running engine, and the stats (a failed one per dir for each system
-    header) are most of a key's cost."""
+def _find_include(inc: str, dirs: tuple[str, ...]) -> tuple[str | None, tuple[str, ...]]:
+    """(the path of ``inc`` in the first of ``dirs`` that has it, or None: a system or tvm-ffi header,
+    covered by the tvm-ffi version and the target; the candidates tried before it, absent). Memoized
+    per process: which headers exist does not change under a running engine, and the stats (a failed
+    one per dir for each system header) are most of a key's cost."""
+    tried = []
     for d in dirs:
         p = os.path.join(d, inc)
-        if os.path.isfile(p):  # stat first: realpath walks every path component
-            return _realpath(p)
-    return None
+        if os.path.isfile(p):
+            return p, tuple(tried)
+        tried.append(p)
+    return None, tuple(tried)
 
 
 _realpath = cache_once(os.path.realpath)  # lstats every path component: once per path and process
