@@ -418,7 +418,7 @@ def test_a_statically_linked_cpp_runtime_stays_private_to_its_module(tmp_path, m
     """Some toolchains link libstdc++ statically into every shared object (CXX wrapping g++ with
     -static-libstdc++ here); the module keeps it private (-Wl,--exclude-libs,ALL) instead of exporting a
     C++ runtime of its own, which would interpose between modules and slow every dlopen."""
-    if not any(Path(p).is_file() for p in _compiler_files("libstdc++.a")):
+    if not _has_static_libstdcxx():
         pytest.skip("no static libstdc++ for this compiler")
     wrapper = tmp_path / "cxx"
     wrapper.write_text(
@@ -435,6 +435,8 @@ def test_a_statically_linked_cpp_runtime_stays_private_to_its_module(tmp_path, m
     assert not [n for n in names if n.startswith(("__cxa_", "_ZSt9terminate", "_ZNSt8ios_base"))], "libstdc++ exported"
 
 
-def _compiler_files(name: str) -> list[str]:
-    out = subprocess.run(["c++", f"-print-file-name={name}"], capture_output=True, text=True)
-    return [out.stdout.strip()] if out.returncode == 0 else []
+def _has_static_libstdcxx() -> bool:
+    """c++ finds libstdc++.a (it prints the bare name back when it does not)."""
+    out = subprocess.run(["c++", "-print-file-name=libstdc++.a"], capture_output=True, text=True)
+    path = out.stdout.strip()
+    return out.returncode == 0 and os.path.isabs(path) and os.path.isfile(path)
