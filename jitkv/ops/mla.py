@@ -195,6 +195,9 @@ class Variant(NamedTuple):
 
 
 _FP8_SRC = {torch.bfloat16: SrcDtype.BF16, torch.float16: SrcDtype.F16}
+# Enum members the variant reads on every CUDA call, as module globals: a member read through its
+# class costs 50-100 ns on Python 3.11 (a global 8 ns; docs/performance.md "variant reads").
+_COPY, _DS_MLA, _NO_SRC = KvFormat.COPY, KvFormat.DS_MLA, SrcDtype.NONE
 
 
 def variant(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scale, skip_slot) -> tuple:
@@ -204,11 +207,11 @@ def variant(kv_buffer, loc, cache_k_nope, cache_k_rope, kv_cache_dtype, scale, s
         return (
             cache_k_nope.shape[-1] * cache_k_nope.element_size(),
             cache_k_rope.shape[-1] * cache_k_rope.element_size(),
-            KvFormat.COPY,
-            SrcDtype.NONE,
+            _COPY,
+            _NO_SRC,
         )
     fmt, src = KV_FORMATS[kv_cache_dtype], _FP8_SRC[cache_k_nope.dtype]
-    if fmt == KvFormat.DS_MLA:
+    if fmt == _DS_MLA:
         return (2 * DsMla.NOPE, 2 * DsMla.ROPE, fmt, src)
     return (2 * cache_k_nope.shape[-1], 2 * cache_k_rope.shape[-1], fmt, src)
 

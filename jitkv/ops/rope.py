@@ -618,10 +618,16 @@ class Variant(NamedTuple):
     aligned: bool = True  # False: a call whose views the CUDA kernel refused (rope_store_cache_cuda.cu)
 
 
+# Enum members the variant reads on every CUDA call, as module globals: a member read through its
+# class costs 50-100 ns on Python 3.11 (a global 8 ns; docs/performance.md "variant reads").
+_NO_SRC, _Q_NONE, _Q_IN_PLACE, _Q_COPY = SrcDtype.NONE, RopeQ.NONE, RopeQ.IN_PLACE, RopeQ.COPY
+_Q_FP8 = {torch.float8_e4m3fn: RopeQ.E4M3, torch.float8_e5m2: RopeQ.E5M2}  # q_out dtype -> its RopeQ
+
+
 def _q_mode(q_out) -> RopeQ:
     if q_out is None:
-        return RopeQ.IN_PLACE
-    return {torch.float8_e4m3fn: RopeQ.E4M3, torch.float8_e5m2: RopeQ.E5M2}.get(q_out.dtype, RopeQ.COPY)
+        return _Q_IN_PLACE
+    return _Q_FP8.get(q_out.dtype, _Q_COPY)
 
 
 def variant(
@@ -662,7 +668,7 @@ def variant(
             k_norm_weight is not None,
             SRC_DTYPES[q.dtype],
             SRC_DTYPES[cos_sin_cache.dtype],
-            SrcDtype.NONE if weight is None else SRC_DTYPES[weight.dtype],
+            _NO_SRC if weight is None else SRC_DTYPES[weight.dtype],
             _q_mode(q_out),
             KV_FORMATS[kv_cache_dtype],
             True,
@@ -733,7 +739,7 @@ def variant_mla(
             is_neox,
             SRC_DTYPES[k_pe.dtype],
             SRC_DTYPES[cos_sin_cache.dtype],
-            RopeQ.NONE if q_pe is None else _q_mode(q_out),
+            _Q_NONE if q_pe is None else _q_mode(q_out),
             KV_FORMATS[kv_cache_dtype],
             True,
         )
@@ -864,7 +870,7 @@ def specs(target: str) -> list[JitSpec]:
 
 def _q_dest(q3, q_out):
     """(the tensor q is written to, its RopeQ code)."""
-    return (q3, int(RopeQ.IN_PLACE)) if q_out is None else (q_out, int(_q_mode(q_out)))
+    return (q3, int(_Q_IN_PLACE)) if q_out is None else (q_out, int(_q_mode(q_out)))
 
 
 def _as_heads(t, d):
@@ -986,7 +992,7 @@ def _jit_mla(device, variant):
         skip_slot,
     ):
         _flag(MLA_OP, "is_neox", is_neox)
-        q_mode = int(RopeQ.NONE) if q_pe is None else int(_q_mode(q_out))
+        q_mode = int(_Q_NONE) if q_pe is None else int(_q_mode(q_out))
         if q_out is not None and q_out.dim() == 2 and q_pe is not None and q_nope is not None:
             q_out = q_out.view(q_out.shape[0], q_pe.shape[1], -1)
         qs, qs_value = scale_args(MLA_OP, "q_scale", q_scale)

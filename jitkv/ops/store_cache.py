@@ -213,6 +213,9 @@ class Variant(NamedTuple):
 
 
 _COPY_FIELDS = (0, 0, SrcDtype.NONE, KvFormat.COPY, False)
+# Enum members the variant reads on every CUDA call, as module globals: a member read through its
+# class costs 50-100 ns on Python 3.11 (a global 8 ns; docs/performance.md "variant reads").
+_NO_SRC = SrcDtype.NONE
 
 
 def variant(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, loc_map, skip_slot) -> tuple:
@@ -228,7 +231,7 @@ def variant(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_sca
             kb, vb = ks[-1] * es, vs[-1] * es
         else:
             kb, vb = _head_bytes_any_layout(k, k_cache, v, v_cache)
-        src = SRC_DTYPES.get(k.dtype, SrcDtype.NONE) if kv else SrcDtype.NONE
+        src = SRC_DTYPES.get(k.dtype, _NO_SRC) if kv else _NO_SRC
     except (AttributeError, KeyError, TypeError, ZeroDivisionError):
         return _COPY_FIELDS
     if (kb | vb) % 16 == 0 and kb > 0 and vb > 0:
