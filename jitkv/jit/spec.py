@@ -125,7 +125,7 @@ class JitSpec(NamedTuple):
         artifact is recorded in its manifest instead)."""
         closure = self._closure()
         files = {rel: _scan(str(p))[0] for rel, p in sorted(closure.files.items())}
-        files.update({f"generated:{inc}": _generated(inc)[0] for inc in sorted(closure.generated)})
+        files.update({f"generated:{inc}": generated_sha256(inc) for inc in sorted(closure.generated)})
         return {**self.fixed_components(), "files": files}
 
     def fixed_components(self) -> dict[str, object]:
