@@ -6,9 +6,11 @@
 //  - rope_set_mla_kv_buffer_kernel: kv_c's lanes (the fp8_ds_mla tiles: 16 lanes each, the first 64
 //    threads), k_pe's piece, then per query head its q_nope pieces (q_out) and its q_pe piece.
 // Each thread: addresses, the PDL wait, its loads (index, position, source, norm weights, scale), the
-// trigger for the next kernel, the cos/sin loads (they wait for the position), then the arithmetic and
-// the stores. A position outside the
-// table is clamped into it; a slot < 0, == skip_slot, outside loc_map or mapped outside the cache is not
+// trigger for the next kernel, then the index and position widened and checked and the weights made
+// float32 (lanes.cuh LoadedIndex, NormWeights), the cos/sin loads, the arithmetic and the stores. Where
+// the trigger sits against the loads and their uses moves the n <= 8 latency by up to 0.2 µs either way;
+// this order measured fastest of four (docs/performance.md "rope trigger"). A position outside the table
+// is clamped into it; a slot < 0, == skip_slot, outside loc_map or mapped outside the cache is not
 // written (q, k_out, k_pe_out are written for every token).
 #pragma once
 
@@ -52,28 +54,29 @@ using NeoxTag = std::integral_constant<bool, kNeox>;
 template <SrcDtype kCs>
 using CsTag = std::integral_constant<SrcDtype, kCs>;
 
-// f(NeoxTag, CsTag) with the block's rotation (p.neox) and cos/sin dtype (p.cs_f32, else the sources'
-// kSrc): a NeoX build exists where its halves are whole lanes (the op sends no other call here).
-template <int kRot, SrcDtype kSrc, class Args, class F>
-__device__ __forceinline__ void with_rotation(const Args& p, F&& f) {
+// f(NeoxTag, CsTag) for the call's rotation (NeoX halves or GPT-J pairs) and cos/sin dtype (float32,
+// else the sources' kSrc), picked on the host: each is a kernel template argument, so that a kernel holds
+// only the path its threads run (one kernel branching to all four measured slower at n <= 64:
+// docs/performance.md "rope trigger"). A NeoX kernel exists where its halves are whole lanes (the binding
+// sends no other call to the kernel).
+template <int kRot, SrcDtype kSrc, class F>
+auto with_rotation(bool neox, bool cs_f32, F&& f) {
   constexpr bool kNeoxOk = LaneRotation<kRot, true, lane_values<kSrc>()>::kOk;
-  if (p.cs_f32 || kSrc == SrcDtype::kF32) {
+  if (cs_f32 || kSrc == SrcDtype::kF32) {
     if constexpr (kNeoxOk) {
-      if (p.neox) return f(NeoxTag<true>{}, CsTag<SrcDtype::kF32>{});
+      if (neox) return f(NeoxTag<true>{}, CsTag<SrcDtype::kF32>{});
     }
-    f(NeoxTag<false>{}, CsTag<SrcDtype::kF32>{});
-  } else {
-    if constexpr (kNeoxOk) {
-      if (p.neox) return f(NeoxTag<true>{}, CsTag<kSrc>{});
-    }
-    f(NeoxTag<false>{}, CsTag<kSrc>{});
+    return f(NeoxTag<false>{}, CsTag<SrcDtype::kF32>{});
   }
+  if constexpr (kNeoxOk) {
+    if (neox) return f(NeoxTag<true>{}, CsTag<kSrc>{});
+  }
+  return f(NeoxTag<false>{}, CsTag<kSrc>{});
 }
 
 // rope_store_cache's build: q/k head dim, v head dim, rotary dim, the sources' dtype, the queries'
-// destination and the caches' format. NeoX or GPT-J, the norms and the dtypes of the cos/sin table and
-// the norm weights are read from the block (one branch per thread, the same in every thread), so that
-// one build serves them all.
+// destination and the caches' format. The norms and the norm weights' dtype are read from the block (one
+// branch per thread, the same in every thread); NeoX or GPT-J and the cos/sin dtype pick the kernel.
 template <int kD_, int kDv_, int kRot_, SrcDtype kSrc_, RopeQ kQ_, KvFormat kFmt_>
 struct StoreShape {
   static constexpr int kD = kD_, kDv = kDv_, kRot = kRot_;
@@ -94,8 +97,8 @@ struct StoreShape {
   }
 };
 
-__device__ __forceinline__ int64_t kept_slot(const StoreArgs& p, int64_t t, int64_t num_slots) {
-  int64_t s = load_index(p.slots, p.slot_i64, t);
+// The cache slot of a loaded slot_mapping entry s, or -1 for none (a second load through loc_map).
+__device__ __forceinline__ int64_t kept_slot(const StoreArgs& p, int64_t s, int64_t num_slots) {
   if (s < 0 || s == p.skip_slot) return -1;
   if (p.loc_map != nullptr) {
     if (s >= p.loc_map_size) return -1;
@@ -121,21 +124,16 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
   const int64_t head = kIsK ? p.k_src_head : p.q_src_head;
   const char* src = (kIsK ? p.k_src + t * p.k_src_token : p.q_src + t * p.q_src_token) + h0 * head + j * 16;
   const char* norm = kIsK ? p.k_norm : p.q_norm;
-  const int64_t pos = clamp_position(load_index(p.positions, p.pos_i64, t), p.max_pos);
-  const int64_t slot = kIsK ? kept_slot(p, t, p.k_num_slots) : -1;
+  const LoadedIndex pos_in = load_index_later(p.positions, p.pos_i64, t);
+  LoadedIndex slot_in = {};
+  if (kIsK) slot_in = load_index_later(p.slots, p.slot_i64, t);
   cuda::Pack<16> v[kHpt] = {};
 #pragma unroll
   for (int u = 0; u < kHpt; ++u) {
     if (inside) v[u] = cuda::load_pack<16>(src + u * head);
   }
-  float w[kV];
-  if (norm != nullptr) {
-    if (p.norm_f32) {
-      load_weights<kV, SrcDtype::kF32>(norm, j, inside, w);
-    } else {
-      load_weights<kV, S::kSrc>(norm, j, inside, w);
-    }
-  }
+  NormWeights<kV, S::kSrc> w_in;
+  if (norm != nullptr) w_in.load(norm, p.norm_f32, j, inside);
   float scale[kHpt];
 #pragma unroll
   for (int u = 0; u < kHpt; ++u) {
@@ -145,7 +143,11 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
                       : load_scale(p.q_scale_ptr, 0, p.q_scale);
     }
   }
-  cuda::pdl_launch_dependents();  // before the cos/sin loads, which wait for the position
+  cuda::pdl_launch_dependents();  // before the loaded values are used (kernel comment)
+  const int64_t pos = clamp_position(pos_in.value(), p.max_pos);
+  const int64_t slot = kIsK ? kept_slot(p, slot_in.value(), p.k_num_slots) : -1;
+  float w[kV];
+  if (norm != nullptr) w_in.floats(p.norm_f32, w);
   float c[kCsN] = {}, s[kCsN] = {};
   load_cos_sin<S::kRot, kNeox, kV, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
   char* k_row = nullptr;
@@ -180,7 +182,7 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
 template <class S, int kHpt>
 __device__ __forceinline__ void store_v(const StoreArgs& p, int64_t t, int h0, int c) {
   const bool inside = c < S::kVLanes;
-  const int64_t slot = kept_slot(p, t, p.v_num_slots);
+  const LoadedIndex slot_in = load_index_later(p.slots, p.slot_i64, t);
   const char* src = p.v_src + t * p.v_src_token + h0 * p.v_src_head + c * 16;
   cuda::Pack<16> v[kHpt] = {};
   float scale[kHpt];
@@ -193,6 +195,7 @@ __device__ __forceinline__ void store_v(const StoreArgs& p, int64_t t, int h0, i
     }
   }
   cuda::pdl_launch_dependents();
+  const int64_t slot = kept_slot(p, slot_in.value(), p.v_num_slots);
   if (!inside || slot < 0) return;
   const int64_t blk = int64_t(cuda::block_of(slot, p.v_magic, p.v_shift));
   char* row = p.v_cache + slot * p.v_token + blk * p.v_block_adj + h0 * p.v_head;
@@ -204,8 +207,9 @@ __device__ __forceinline__ void store_v(const StoreArgs& p, int64_t t, int h0, i
 }
 
 // kHpt: heads per thread (1 for latency; more at large n, so that each thread has that many loads in
-// flight and reads the cos/sin row once for them; the binding picks it, kernel_hpt).
-template <class S, int kHpt>
+// flight and reads the cos/sin row once for them; the binding picks it, heads_per_thread). kNeox, kCs:
+// the rotation and the cos/sin table's dtype (with_rotation).
+template <class S, int kHpt, bool kNeox, SrcDtype kCs>
 __global__ void __launch_bounds__(kBlockThreads) rope_store_cache_kernel(const __grid_constant__ StoreArgs p) {
   cuda::warm_params(p, p.n);
   const int64_t t = blockIdx.x;
@@ -217,15 +221,11 @@ __global__ void __launch_bounds__(kBlockThreads) rope_store_cache_kernel(const _
   if (piece < k_end) {
     const bool is_k = piece >= q_pieces;
     const int h0 = (is_k ? piece - q_pieces : piece) * kHpt;
-    with_rotation<S::kRot, S::kSrc>(p, [&](auto neox, auto cs) {
-      constexpr bool kNeox = decltype(neox)::value;
-      constexpr SrcDtype kCs = decltype(cs)::value;
-      if (is_k) {
-        rope_heads<S, kHpt, true, kNeox, kCs>(p, t, h0, j);
-      } else {
-        rope_heads<S, kHpt, false, kNeox, kCs>(p, t, h0, j);
-      }
-    });
+    if (is_k) {
+      rope_heads<S, kHpt, true, kNeox, kCs>(p, t, h0, j);
+    } else {
+      rope_heads<S, kHpt, false, kNeox, kCs>(p, t, h0, j);
+    }
   } else {
     const int v = piece - k_end;
     store_v<S, kHpt>(p, t, v / S::kVPieces * kHpt, (v % S::kVPieces) * S::kG + j);
@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(kBlockThreads) rope_store_cache_kernel(const _
 }
 
 // rope_set_mla_kv_buffer's build: kv_c and k_pe widths (values), the source dtype, the queries'
-// destination and the row format; NeoX or GPT-J and the cos/sin dtype from the block.
+// destination and the row format; NeoX or GPT-J and the cos/sin dtype pick the kernel.
 template <int kNope_, int kRope_, SrcDtype kSrc_, RopeQ kQ_, KvFormat kFmt_>
 struct MlaShape {
   static constexpr int kNope = kNope_, kRope = kRope_;
@@ -262,8 +262,8 @@ struct MlaShape {
   }
 };
 
-__device__ __forceinline__ int64_t kept_slot(const MlaArgs& p, int64_t t) {
-  const int64_t s = load_index(p.loc, p.loc_i64, t);
+// The row of a loaded loc entry s, or -1 for none.
+__device__ __forceinline__ int64_t kept_slot(const MlaArgs& p, int64_t s) {
   return s < 0 || s == p.skip_slot || s >= p.num_slots ? -1 : s;
 }
 
@@ -272,7 +272,7 @@ __device__ __forceinline__ int64_t kept_slot(const MlaArgs& p, int64_t t) {
 template <class S>
 __device__ __forceinline__ void store_kv_c(const MlaArgs& p, int64_t t, int c) {
   const bool inside = c < S::kNopeLanes;
-  const int64_t slot = kept_slot(p, t);
+  const LoadedIndex slot_in = load_index_later(p.loc, p.loc_i64, t);
   cuda::Pack<16> v = {};
   if (inside) v = cuda::load_pack<16>(p.kv_c + t * p.kv_c_stride + c * 16);
   float scale = 1.0f;
@@ -280,6 +280,7 @@ __device__ __forceinline__ void store_kv_c(const MlaArgs& p, int64_t t, int c) {
     scale = load_scale(p.scale_ptr, 0, p.scale);
   }
   cuda::pdl_launch_dependents();
+  const int64_t slot = kept_slot(p, slot_in.value());
   if constexpr (S::kDs) {
     uint32_t amax = cuda::vec_amax_no_nan<S::kSrc>(make_uint4(v.w[0], v.w[1], v.w[2], v.w[3]));
 #pragma unroll
@@ -303,8 +304,8 @@ __device__ __forceinline__ void rope_k_pe(const MlaArgs& p, int64_t t, int j) {
   constexpr int kCsN = LaneRotation<S::kRope, kNeox, kV>::kCs;
   const unsigned mask = group_mask<S::kG>();
   const bool inside = j < S::kRopeLanes;
-  const int64_t pos = clamp_position(load_index(p.positions, p.pos_i64, t), p.max_pos);
-  const int64_t slot = kept_slot(p, t);
+  const LoadedIndex pos_in = load_index_later(p.positions, p.pos_i64, t);
+  const LoadedIndex slot_in = load_index_later(p.loc, p.loc_i64, t);
   cuda::Pack<16> v = {};
   if (inside) v = cuda::load_pack<16>(p.k_pe + t * p.k_pe_stride + j * 16);
   float scale = 1.0f;
@@ -312,6 +313,8 @@ __device__ __forceinline__ void rope_k_pe(const MlaArgs& p, int64_t t, int j) {
     scale = load_scale(p.scale_ptr, 0, p.scale);
   }
   cuda::pdl_launch_dependents();
+  const int64_t pos = clamp_position(pos_in.value(), p.max_pos);
+  const int64_t slot = kept_slot(p, slot_in.value());
   float c[kCsN] = {}, s[kCsN] = {};
   load_cos_sin<S::kRope, kNeox, kV, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
   float y[kV];
@@ -362,7 +365,7 @@ __device__ __forceinline__ void rope_q_pe(const MlaArgs& p, int64_t t, int h0, i
   constexpr int kLane = dst_lane_bytes<S::kSrc, kOut>();
   const unsigned mask = group_mask<S::kG>();
   const bool inside = j < S::kRopeLanes;
-  const int64_t pos = clamp_position(load_index(p.positions, p.pos_i64, t), p.max_pos);
+  const LoadedIndex pos_in = load_index_later(p.positions, p.pos_i64, t);
   const char* src = p.q_pe + t * p.q_pe_token + h0 * p.q_pe_head + j * 16;
   cuda::Pack<16> v[kHpt] = {};
 #pragma unroll
@@ -372,6 +375,7 @@ __device__ __forceinline__ void rope_q_pe(const MlaArgs& p, int64_t t, int h0, i
   float scale = 1.0f;
   if constexpr (kOut != KvFormat::kCopy) scale = load_scale(p.q_scale_ptr, 0, p.q_scale);
   cuda::pdl_launch_dependents();
+  const int64_t pos = clamp_position(pos_in.value(), p.max_pos);
   float c[kCsN] = {}, s[kCsN] = {};
   load_cos_sin<S::kRope, kNeox, kV, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
   const cuda::Divider div(scale);
@@ -385,8 +389,8 @@ __device__ __forceinline__ void rope_q_pe(const MlaArgs& p, int64_t t, int h0, i
   }
 }
 
-// kHpt: query heads per thread (as rope_store_cache_kernel's).
-template <class S, int kHpt>
+// kHpt, kNeox, kCs: as rope_store_cache_kernel's.
+template <class S, int kHpt, bool kNeox, SrcDtype kCs>
 __global__ void __launch_bounds__(kBlockThreads) rope_set_mla_kv_buffer_kernel(const __grid_constant__ MlaArgs p) {
   cuda::warm_params(p, p.n);
   const int64_t t = blockIdx.x;
@@ -398,15 +402,13 @@ __global__ void __launch_bounds__(kBlockThreads) rope_set_mla_kv_buffer_kernel(c
   if (piece < S::kNopePieces) {
     store_kv_c<S>(p, t, r);
   } else if (piece == S::kNopePieces) {
-    with_rotation<S::kRope, S::kSrc>(
-        p, [&](auto neox, auto cs) { rope_k_pe<S, decltype(neox)::value, decltype(cs)::value>(p, t, j); });
+    rope_k_pe<S, kNeox, kCs>(p, t, j);
   } else if constexpr (S::kWithQ) {
     const int q = piece - S::kKvPieces, h0 = q / per_group * kHpt, part = q % per_group;
     if (part + 1 < per_group) {
       store_q_nope<S, kHpt>(p, t, h0, part * S::kG + j);
     } else {
-      with_rotation<S::kRope, S::kSrc>(
-          p, [&](auto neox, auto cs) { rope_q_pe<S, kHpt, decltype(neox)::value, decltype(cs)::value>(p, t, h0, j); });
+      rope_q_pe<S, kHpt, kNeox, kCs>(p, t, h0, j);
     }
   }
 }

@@ -93,13 +93,30 @@ __device__ __forceinline__ float sum_squares(const float (&x)[kV], unsigned mask
   return g;
 }
 
-// A lane's kV norm weights (dtype kW) as float32; lanes outside the head read nothing and get zeros.
-template <int kV, SrcDtype kW>
-__device__ __forceinline__ void load_weights(const char* weight, int j, bool inside, float (&w)[kV]) {
+// A lane's kV norm weights, float32 or of the sources' dtype kSrc: loaded by load() before the PDL
+// trigger, made float32 by floats() after it (as LoadedIndex); lanes outside the head read nothing and
+// get zeros.
+template <int kV, SrcDtype kSrc>
+struct NormWeights {
+  cuda::Pack<kV * 4> f32 = {};
+  cuda::Pack<kV * elem_bytes_of<kSrc>()> src = {};
+
+  __device__ __forceinline__ void load(const char* weight, bool weight_f32, int j, bool inside) {
+    if (!inside) return;
+    if (weight_f32) {
+      f32 = cuda::load_pack<kV * 4>(weight + j * kV * 4);
+    } else {
+      src = cuda::load_pack<kV * elem_bytes_of<kSrc>()>(weight + j * kV * elem_bytes_of<kSrc>());
+    }
+  }
+
+  __device__ __forceinline__ void floats(bool weight_f32, float (&w)[kV]) const {
 #pragma unroll
-  for (int i = 0; i < kV; ++i) w[i] = 0.0f;
-  if (inside) load_floats<kW, kV>(weight + j * kV * elem_bytes_of<kW>(), w);
-}
+    for (int i = 0; i < kV; ++i) {
+      w[i] = weight_f32 ? cuda::SrcTraits<SrcDtype::kF32>::at(f32.w, i) : cuda::SrcTraits<kSrc>::at(src.w, i);
+    }
+  }
+};
 
 // x = (x * r) * w, r = 1 / sqrt(sum / D + eps): Qwen3's per-head RMSNorm in the fixed order.
 template <int kD, int kV, int G>
@@ -251,6 +268,25 @@ __device__ __forceinline__ int64_t clamp_position(int64_t p, int64_t max_pos) {
 
 __device__ __forceinline__ int64_t load_index(const void* p, bool i64, int64_t i) {
   return i64 ? cuda::load(static_cast<const int64_t*>(p) + i) : int64_t{cuda::load(static_cast<const int32_t*>(p) + i)};
+}
+
+// An int32 or int64 index loaded and not yet used: value() (the int32 one widened) comes after the PDL
+// trigger (kernels.cuh: the order of the loads, the trigger and their uses).
+struct LoadedIndex {
+  int64_t wide;
+  int32_t narrow;
+  bool i64;
+  __device__ __forceinline__ int64_t value() const { return i64 ? wide : int64_t{narrow}; }
+};
+
+__device__ __forceinline__ LoadedIndex load_index_later(const void* p, bool i64, int64_t i) {
+  LoadedIndex r{0, 0, i64};
+  if (i64) {
+    r.wide = cuda::load(static_cast<const int64_t*>(p) + i);
+  } else {
+    r.narrow = cuda::load(static_cast<const int32_t*>(p) + i);
+  }
+  return r;
 }
 
 }  // namespace jitkv::rope

@@ -58,7 +58,7 @@ struct StoreArgs {
   int32_t k_scale_stride, v_scale_stride;  // elements from one head's scale to the next (0: one scale)
   int32_t q_heads, kv_heads;
   int32_t slot_i64, loc_i64, pos_i64;
-  int32_t neox, cs_f32, norm_f32;  // NeoX halves (else GPT-J pairs); float32 cos/sin table, norm weights
+  int32_t norm_f32;  // float32 norm weights (else the sources' dtype)
 };
 
 // rope_set_mla_kv_buffer's CUDA block.
@@ -75,7 +75,6 @@ struct MlaArgs {
   float scale, q_scale;
   int32_t q_heads, nope_q_lanes;  // q_out: lanes of kV values in a head's q_nope (0 in place)
   int32_t loc_i64, pos_i64;
-  int32_t neox, cs_f32;
 };
 
 }  // namespace jitkv::rope

@@ -5,8 +5,8 @@
 //
 // Template arguments (JitSpec args; ops/rope.py cuda_mla_spec): JITKV_NOPE, JITKV_ROPE (values per row of
 // kv_c and k_pe), JITKV_SRC_DTYPE (codes::SrcDtype), JITKV_Q_MODE (codes::RopeQ), JITKV_KV_DTYPE
-// (codes::KvFormat), JITKV_PDL; NeoX or GPT-J and the cos/sin dtype are the block's. Which variants
-// build is decided in Python before building (ops/rope.py cuda_mla_refusal).
+// (codes::KvFormat), JITKV_PDL. One module serves NeoX and GPT-J and both cos/sin dtypes (a kernel each,
+// kernel_of). Which variants build is decided in Python before building (ops/rope.py cuda_mla_refusal).
 //
 // Returns codes::Status: kNeedsAnyAlignment, before launching, for views the kernel's 16-byte lanes
 // cannot address, or a q_nope width that is no whole number of lanes; the op then runs Triton.
@@ -97,9 +97,17 @@ MlaArgs kernel_args(const MlaParams& p) {
   a.q_heads = static_cast<int32_t>(p.q.heads);
   a.nope_q_lanes = static_cast<int32_t>(p.nope_q / Shape::kV);
   a.loc_i64 = p.kv.loc_i64, a.pos_i64 = p.rot.pos_i64;
-  a.neox = p.rot.neox;
-  a.cs_f32 = p.rot.cs_dtype == SrcDtype::kF32;
   return a;
+}
+
+// The kernel of the call's rotation, cos/sin dtype and heads per thread.
+auto kernel_of(const Rotation& rot, int hpt) {
+  return with_rotation<Shape::kRope, Shape::kSrc>(rot.neox, rot.cs_dtype == SrcDtype::kF32, [&](auto neox, auto cs) {
+    constexpr bool kNeox = decltype(neox)::value;
+    constexpr SrcDtype kCs = decltype(cs)::value;
+    return hpt == kBulkHpt ? rope_set_mla_kv_buffer_kernel<Shape, kBulkHpt, kNeox, kCs>
+                           : rope_set_mla_kv_buffer_kernel<Shape, 1, kNeox, kCs>;
+  });
 }
 
 int64_t status(Status s) { return static_cast<int64_t>(s); }
@@ -128,9 +136,8 @@ int64_t rope_set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView 
   const dim3 grid(static_cast<unsigned>(p.kv.n), static_cast<unsigned>((threads + block - 1) / block));
   jitkv::cuda::DeviceGuard guard(device);
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
-  jitkv::cuda::check_launch(kOp, jitkv::cuda::launch(hpt == kBulkHpt ? rope_set_mla_kv_buffer_kernel<Shape, kBulkHpt>
-                                                                     : rope_set_mla_kv_buffer_kernel<Shape, 1>,
-                                                     grid, dim3(block), stream, kPdl && info.pdl(), kernel_args(p)));
+  jitkv::cuda::check_launch(
+      kOp, jitkv::cuda::launch(kernel_of(p.rot, hpt), grid, dim3(block), stream, kPdl && info.pdl(), kernel_args(p)));
   return status(Status::kDone);
 }
 

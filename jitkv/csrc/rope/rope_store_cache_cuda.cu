@@ -4,9 +4,10 @@
 //
 // Template arguments (JitSpec args; ops/rope.py cuda_spec): JITKV_HEAD_DIM, JITKV_V_HEAD_DIM,
 // JITKV_ROTARY_DIM, JITKV_SRC_DTYPE (codes::SrcDtype), JITKV_Q_MODE (codes::RopeQ), JITKV_KV_DTYPE
-// (codes::KvFormat: copy, e4m3 or e5m2), JITKV_PDL; NeoX or GPT-J, the norms and the cos/sin and weight
-// dtypes are the block's (one module serves them). Which variants build is decided in Python before
-// building (ops/rope.py cuda_refusal: heads of at most 32 lanes of 16 bytes, NeoX halves of whole lanes).
+// (codes::KvFormat: copy, e4m3 or e5m2), JITKV_PDL. One module serves NeoX and GPT-J and both cos/sin
+// dtypes (a kernel each, kernel_of), the norms and both weight dtypes (the block's). Which variants
+// build is decided in Python before building (ops/rope.py cuda_refusal: heads of at most 32 lanes of 16
+// bytes, NeoX halves of whole lanes).
 //
 // Returns codes::Status: kNeedsAnyAlignment, before launching, for views the kernel's 16-byte lanes
 // cannot address (a base address or stride that is not a multiple of a lane's bytes) or a paged cache
@@ -118,10 +119,18 @@ StoreArgs kernel_args(const StoreParams& p) {
   a.k_scale_stride = k.scale_stride, a.v_scale_stride = v.scale_stride;
   a.q_heads = static_cast<int32_t>(p.q.heads), a.kv_heads = static_cast<int32_t>(p.kv.num_heads);
   a.slot_i64 = p.kv.slot_i64, a.loc_i64 = p.kv.loc_i64, a.pos_i64 = p.rot.pos_i64;
-  a.neox = p.rot.neox;
-  a.cs_f32 = p.rot.cs_dtype == SrcDtype::kF32;
   a.norm_f32 = p.norm_dtype == SrcDtype::kF32;
   return a;
+}
+
+// The kernel of the call's rotation, cos/sin dtype and heads per thread.
+auto kernel_of(const Rotation& rot, int hpt) {
+  return with_rotation<Shape::kRot, Shape::kSrc>(rot.neox, rot.cs_dtype == SrcDtype::kF32, [&](auto neox, auto cs) {
+    constexpr bool kNeox = decltype(neox)::value;
+    constexpr SrcDtype kCs = decltype(cs)::value;
+    return hpt == kBulkHpt ? rope_store_cache_kernel<Shape, kBulkHpt, kNeox, kCs>
+                           : rope_store_cache_kernel<Shape, 1, kNeox, kCs>;
+  });
 }
 
 int64_t status(Status s) { return static_cast<int64_t>(s); }
@@ -153,9 +162,8 @@ int64_t rope_store_cache(TensorView q, TensorView k, TensorView v, TensorView k_
   const dim3 grid(static_cast<unsigned>(p.kv.n), static_cast<unsigned>((threads + block - 1) / block));
   jitkv::cuda::DeviceGuard guard(device);
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
-  jitkv::cuda::check_launch(kOp, jitkv::cuda::launch(hpt == kBulkHpt ? rope_store_cache_kernel<Shape, kBulkHpt>
-                                                                     : rope_store_cache_kernel<Shape, 1>,
-                                                     grid, dim3(block), stream, kPdl && info.pdl(), kernel_args(p)));
+  jitkv::cuda::check_launch(
+      kOp, jitkv::cuda::launch(kernel_of(p.rot, hpt), grid, dim3(block), stream, kPdl && info.pdl(), kernel_args(p)));
   return status(Status::kDone);
 }
 
