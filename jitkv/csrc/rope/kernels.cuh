@@ -53,25 +53,30 @@ template <bool kNeox>
 using NeoxTag = std::integral_constant<bool, kNeox>;
 template <SrcDtype kCs>
 using CsTag = std::integral_constant<SrcDtype, kCs>;
+template <int kHpt>
+using HptTag = std::integral_constant<int, kHpt>;
 
-// f(NeoxTag, CsTag) for the call's rotation (NeoX halves or GPT-J pairs) and cos/sin dtype (float32,
-// else the sources' kSrc), picked on the host: each is a kernel template argument, so that a kernel holds
-// only the path its threads run (one kernel branching to all four measured slower at n <= 64:
-// docs/performance.md "rope trigger"). A NeoX kernel exists where its halves are whole lanes (the binding
-// sends no other call to the kernel).
+// f(NeoxTag, CsTag, HptTag) for the call's rotation (NeoX halves or GPT-J pairs), cos/sin dtype (float32,
+// else the sources' kSrc) and heads per thread (1 or kBulkHpt), picked on the host: each is a kernel
+// template argument, so that a kernel holds only the path its threads run (one kernel branching to all
+// four rotations measured slower at n <= 64: docs/performance.md "rope trigger"). A NeoX kernel exists
+// where its halves are whole lanes (the binding sends no other call to the kernel).
 template <int kRot, SrcDtype kSrc, class F>
-auto with_rotation(bool neox, bool cs_f32, F&& f) {
+auto with_rotation(const Rotation& rot, int hpt, F&& f) {
+  const auto with_hpt = [&](auto neox, auto cs) {
+    return hpt == kBulkHpt ? f(neox, cs, HptTag<kBulkHpt>{}) : f(neox, cs, HptTag<1>{});
+  };
   constexpr bool kNeoxOk = LaneRotation<kRot, true, lane_values<kSrc>()>::kOk;
-  if (cs_f32 || kSrc == SrcDtype::kF32) {
+  if (rot.cs_dtype == SrcDtype::kF32 || kSrc == SrcDtype::kF32) {
     if constexpr (kNeoxOk) {
-      if (neox) return f(NeoxTag<true>{}, CsTag<SrcDtype::kF32>{});
+      if (rot.neox) return with_hpt(NeoxTag<true>{}, CsTag<SrcDtype::kF32>{});
     }
-    return f(NeoxTag<false>{}, CsTag<SrcDtype::kF32>{});
+    return with_hpt(NeoxTag<false>{}, CsTag<SrcDtype::kF32>{});
   }
   if constexpr (kNeoxOk) {
-    if (neox) return f(NeoxTag<true>{}, CsTag<kSrc>{});
+    if (rot.neox) return with_hpt(NeoxTag<true>{}, CsTag<kSrc>{});
   }
-  return f(NeoxTag<false>{}, CsTag<kSrc>{});
+  return with_hpt(NeoxTag<false>{}, CsTag<kSrc>{});
 }
 
 // rope_store_cache's build: q/k head dim, v head dim, rotary dim, the sources' dtype, the queries'

@@ -102,11 +102,8 @@ MlaArgs kernel_args(const MlaParams& p) {
 
 // The kernel of the call's rotation, cos/sin dtype and heads per thread.
 auto kernel_of(const Rotation& rot, int hpt) {
-  return with_rotation<Shape::kRope, Shape::kSrc>(rot.neox, rot.cs_dtype == SrcDtype::kF32, [&](auto neox, auto cs) {
-    constexpr bool kNeox = decltype(neox)::value;
-    constexpr SrcDtype kCs = decltype(cs)::value;
-    return hpt == kBulkHpt ? rope_set_mla_kv_buffer_kernel<Shape, kBulkHpt, kNeox, kCs>
-                           : rope_set_mla_kv_buffer_kernel<Shape, 1, kNeox, kCs>;
+  return with_rotation<Shape::kRope, Shape::kSrc>(rot, hpt, [](auto neox, auto cs, auto h) {
+    return rope_set_mla_kv_buffer_kernel<Shape, decltype(h)::value, decltype(neox)::value, decltype(cs)::value>;
   });
 }
 

@@ -125,11 +125,8 @@ StoreArgs kernel_args(const StoreParams& p) {
 
 // The kernel of the call's rotation, cos/sin dtype and heads per thread.
 auto kernel_of(const Rotation& rot, int hpt) {
-  return with_rotation<Shape::kRot, Shape::kSrc>(rot.neox, rot.cs_dtype == SrcDtype::kF32, [&](auto neox, auto cs) {
-    constexpr bool kNeox = decltype(neox)::value;
-    constexpr SrcDtype kCs = decltype(cs)::value;
-    return hpt == kBulkHpt ? rope_store_cache_kernel<Shape, kBulkHpt, kNeox, kCs>
-                           : rope_store_cache_kernel<Shape, 1, kNeox, kCs>;
+  return with_rotation<Shape::kRot, Shape::kSrc>(rot, hpt, [](auto neox, auto cs, auto h) {
+    return rope_store_cache_kernel<Shape, decltype(h)::value, decltype(neox)::value, decltype(cs)::value>;
   });
 }
 
