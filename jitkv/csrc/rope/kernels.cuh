@@ -2,9 +2,10 @@
 // of G (lanes.cuh). A token's threads are pieces of G lanes, warp-aligned from the token's first thread
 // (grid.x: tokens, grid.y: blocks of the token's threads):
 //  - rope_store_cache_kernel: q heads, then k heads, then v heads (a v head in as many pieces as its
-//    Dv / kV lanes take);
+//    Dv / kV lanes take), each kind from a warp's start (StoreShape::Pieces);
 //  - rope_set_mla_kv_buffer_kernel: kv_c's lanes (the fp8_ds_mla tiles: 16 lanes each, the first 64
-//    threads), k_pe's piece, then per query head its q_nope pieces (q_out) and its q_pe piece.
+//    threads), k_pe's piece, then the query heads' q_nope pieces (q_out), then their q_pe pieces, each
+//    kind from a warp's start (MlaShape::Pieces).
 // Each thread: addresses, the PDL wait, its loads (index, position, source, norm weights, scale), the
 // trigger for the next kernel, then the index and position widened and checked and the weights made
 // float32 (lanes.cuh LoadedIndex, NormWeights), the cos/sin loads, the arithmetic and the stores. Where
@@ -96,9 +97,30 @@ struct StoreShape {
   static_assert(kD % kV == 0 && kDv % kV == 0 && kG <= 32, "heads of whole lanes, at most a warp");
   static_assert(LaneRotation<kRot, false, kV>::kOk, "rotated dims in whole lanes");
 
-  // Threads of one token (whole warps), hpt heads per thread (dividing both head counts).
+  // Where a token's pieces lie, hpt heads per thread (dividing both head counts): the q heads' from 0,
+  // the k heads' from the first whole warp after them, the v heads' from the first whole warp after
+  // those, so that no warp holds two paths (a warp runs them one after the other).
+  template <class T>
+  struct Pieces {
+    T q_end, k_begin, k_end, v_begin, end;
+    __host__ __device__ Pieces(T q_heads, T kv_heads, int hpt)
+        : q_end(q_heads / hpt),
+          k_begin(warp_up(q_end)),
+          k_end(k_begin + kv_heads / hpt),
+          v_begin(warp_up(k_end)),
+          end(v_begin + kv_heads / hpt * kVPieces) {}
+  };
+
+  // The first piece at or after `pieces` that starts a warp.
+  template <class T>
+  __host__ __device__ static T warp_up(T pieces) {
+    constexpr int kPerWarp = 32 / kG;
+    return (pieces + kPerWarp - 1) / kPerWarp * kPerWarp;
+  }
+
+  // Threads of one token (whole warps).
   static int64_t token_threads(int64_t q_heads, int64_t kv_heads, int hpt) {
-    return ((q_heads + kv_heads * (1 + kVPieces)) / hpt * kG + 31) / 32 * 32;
+    return (Pieces<int64_t>(q_heads, kv_heads, hpt).end * kG + 31) / 32 * 32;
   }
 };
 
@@ -220,19 +242,20 @@ __global__ void __launch_bounds__(kBlockThreads) rope_store_cache_kernel(const _
   const int64_t t = blockIdx.x;
   const int r = int(blockIdx.y * blockDim.x + threadIdx.x);
   const int piece = r / S::kG, j = r % S::kG;
-  const int q_pieces = p.q_heads / kHpt, kv_pieces = p.kv_heads / kHpt, k_end = q_pieces + kv_pieces;
-  if (piece >= k_end + kv_pieces * S::kVPieces) return;  // the token's last warp: whole groups leave
+  const typename S::template Pieces<int> at(p.q_heads, p.kv_heads, kHpt);
+  const bool is_q = piece < at.q_end, is_k = piece >= at.k_begin && piece < at.k_end;
+  const bool is_v = piece >= at.v_begin && piece < at.end;
+  if (!is_q && !is_k && !is_v) return;  // the gaps before a warp and the token's last warp: whole groups
   cuda::pdl_wait();
-  if (piece < k_end) {
-    const bool is_k = piece >= q_pieces;
-    const int h0 = (is_k ? piece - q_pieces : piece) * kHpt;
+  if (!is_v) {
+    const int h0 = (is_k ? piece - at.k_begin : piece) * kHpt;
     if (is_k) {
       rope_heads<S, kHpt, true, kNeox, kCs>(p, t, h0, j);
     } else {
       rope_heads<S, kHpt, false, kNeox, kCs>(p, t, h0, j);
     }
   } else {
-    const int v = piece - k_end;
+    const int v = piece - at.v_begin;
     store_v<S, kHpt>(p, t, v / S::kVPieces * kHpt, (v % S::kVPieces) * S::kG + j);
   }
 }
@@ -258,12 +281,30 @@ struct MlaShape {
   static_assert(!kDs || (kNope == DsMla::kNope && kRope == DsMla::kRope && kV == 8 && kNopePieces * kG == 64),
                 "fp8_ds_mla: 512 + 64 16-bit values, the tiles in the token's first two warps");
 
-  // Pieces of one group of query heads: its q_nope's (q_out) and its q_pe's.
-  __host__ __device__ static int q_pieces(int nope_q_lanes) { return (nope_q_lanes + kG - 1) / kG + 1; }
+  // Where a token's pieces lie, hpt query heads per thread (dividing the head count): kv_c's from 0,
+  // k_pe's after them, then from the first whole warp after it every group's q_nope pieces (q_out: its
+  // nope_q_lanes in pieces of kG), then from the first whole warp after those every group's q_pe piece,
+  // so that no warp holds two paths (a warp runs them one after the other).
+  template <class T>
+  struct Pieces {
+    T nope_per_group, q_nope_begin, q_pe_begin, end;
+    __host__ __device__ Pieces(T q_heads, int nope_q_lanes, int hpt)
+        : nope_per_group((nope_q_lanes + kG - 1) / kG),
+          q_nope_begin(warp_up(T{kKvPieces})),
+          q_pe_begin(warp_up(q_nope_begin + q_heads / hpt * nope_per_group)),
+          end(kWithQ ? q_pe_begin + q_heads / hpt : T{kKvPieces}) {}
+  };
 
-  // Threads of one token (whole warps), hpt query heads per thread (dividing the head count).
+  // The first piece at or after `pieces` that starts a warp.
+  template <class T>
+  __host__ __device__ static T warp_up(T pieces) {
+    constexpr int kPerWarp = 32 / kG;
+    return (pieces + kPerWarp - 1) / kPerWarp * kPerWarp;
+  }
+
+  // Threads of one token (whole warps).
   static int64_t token_threads(int64_t q_heads, int nope_q_lanes, int hpt) {
-    return ((kKvPieces + (kWithQ ? q_heads / hpt * q_pieces(nope_q_lanes) : 0)) * kG + 31) / 32 * 32;
+    return (Pieces<int64_t>(q_heads, nope_q_lanes, hpt).end * kG + 31) / 32 * 32;
   }
 };
 
@@ -401,19 +442,21 @@ __global__ void __launch_bounds__(kBlockThreads) rope_set_mla_kv_buffer_kernel(c
   const int64_t t = blockIdx.x;
   const int r = int(blockIdx.y * blockDim.x + threadIdx.x);
   const int piece = r / S::kG, j = r % S::kG;
-  const int per_group = S::q_pieces(p.nope_q_lanes);
-  if (piece >= S::kKvPieces + (S::kWithQ ? p.q_heads / kHpt * per_group : 0)) return;  // whole groups leave
+  const typename S::template Pieces<int> at(p.q_heads, p.nope_q_lanes, kHpt);
+  const bool gap = (piece >= S::kKvPieces && piece < at.q_nope_begin) || piece >= at.end ||
+                   (piece >= at.q_nope_begin + p.q_heads / kHpt * at.nope_per_group && piece < at.q_pe_begin);
+  if (gap) return;  // the gaps before a warp and the token's last warp: whole groups
   cuda::pdl_wait();
   if (piece < S::kNopePieces) {
     store_kv_c<S>(p, t, r);
   } else if (piece == S::kNopePieces) {
     rope_k_pe<S, kNeox, kCs>(p, t, j);
   } else if constexpr (S::kWithQ) {
-    const int q = piece - S::kKvPieces, h0 = q / per_group * kHpt, part = q % per_group;
-    if (part + 1 < per_group) {
-      store_q_nope<S, kHpt>(p, t, h0, part * S::kG + j);
+    if (piece < at.q_pe_begin) {
+      const int q = piece - at.q_nope_begin;
+      store_q_nope<S, kHpt>(p, t, q / at.nope_per_group * kHpt, q % at.nope_per_group * S::kG + j);
     } else {
-      rope_q_pe<S, kHpt, kNeox, kCs>(p, t, h0, j);
+      rope_q_pe<S, kHpt, kNeox, kCs>(p, t, (piece - at.q_pe_begin) * kHpt, j);
     }
   }
 }

@@ -157,9 +157,9 @@ def test_dtypes_and_head_dims(device, backend, src, kv, d, rot):
 @pytest.mark.parametrize("hq,hk", [(1, 1), (3, 1), (5, 3), (8, 4)])
 @pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (64, 128), (256, 256)])
 def test_head_counts(device, backend, hq, hk, d, dv):
-    """Head counts whose q, k and v lanes share warps in the CUDA kernel (a warp then runs two paths, each
-    over its own group masks), a V head dim above K's; with 8 and 4 heads also enough tokens for the CUDA
-    kernel's build of 4 heads per thread."""
+    """Head counts whose q, k and v lanes would share warps (the CUDA kernel starts each kind of head at a
+    warp, leaving gaps of idle lanes), a V head dim above K's; with 8 and 4 heads also enough tokens for the
+    CUDA kernel's build of 4 heads per thread."""
     for n in (3, 1200) if (hq, hk) == (8, 4) else (3,):
         kw = _mha(device, n=n, hq=hq, hk=hk, d=d, dv=dv, q_out=BF16, norm=True)
         kw["slot_mapping"][::3] = -1
