@@ -1,6 +1,7 @@
 // rope's CUDA kernels (docs/design.md §9): one thread per 16 source bytes, a head's lanes in a group
-// of G (lanes.cuh). A token's threads are pieces of G lanes, warp-aligned from the token's first thread
-// (grid.x: tokens, grid.y: blocks of the token's threads):
+// of G (lanes.cuh; NeoX of 16-bit values in split lanes, each holding both halves of its pairs: no
+// exchange between lanes, docs/performance.md "rope split lanes"). A token's threads are pieces of G lanes,
+// warp-aligned from the token's first thread (grid.x: tokens, grid.y: blocks of the token's threads):
 //  - rope_store_cache_kernel: q heads, then k heads, then v heads (a v head in as many pieces as its
 //    Dv / kV lanes take), each kind from a warp's start (StoreShape::Pieces);
 //  - rope_set_mla_kv_buffer_kernel: kv_c's lanes (the fp8_ds_mla tiles: 16 lanes each, the first 64
@@ -145,11 +146,14 @@ template <class S, int kHpt, bool kIsK, bool kNeox, SrcDtype kCs>
 __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0, int j) {
   constexpr int kV = S::kV;
   constexpr KvFormat kOut = kIsK ? S::kFmt : q_format(S::kQ);
-  constexpr int kCsN = LaneRotation<S::kRot, kNeox, kV>::kCs;
+  constexpr bool kSplit = split_lanes(kNeox, kV);
+  using R = LaneRotation<S::kRot, kNeox, kV, kSplit>;
+  constexpr int kCsN = R::kCs;
+  constexpr int kEs = elem_bytes_of<S::kSrc>();
   const unsigned mask = group_mask<S::kG>();
   const bool inside = j < S::kLanes;
   const int64_t head = kIsK ? p.k_src_head : p.q_src_head;
-  const char* src = (kIsK ? p.k_src + t * p.k_src_token : p.q_src + t * p.q_src_token) + h0 * head + j * 16;
+  const char* src = (kIsK ? p.k_src + t * p.k_src_token : p.q_src + t * p.q_src_token) + h0 * head;
   const char* norm = kIsK ? p.k_norm : p.q_norm;
   const LoadedIndex pos_in = load_index_later(p.positions, p.pos_i64, t);
   LoadedIndex slot_in = {};
@@ -157,10 +161,10 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
   cuda::Pack<16> v[kHpt] = {};
 #pragma unroll
   for (int u = 0; u < kHpt; ++u) {
-    if (inside) v[u] = cuda::load_pack<16>(src + u * head);
+    if (inside) v[u] = load_lane<R, kV, kEs>(src + u * head, j);
   }
   NormWeights<kV, S::kSrc> w_in;
-  if (norm != nullptr) w_in.load(norm, p.norm_f32, j, inside);
+  if (norm != nullptr) w_in.template load<R>(norm, p.norm_f32, j, inside);
   float scale[kHpt];
 #pragma unroll
   for (int u = 0; u < kHpt; ++u) {
@@ -176,7 +180,7 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
   float w[kV];
   if (norm != nullptr) w_in.floats(p.norm_f32, w);
   float c[kCsN] = {}, s[kCsN] = {};
-  load_cos_sin<S::kRot, kNeox, kV, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
+  load_cos_sin<S::kRot, kNeox, kV, kCs, kSplit>(p.cos_sin + pos * p.cs_stride, j, c, s);
   char* k_row = nullptr;
   if (kIsK && slot >= 0) {
     const int64_t blk = int64_t(cuda::block_of(slot, p.k_magic, p.k_shift));
@@ -186,21 +190,18 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
   for (int u = 0; u < kHpt; ++u) {
     float y[kV];
     to_floats<S::kSrc>(v[u], y);
-    if (norm != nullptr) rms_norm<S::kD, kV, S::kG>(y, w, p.eps, mask);
-    rotate<S::kRot, kNeox, kV, S::kG>(y, j, c, s, mask);
+    if (norm != nullptr) rms_norm<R, S::kD, kV, S::kG>(y, w, p.eps, j, mask);
+    rotate<S::kRot, kNeox, kV, S::kG, kSplit>(y, j, c, s, mask);
     if (!inside) continue;
     const cuda::Divider div(scale[u]);
     const int h = h0 + u;
     if constexpr (kIsK) {
       if (p.k_out != nullptr) {
-        store_floats<S::kSrc, KvFormat::kCopy>(p.k_out + t * p.k_out_token + h * p.k_out_head + j * 16, y, div);
+        store_floats_lane<S::kSrc, KvFormat::kCopy, R>(p.k_out + t * p.k_out_token + h * p.k_out_head, j, y, div);
       }
-      if (k_row != nullptr) {
-        store_floats<S::kSrc, kOut>(k_row + u * p.k_head + j * dst_lane_bytes<S::kSrc, kOut>(), y, div);
-      }
+      if (k_row != nullptr) store_floats_lane<S::kSrc, kOut, R>(k_row + u * p.k_head, j, y, div);
     } else {
-      char* row = p.q_dst + t * p.q_dst_token + h * p.q_dst_head;
-      store_floats<S::kSrc, kOut>(row + j * dst_lane_bytes<S::kSrc, kOut>(), y, div);
+      store_floats_lane<S::kSrc, kOut, R>(p.q_dst + t * p.q_dst_token + h * p.q_dst_head, j, y, div);
     }
   }
 }
@@ -347,13 +348,15 @@ __device__ __forceinline__ void store_kv_c(const MlaArgs& p, int64_t t, int c) {
 template <class S, bool kNeox, SrcDtype kCs>
 __device__ __forceinline__ void rope_k_pe(const MlaArgs& p, int64_t t, int j) {
   constexpr int kV = S::kV;
-  constexpr int kCsN = LaneRotation<S::kRope, kNeox, kV>::kCs;
+  constexpr bool kSplit = split_lanes(kNeox, kV);
+  using R = LaneRotation<S::kRope, kNeox, kV, kSplit>;
+  constexpr int kCsN = R::kCs;
   const unsigned mask = group_mask<S::kG>();
   const bool inside = j < S::kRopeLanes;
   const LoadedIndex pos_in = load_index_later(p.positions, p.pos_i64, t);
   const LoadedIndex slot_in = load_index_later(p.loc, p.loc_i64, t);
   cuda::Pack<16> v = {};
-  if (inside) v = cuda::load_pack<16>(p.k_pe + t * p.k_pe_stride + j * 16);
+  if (inside) v = load_lane<R, kV, elem_bytes_of<S::kSrc>()>(p.k_pe + t * p.k_pe_stride, j);
   float scale = 1.0f;
   if constexpr (S::kFmt == KvFormat::kE4M3 || S::kFmt == KvFormat::kE5M2) {
     scale = load_scale(p.scale_ptr, 0, p.scale);
@@ -362,21 +365,20 @@ __device__ __forceinline__ void rope_k_pe(const MlaArgs& p, int64_t t, int j) {
   const int64_t pos = clamp_position(pos_in.value(), p.max_pos);
   const int64_t slot = kept_slot(p, slot_in.value());
   float c[kCsN] = {}, s[kCsN] = {};
-  load_cos_sin<S::kRope, kNeox, kV, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
+  load_cos_sin<S::kRope, kNeox, kV, kCs, kSplit>(p.cos_sin + pos * p.cs_stride, j, c, s);
   float y[kV];
   to_floats<S::kSrc>(v, y);
-  rotate<S::kRope, kNeox, kV, S::kG>(y, j, c, s, mask);
+  rotate<S::kRope, kNeox, kV, S::kG, kSplit>(y, j, c, s, mask);
   if (!inside) return;
   const cuda::Divider div(scale);
   if (p.k_pe_out != nullptr)
-    store_floats<S::kSrc, KvFormat::kCopy>(p.k_pe_out + t * p.k_pe_out_stride + j * 16, y, div);
+    store_floats_lane<S::kSrc, KvFormat::kCopy, R>(p.k_pe_out + t * p.k_pe_out_stride, j, y, div);
   if (slot < 0) return;
   char* row = p.dst + slot * p.dst_stride;
   if constexpr (S::kDs) {
-    store_floats<S::kSrc, KvFormat::kCopy>(row + DsMla::kRopeOffset + j * 16, y, div);
+    store_floats_lane<S::kSrc, KvFormat::kCopy, R>(row + DsMla::kRopeOffset, j, y, div);
   } else {
-    constexpr int kLane = dst_lane_bytes<S::kSrc, S::kFmt>();
-    store_floats<S::kSrc, S::kFmt>(row + S::kNopeLanes * kLane + j * kLane, y, div);
+    store_floats_lane<S::kSrc, S::kFmt, R>(row + S::kNopeLanes * dst_lane_bytes<S::kSrc, S::kFmt>(), j, y, div);
   }
 }
 
@@ -406,32 +408,34 @@ __device__ __forceinline__ void store_q_nope(const MlaArgs& p, int64_t t, int h0
 template <class S, int kHpt, bool kNeox, SrcDtype kCs>
 __device__ __forceinline__ void rope_q_pe(const MlaArgs& p, int64_t t, int h0, int j) {
   constexpr int kV = S::kV;
-  constexpr int kCsN = LaneRotation<S::kRope, kNeox, kV>::kCs;
+  constexpr bool kSplit = split_lanes(kNeox, kV);
+  using R = LaneRotation<S::kRope, kNeox, kV, kSplit>;
+  constexpr int kCsN = R::kCs;
   constexpr KvFormat kOut = q_format(S::kQ);
   constexpr int kLane = dst_lane_bytes<S::kSrc, kOut>();
   const unsigned mask = group_mask<S::kG>();
   const bool inside = j < S::kRopeLanes;
   const LoadedIndex pos_in = load_index_later(p.positions, p.pos_i64, t);
-  const char* src = p.q_pe + t * p.q_pe_token + h0 * p.q_pe_head + j * 16;
+  const char* src = p.q_pe + t * p.q_pe_token + h0 * p.q_pe_head;
   cuda::Pack<16> v[kHpt] = {};
 #pragma unroll
   for (int u = 0; u < kHpt; ++u) {
-    if (inside) v[u] = cuda::load_pack<16>(src + u * p.q_pe_head);
+    if (inside) v[u] = load_lane<R, kV, elem_bytes_of<S::kSrc>()>(src + u * p.q_pe_head, j);
   }
   float scale = 1.0f;
   if constexpr (kOut != KvFormat::kCopy) scale = load_scale(p.q_scale_ptr, 0, p.q_scale);
   cuda::pdl_launch_dependents();
   const int64_t pos = clamp_position(pos_in.value(), p.max_pos);
   float c[kCsN] = {}, s[kCsN] = {};
-  load_cos_sin<S::kRope, kNeox, kV, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
+  load_cos_sin<S::kRope, kNeox, kV, kCs, kSplit>(p.cos_sin + pos * p.cs_stride, j, c, s);
   const cuda::Divider div(scale);
-  char* row = p.q_dst + t * p.q_dst_token + h0 * p.q_dst_head + int64_t{p.nope_q_lanes} * kLane + j * kLane;
+  char* row = p.q_dst + t * p.q_dst_token + h0 * p.q_dst_head + int64_t{p.nope_q_lanes} * kLane;
 #pragma unroll
   for (int u = 0; u < kHpt; ++u) {
     float y[kV];
     to_floats<S::kSrc>(v[u], y);
-    rotate<S::kRope, kNeox, kV, S::kG>(y, j, c, s, mask);
-    if (inside) store_floats<S::kSrc, kOut>(row + u * p.q_dst_head, y, div);
+    rotate<S::kRope, kNeox, kV, S::kG, kSplit>(y, j, c, s, mask);
+    if (inside) store_floats_lane<S::kSrc, kOut, R>(row + u * p.q_dst_head, j, y, div);
   }
 }
 

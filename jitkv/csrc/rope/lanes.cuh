@@ -1,13 +1,16 @@
 // rope's device arithmetic (docs/design.md §9) on a lane group: a head of D values held by G lanes (G a
-// power of two <= 32), lane j holding the kV values [j kV, (j + 1) kV) of 16 source bytes as float32;
-// lanes j >= D / kV hold zeros and store nothing. All of it is the reference's order, rounded at the
-// same places: the squares summed in groups of 8 then folded by halves (an xor butterfly over the
-// group's lanes gives the same sums: each step adds a[j] and a[j + half] in every lane), IEEE division
-// and square root, and every product rounded before its sum (__fmul_rn, __fadd_rn, __fsub_rn: nvcc
-// contracts a * b + c into an FMA otherwise).
+// power of two <= 32), lane j holding kV values (16 source bytes) as float32; lanes j >= D / kV hold
+// zeros and store nothing. All of it is the reference's order, rounded at the same places: the squares
+// summed in groups of 8 then folded by halves (an xor butterfly over the group's lanes gives the same
+// sums: each step adds a[j] and a[j + half] in every lane), IEEE division and square root, and every
+// product rounded before its sum (__fmul_rn, __fadd_rn, __fsub_rn: nvcc contracts a * b + c into an FMA
+// otherwise).
 //
-// NeoX halves are exchanged between lanes j and j +- h / kV (h = rotary_dim / 2, a multiple of kV: the
-// op's CUDA variant requires it, ops/rope.py cuda_takes); GPT-J pairs lie inside a lane.
+// Which values a lane holds (LaneRotation): [j kV, (j + 1) kV), except NeoX's split lanes, where a
+// rotated lane j holds [j kV/2, (j + 1) kV/2) and the same h = rotary_dim / 2 further, so that both
+// halves of its pairs are its own (16-bit values, split_lanes); NeoX of 32-bit values exchanges halves
+// between lanes j and j +- h / kV (h a multiple of kV: the op's CUDA variant requires it, ops/rope.py
+// cuda_takes). GPT-J pairs lie inside a lane.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -93,6 +96,109 @@ __device__ __forceinline__ float sum_squares(const float (&x)[kV], unsigned mask
   return g;
 }
 
+// The rotation of a lane of the head: which cos/sin entries it reads, which values it holds, its partner
+// lane. NeoX lanes either exchange halves (kSplit false: lane j holds kV consecutive values, its partner
+// j +- h / kV the other half's) or hold both halves' values themselves (kSplit: a rotated lane j holds
+// [j kV/2, (j + 1) kV/2) and the same h further, as two kV/2 pieces; no shuffle).
+template <int kRot, bool kNeox, int kV, bool kSplit = false>
+struct LaneRotation {
+  static_assert(!kSplit || (kNeox && kV == 8), "split lanes: NeoX, 16-bit values");
+  static constexpr bool kSplitLanes = kSplit;
+  static constexpr int kHalf = kRot / 2;
+  static constexpr int kHalfLanes = kHalf / kV;  // NeoX: lanes per half
+  // Rotated dims in whole lanes, NeoX halves too (ops/rope.py cuda_refusal); a kernel instantiates only
+  // the rotations its build can take.
+  static constexpr bool kOk = kRot % kV == 0 && (!kNeox || kHalf % kV == 0);
+  static constexpr int kRotLanes = kRot / kV;
+  static constexpr int kCs = kNeox && !kSplit ? kV : kV / 2;  // cos (and sin) values a rotated lane reads
+
+  // Index of the first cos value lane j reads.
+  __device__ __forceinline__ static int cos_index(int j) {
+    if constexpr (kNeox && !kSplit) {
+      return j < kHalfLanes ? j * kV : (j - kHalfLanes) * kV;
+    } else {
+      return j * kV / 2;
+    }
+  }
+
+  // Whether lane j holds two pieces (kSplit's rotated lanes).
+  __device__ __forceinline__ static bool split(int j) { return kSplit && j < kRotLanes; }
+  // Element index of lane j's first kV / 2 values and of its second.
+  __device__ __forceinline__ static int first(int j) { return split(j) ? j * (kV / 2) : j * kV; }
+  __device__ __forceinline__ static int second(int j) { return split(j) ? kHalf + j * (kV / 2) : j * kV + kV / 2; }
+};
+
+// Whether a rotation's lanes are split (LaneRotation kSplit): NeoX of 16-bit values. 32-bit values (4 a
+// lane) exchange halves: split, their fp8 halves would be 2-byte stores.
+constexpr bool split_lanes(bool neox, int kv) { return neox && kv == 8; }
+
+// Lane j's kV values of a row of kEs-byte elements at base: one load, or (split lanes) two.
+template <class R, int kV, int kEs>
+__device__ __forceinline__ cuda::Pack<kV * kEs> load_lane(const char* base, int j) {
+  constexpr int kHalfBytes = kV * kEs / 2;
+  if constexpr (R::kSplitLanes) {
+    if (R::split(j)) {
+      const cuda::Pack<kHalfBytes> a = cuda::load_pack<kHalfBytes>(base + R::first(j) * kEs);
+      const cuda::Pack<kHalfBytes> b = cuda::load_pack<kHalfBytes>(base + R::second(j) * kEs);
+      cuda::Pack<kV * kEs> v;
+#pragma unroll
+      for (int i = 0; i < kHalfBytes / 4; ++i) v.w[i] = a.w[i], v.w[kHalfBytes / 4 + i] = b.w[i];
+      return v;
+    }
+  }
+  return cuda::load_pack<kV * kEs>(base + R::first(j) * kEs);
+}
+
+// Stores lane j's kV values (a pack of kV kEs-byte elements) into a row at base: one store, or two.
+template <class R, int kV, int kEs>
+__device__ __forceinline__ void store_lane(char* base, int j, const cuda::Pack<kV * kEs>& v) {
+  constexpr int kHalfBytes = kV * kEs / 2;
+  if constexpr (R::kSplitLanes) {
+    if (R::split(j)) {
+      cuda::Pack<kHalfBytes> a, b;
+#pragma unroll
+      for (int i = 0; i < kHalfBytes / 4; ++i) a.w[i] = v.w[i], b.w[i] = v.w[kHalfBytes / 4 + i];
+      cuda::store_pack<kHalfBytes>(base + R::first(j) * kEs, a);
+      cuda::store_pack<kHalfBytes>(base + R::second(j) * kEs, b);
+      return;
+    }
+  }
+  cuda::store_pack<kV * kEs>(base + R::first(j) * kEs, v);
+}
+
+// The group's sum of squares in the fixed order for split lanes (R: LaneRotation with kSplit, kV 8) of a
+// head of kD dims: a split lane's two pieces are halves of 8-dim groups j / 2 and h / 8 + j / 2 (their
+// other halves in lane j ^ 1), a lane from rotary_dim on holds group j whole. With the rotation covering
+// all of a power-of-two D the first fold of the group sums adds exactly a lane's two groups and the later
+// folds are lanes G / 2, ..., 2 apart; otherwise each group's sum moves to lane (group) first (two
+// shuffles) and the folds run as sum_squares' do.
+template <class R, int kD, int G>
+__device__ __forceinline__ float sum_squares_split(const float (&x)[8], int j, unsigned mask) {
+  float s[8], t[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s[i] = __fmul_rn(x[i], x[i]);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) t[i] = __fadd_rn(s[i], __shfl_xor_sync(mask, s[i], 1));
+  const float a = __fadd_rn(__fadd_rn(t[0], t[2]), __fadd_rn(t[1], t[3]));
+  const float b = __fadd_rn(__fadd_rn(t[4], t[6]), __fadd_rn(t[5], t[7]));
+  float g;
+  int last = 2;
+  if constexpr (R::kRotLanes * 8 == kD && (kD & (kD - 1)) == 0) {
+    g = __fadd_rn(a, b);
+  } else {
+    constexpr int kHalfGroups = R::kHalf / 8;
+    const float from_a = __shfl_sync(mask, a, (2 * j) % G, G);
+    const float from_b = __shfl_sync(mask, b, (2 * (j - kHalfGroups) + 2 * G) % G, G);
+    const float whole = __fadd_rn(__fadd_rn(__fadd_rn(s[0], s[4]), __fadd_rn(s[2], s[6])),
+                                  __fadd_rn(__fadd_rn(s[1], s[5]), __fadd_rn(s[3], s[7])));
+    g = j < kHalfGroups ? from_a : j < 2 * kHalfGroups ? from_b : whole;
+    last = 1;
+  }
+#pragma unroll
+  for (int off = G / 2; off >= last; off /= 2) g = __fadd_rn(g, __shfl_xor_sync(mask, g, off));
+  return g;
+}
+
 // A lane's kV norm weights, float32 or of the sources' dtype kSrc: loaded by load() before the PDL
 // trigger, made float32 by floats() after it (as LoadedIndex); lanes outside the head read nothing and
 // get zeros.
@@ -101,12 +207,13 @@ struct NormWeights {
   cuda::Pack<kV * 4> f32 = {};
   cuda::Pack<kV * elem_bytes_of<kSrc>()> src = {};
 
+  template <class R>
   __device__ __forceinline__ void load(const char* weight, bool weight_f32, int j, bool inside) {
     if (!inside) return;
     if (weight_f32) {
-      f32 = cuda::load_pack<kV * 4>(weight + j * kV * 4);
+      f32 = load_lane<R, kV, 4>(weight, j);
     } else {
-      src = cuda::load_pack<kV * elem_bytes_of<kSrc>()>(weight + j * kV * elem_bytes_of<kSrc>());
+      src = load_lane<R, kV, elem_bytes_of<kSrc>()>(weight, j);
     }
   }
 
@@ -118,41 +225,28 @@ struct NormWeights {
   }
 };
 
-// x = (x * r) * w, r = 1 / sqrt(sum / D + eps): Qwen3's per-head RMSNorm in the fixed order.
-template <int kD, int kV, int G>
-__device__ __forceinline__ void rms_norm(float (&x)[kV], const float (&w)[kV], float eps, unsigned mask) {
-  const float mean = __fdiv_rn(sum_squares<kV, G>(x, mask), float(kD));
+// x = (x * r) * w, r = 1 / sqrt(sum / D + eps): Qwen3's per-head RMSNorm in the fixed order, lane j
+// holding its values as R lays them out.
+template <class R, int kD, int kV, int G>
+__device__ __forceinline__ void rms_norm(float (&x)[kV], const float (&w)[kV], float eps, int j, unsigned mask) {
+  float sum;
+  if constexpr (R::kSplitLanes) {
+    sum = sum_squares_split<R, kD, G>(x, j, mask);
+  } else {
+    sum = sum_squares<kV, G>(x, mask);
+  }
+  const float mean = __fdiv_rn(sum, float(kD));
   const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
 #pragma unroll
   for (int i = 0; i < kV; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], r), w[i]);
 }
 
-// The rotation of a lane of the head: which cos/sin entries it reads and its partner lane.
-template <int kRot, bool kNeox, int kV>
-struct LaneRotation {
-  static constexpr int kHalf = kRot / 2;
-  static constexpr int kHalfLanes = kHalf / kV;  // NeoX: lanes per half
-  // Rotated dims in whole lanes, NeoX halves too (ops/rope.py cuda_refusal); a kernel instantiates only
-  // the rotations its build can take.
-  static constexpr bool kOk = kRot % kV == 0 && (!kNeox || kHalf % kV == 0);
-  static constexpr int kRotLanes = kRot / kV;
-  static constexpr int kCs = kNeox ? kV : kV / 2;  // cos (and sin) values a rotated lane reads
-
-  // Index of the first cos value lane j reads.
-  __device__ __forceinline__ static int cos_index(int j) {
-    if constexpr (kNeox) {
-      return j < kHalfLanes ? j * kV : (j - kHalfLanes) * kV;
-    } else {
-      return j * kV / 2;
-    }
-  }
-};
-
 // Loads lane j's cos and sin values (lanes outside the rotated dims load nothing).
-template <int kRot, bool kNeox, int kV, SrcDtype kCsT>
-__device__ __forceinline__ void load_cos_sin(const char* row, int j, float (&c)[LaneRotation<kRot, kNeox, kV>::kCs],
-                                             float (&s)[LaneRotation<kRot, kNeox, kV>::kCs]) {
-  using R = LaneRotation<kRot, kNeox, kV>;
+template <int kRot, bool kNeox, int kV, SrcDtype kCsT, bool kSplit>
+__device__ __forceinline__ void load_cos_sin(const char* row, int j,
+                                             float (&c)[LaneRotation<kRot, kNeox, kV, kSplit>::kCs],
+                                             float (&s)[LaneRotation<kRot, kNeox, kV, kSplit>::kCs]) {
+  using R = LaneRotation<kRot, kNeox, kV, kSplit>;
   if (j < R::kRotLanes) {
     const int i = R::cos_index(j);
     constexpr int es = elem_bytes_of<kCsT>();
@@ -161,13 +255,24 @@ __device__ __forceinline__ void load_cos_sin(const char* row, int j, float (&c)[
   }
 }
 
-// RoPE on the lane's values in place: NeoX with the partner lane's values (a shuffle in the group, every
-// lane of it taking part), GPT-J inside the lane. Lanes from rotary_dim on keep theirs.
-template <int kRot, bool kNeox, int kV, int G>
-__device__ __forceinline__ void rotate(float (&y)[kV], int j, const float (&c)[LaneRotation<kRot, kNeox, kV>::kCs],
-                                       const float (&s)[LaneRotation<kRot, kNeox, kV>::kCs], unsigned mask) {
-  using R = LaneRotation<kRot, kNeox, kV>;
-  if constexpr (kNeox) {
+// RoPE on the lane's values in place: NeoX inside a split lane, or with the partner lane's values (a
+// shuffle in the group, every lane of it taking part); GPT-J inside the lane. Lanes from rotary_dim on
+// keep theirs.
+template <int kRot, bool kNeox, int kV, int G, bool kSplit>
+__device__ __forceinline__ void rotate(float (&y)[kV], int j,
+                                       const float (&c)[LaneRotation<kRot, kNeox, kV, kSplit>::kCs],
+                                       const float (&s)[LaneRotation<kRot, kNeox, kV, kSplit>::kCs], unsigned mask) {
+  using R = LaneRotation<kRot, kNeox, kV, kSplit>;
+  if constexpr (kSplit) {
+    if (j < R::kRotLanes) {
+#pragma unroll
+      for (int i = 0; i < kV / 2; ++i) {
+        const float a = y[i], b = y[kV / 2 + i];
+        y[i] = __fsub_rn(__fmul_rn(a, c[i]), __fmul_rn(b, s[i]));
+        y[kV / 2 + i] = __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, s[i]));
+      }
+    }
+  } else if constexpr (kNeox) {
     const bool first = j < R::kHalfLanes;
     const int partner = first ? j + R::kHalfLanes : j - R::kHalfLanes;
     float other[kV];
@@ -235,13 +340,13 @@ __device__ __forceinline__ cuda::Pack<lane_values<kSrc>()> quantize_source(const
   return out;
 }
 
-// Stores a lane's float32 values into a destination of format kFmt (kCopy: the source dtype kSrc).
-template <SrcDtype kSrc, KvFormat kFmt, int kV>
-__device__ __forceinline__ void store_floats(char* dst, const float (&y)[kV], const cuda::Divider& div) {
+// Stores lane j's float32 values into a row at base of format kFmt, through the lane layout R.
+template <SrcDtype kSrc, KvFormat kFmt, class R, int kV>
+__device__ __forceinline__ void store_floats_lane(char* base, int j, const float (&y)[kV], const cuda::Divider& div) {
   if constexpr (kFmt == KvFormat::kCopy) {
-    cuda::store_pack<kV * elem_bytes_of<kSrc>()>(dst, round_to<kSrc, kV>(y));
+    store_lane<R, kV, elem_bytes_of<kSrc>()>(base, j, round_to<kSrc, kV>(y));
   } else {
-    cuda::store_pack<kV>(dst, quantize_floats<kFmt, kV>(y, div));
+    store_lane<R, kV, 1>(base, j, quantize_floats<kFmt, kV>(y, div));
   }
 }
 
