@@ -81,6 +81,13 @@ auto with_rotation(const Rotation& rot, int hpt, F&& f) {
   return with_hpt(NeoxTag<false>{}, CsTag<kSrc>{});
 }
 
+// The first piece of kG lanes at or after `pieces` that starts a warp (the Pieces layouts below).
+template <int kG, class T>
+__host__ __device__ T warp_up(T pieces) {
+  constexpr int kPerWarp = 32 / kG;
+  return (pieces + kPerWarp - 1) / kPerWarp * kPerWarp;
+}
+
 // rope_store_cache's build: q/k head dim, v head dim, rotary dim, the sources' dtype, the queries'
 // destination and the caches' format. The norms and the norm weights' dtype are read from the block (one
 // branch per thread, the same in every thread); NeoX or GPT-J and the cos/sin dtype pick the kernel.
@@ -106,18 +113,11 @@ struct StoreShape {
     T q_end, k_begin, k_end, v_begin, end;
     __host__ __device__ Pieces(T q_heads, T kv_heads, int hpt)
         : q_end(q_heads / hpt),
-          k_begin(warp_up(q_end)),
+          k_begin(warp_up<kG>(q_end)),
           k_end(k_begin + kv_heads / hpt),
-          v_begin(warp_up(k_end)),
+          v_begin(warp_up<kG>(k_end)),
           end(v_begin + kv_heads / hpt * kVPieces) {}
   };
-
-  // The first piece at or after `pieces` that starts a warp.
-  template <class T>
-  __host__ __device__ static T warp_up(T pieces) {
-    constexpr int kPerWarp = 32 / kG;
-    return (pieces + kPerWarp - 1) / kPerWarp * kPerWarp;
-  }
 
   // Threads of one token (whole warps).
   static int64_t token_threads(int64_t q_heads, int64_t kv_heads, int hpt) {
@@ -291,17 +291,10 @@ struct MlaShape {
     T nope_per_group, q_nope_begin, q_pe_begin, end;
     __host__ __device__ Pieces(T q_heads, int nope_q_lanes, int hpt)
         : nope_per_group((nope_q_lanes + kG - 1) / kG),
-          q_nope_begin(warp_up(T{kKvPieces})),
-          q_pe_begin(warp_up(q_nope_begin + q_heads / hpt * nope_per_group)),
+          q_nope_begin(warp_up<kG>(T{kKvPieces})),
+          q_pe_begin(warp_up<kG>(q_nope_begin + q_heads / hpt * nope_per_group)),
           end(kWithQ ? q_pe_begin + q_heads / hpt : T{kKvPieces}) {}
   };
-
-  // The first piece at or after `pieces` that starts a warp.
-  template <class T>
-  __host__ __device__ static T warp_up(T pieces) {
-    constexpr int kPerWarp = 32 / kG;
-    return (pieces + kPerWarp - 1) / kPerWarp * kPerWarp;
-  }
 
   // Threads of one token (whole warps).
   static int64_t token_threads(int64_t q_heads, int nope_q_lanes, int hpt) {
