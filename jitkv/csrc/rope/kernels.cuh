@@ -146,9 +146,7 @@ template <class S, int kHpt, bool kIsK, bool kNeox, SrcDtype kCs>
 __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0, int j) {
   constexpr int kV = S::kV;
   constexpr KvFormat kOut = kIsK ? S::kFmt : q_format(S::kQ);
-  constexpr bool kSplit = split_lanes(kNeox, kV);
-  using R = LaneRotation<S::kRot, kNeox, kV, kSplit>;
-  constexpr int kCsN = R::kCs;
+  using R = LaneRotationFor<S::kRot, kNeox, kV>;
   constexpr int kEs = elem_bytes_of<S::kSrc>();
   const unsigned mask = group_mask<S::kG>();
   const bool inside = j < S::kLanes;
@@ -161,7 +159,7 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
   cuda::Pack<16> v[kHpt] = {};
 #pragma unroll
   for (int u = 0; u < kHpt; ++u) {
-    if (inside) v[u] = load_lane<R, kV, kEs>(src + u * head, j);
+    if (inside) v[u] = load_lane<R, kEs>(src + u * head, j);
   }
   NormWeights<kV, S::kSrc> w_in;
   if (norm != nullptr) w_in.template load<R>(norm, p.norm_f32, j, inside);
@@ -179,8 +177,8 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
   const int64_t slot = kIsK ? kept_slot(p, slot_in.value(), p.k_num_slots) : -1;
   float w[kV];
   if (norm != nullptr) w_in.floats(p.norm_f32, w);
-  float c[kCsN] = {}, s[kCsN] = {};
-  load_cos_sin<S::kRot, kNeox, kV, kCs, kSplit>(p.cos_sin + pos * p.cs_stride, j, c, s);
+  float c[R::kCs] = {}, s[R::kCs] = {};
+  load_cos_sin<R, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
   char* k_row = nullptr;
   if (kIsK && slot >= 0) {
     const int64_t blk = int64_t(cuda::block_of(slot, p.k_magic, p.k_shift));
@@ -190,8 +188,8 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
   for (int u = 0; u < kHpt; ++u) {
     float y[kV];
     to_floats<S::kSrc>(v[u], y);
-    if (norm != nullptr) rms_norm<R, S::kD, kV, S::kG>(y, w, p.eps, j, mask);
-    rotate<S::kRot, kNeox, kV, S::kG, kSplit>(y, j, c, s, mask);
+    if (norm != nullptr) rms_norm<R, S::kD, S::kG>(y, w, p.eps, j, mask);
+    rotate<R, S::kG>(y, j, c, s, mask);
     if (!inside) continue;
     const cuda::Divider div(scale[u]);
     const int h = h0 + u;
@@ -341,15 +339,13 @@ __device__ __forceinline__ void store_kv_c(const MlaArgs& p, int64_t t, int c) {
 template <class S, bool kNeox, SrcDtype kCs>
 __device__ __forceinline__ void rope_k_pe(const MlaArgs& p, int64_t t, int j) {
   constexpr int kV = S::kV;
-  constexpr bool kSplit = split_lanes(kNeox, kV);
-  using R = LaneRotation<S::kRope, kNeox, kV, kSplit>;
-  constexpr int kCsN = R::kCs;
+  using R = LaneRotationFor<S::kRope, kNeox, kV>;
   const unsigned mask = group_mask<S::kG>();
   const bool inside = j < S::kRopeLanes;
   const LoadedIndex pos_in = load_index_later(p.positions, p.pos_i64, t);
   const LoadedIndex slot_in = load_index_later(p.loc, p.loc_i64, t);
   cuda::Pack<16> v = {};
-  if (inside) v = load_lane<R, kV, elem_bytes_of<S::kSrc>()>(p.k_pe + t * p.k_pe_stride, j);
+  if (inside) v = load_lane<R, elem_bytes_of<S::kSrc>()>(p.k_pe + t * p.k_pe_stride, j);
   float scale = 1.0f;
   if constexpr (S::kFmt == KvFormat::kE4M3 || S::kFmt == KvFormat::kE5M2) {
     scale = load_scale(p.scale_ptr, 0, p.scale);
@@ -357,11 +353,11 @@ __device__ __forceinline__ void rope_k_pe(const MlaArgs& p, int64_t t, int j) {
   cuda::pdl_launch_dependents();
   const int64_t pos = clamp_position(pos_in.value(), p.max_pos);
   const int64_t slot = kept_slot(p, slot_in.value());
-  float c[kCsN] = {}, s[kCsN] = {};
-  load_cos_sin<S::kRope, kNeox, kV, kCs, kSplit>(p.cos_sin + pos * p.cs_stride, j, c, s);
+  float c[R::kCs] = {}, s[R::kCs] = {};
+  load_cos_sin<R, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
   float y[kV];
   to_floats<S::kSrc>(v, y);
-  rotate<S::kRope, kNeox, kV, S::kG, kSplit>(y, j, c, s, mask);
+  rotate<R, S::kG>(y, j, c, s, mask);
   if (!inside) return;
   const cuda::Divider div(scale);
   if (p.k_pe_out != nullptr)
@@ -401,9 +397,7 @@ __device__ __forceinline__ void store_q_nope(const MlaArgs& p, int64_t t, int h0
 template <class S, int kHpt, bool kNeox, SrcDtype kCs>
 __device__ __forceinline__ void rope_q_pe(const MlaArgs& p, int64_t t, int h0, int j) {
   constexpr int kV = S::kV;
-  constexpr bool kSplit = split_lanes(kNeox, kV);
-  using R = LaneRotation<S::kRope, kNeox, kV, kSplit>;
-  constexpr int kCsN = R::kCs;
+  using R = LaneRotationFor<S::kRope, kNeox, kV>;
   constexpr KvFormat kOut = q_format(S::kQ);
   constexpr int kLane = dst_lane_bytes<S::kSrc, kOut>();
   const unsigned mask = group_mask<S::kG>();
@@ -413,21 +407,21 @@ __device__ __forceinline__ void rope_q_pe(const MlaArgs& p, int64_t t, int h0, i
   cuda::Pack<16> v[kHpt] = {};
 #pragma unroll
   for (int u = 0; u < kHpt; ++u) {
-    if (inside) v[u] = load_lane<R, kV, elem_bytes_of<S::kSrc>()>(src + u * p.q_pe_head, j);
+    if (inside) v[u] = load_lane<R, elem_bytes_of<S::kSrc>()>(src + u * p.q_pe_head, j);
   }
   float scale = 1.0f;
   if constexpr (kOut != KvFormat::kCopy) scale = load_scale(p.q_scale_ptr, 0, p.q_scale);
   cuda::pdl_launch_dependents();
   const int64_t pos = clamp_position(pos_in.value(), p.max_pos);
-  float c[kCsN] = {}, s[kCsN] = {};
-  load_cos_sin<S::kRope, kNeox, kV, kCs, kSplit>(p.cos_sin + pos * p.cs_stride, j, c, s);
+  float c[R::kCs] = {}, s[R::kCs] = {};
+  load_cos_sin<R, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
   const cuda::Divider div(scale);
   char* row = p.q_dst + t * p.q_dst_token + h0 * p.q_dst_head + int64_t{p.nope_q_lanes} * kLane;
 #pragma unroll
   for (int u = 0; u < kHpt; ++u) {
     float y[kV];
     to_floats<S::kSrc>(v[u], y);
-    rotate<S::kRope, kNeox, kV, S::kG, kSplit>(y, j, c, s, mask);
+    rotate<R, S::kG>(y, j, c, s, mask);
     if (inside) store_floats_lane<S::kSrc, kOut, R>(row + u * p.q_dst_head, j, y, div);
   }
 }

@@ -103,7 +103,8 @@ __device__ __forceinline__ float sum_squares(const float (&x)[kV], unsigned mask
 template <int kRot, bool kNeox, int kV, bool kSplit = false>
 struct LaneRotation {
   static_assert(!kSplit || (kNeox && kV == 8), "split lanes: NeoX, 16-bit values");
-  static constexpr bool kSplitLanes = kSplit;
+  static constexpr bool kIsNeox = kNeox, kSplitLanes = kSplit;
+  static constexpr int kValues = kV;  // values a lane holds
   static constexpr int kHalf = kRot / 2;
   static constexpr int kHalfLanes = kHalf / kV;  // NeoX: lanes per half
   // Rotated dims in whole lanes, NeoX halves too (ops/rope.py cuda_refusal); a kernel instantiates only
@@ -132,10 +133,14 @@ struct LaneRotation {
 // lane) exchange halves: split, their fp8 halves would be 2-byte stores.
 constexpr bool split_lanes(bool neox, int kv) { return neox && kv == 8; }
 
+// The LaneRotation the kernels use for a rotation: split lanes where split_lanes allows them.
+template <int kRot, bool kNeox, int kV>
+using LaneRotationFor = LaneRotation<kRot, kNeox, kV, split_lanes(kNeox, kV)>;
+
 // Lane j's kV values of a row of kEs-byte elements at base: one load, or (split lanes) two.
-template <class R, int kV, int kEs>
-__device__ __forceinline__ cuda::Pack<kV * kEs> load_lane(const char* base, int j) {
-  constexpr int kHalfBytes = kV * kEs / 2;
+template <class R, int kEs>
+__device__ __forceinline__ cuda::Pack<R::kValues * kEs> load_lane(const char* base, int j) {
+  constexpr int kV = R::kValues, kHalfBytes = kV * kEs / 2;
   if constexpr (R::kSplitLanes) {
     if (R::split(j)) {
       const cuda::Pack<kHalfBytes> a = cuda::load_pack<kHalfBytes>(base + R::first(j) * kEs);
@@ -150,9 +155,9 @@ __device__ __forceinline__ cuda::Pack<kV * kEs> load_lane(const char* base, int 
 }
 
 // Stores lane j's kV values (a pack of kV kEs-byte elements) into a row at base: one store, or two.
-template <class R, int kV, int kEs>
-__device__ __forceinline__ void store_lane(char* base, int j, const cuda::Pack<kV * kEs>& v) {
-  constexpr int kHalfBytes = kV * kEs / 2;
+template <class R, int kEs>
+__device__ __forceinline__ void store_lane(char* base, int j, const cuda::Pack<R::kValues * kEs>& v) {
+  constexpr int kV = R::kValues, kHalfBytes = kV * kEs / 2;
   if constexpr (R::kSplitLanes) {
     if (R::split(j)) {
       cuda::Pack<kHalfBytes> a, b;
@@ -211,9 +216,9 @@ struct NormWeights {
   __device__ __forceinline__ void load(const char* weight, bool weight_f32, int j, bool inside) {
     if (!inside) return;
     if (weight_f32) {
-      f32 = load_lane<R, kV, 4>(weight, j);
+      f32 = load_lane<R, 4>(weight, j);
     } else {
-      src = load_lane<R, kV, elem_bytes_of<kSrc>()>(weight, j);
+      src = load_lane<R, elem_bytes_of<kSrc>()>(weight, j);
     }
   }
 
@@ -227,7 +232,7 @@ struct NormWeights {
 
 // x = (x * r) * w, r = 1 / sqrt(sum / D + eps): Qwen3's per-head RMSNorm in the fixed order, lane j
 // holding its values as R lays them out.
-template <class R, int kD, int kV, int G>
+template <class R, int kD, int G, int kV = R::kValues>
 __device__ __forceinline__ void rms_norm(float (&x)[kV], const float (&w)[kV], float eps, int j, unsigned mask) {
   float sum;
   if constexpr (R::kSplitLanes) {
@@ -242,11 +247,8 @@ __device__ __forceinline__ void rms_norm(float (&x)[kV], const float (&w)[kV], f
 }
 
 // Loads lane j's cos and sin values (lanes outside the rotated dims load nothing).
-template <int kRot, bool kNeox, int kV, SrcDtype kCsT, bool kSplit>
-__device__ __forceinline__ void load_cos_sin(const char* row, int j,
-                                             float (&c)[LaneRotation<kRot, kNeox, kV, kSplit>::kCs],
-                                             float (&s)[LaneRotation<kRot, kNeox, kV, kSplit>::kCs]) {
-  using R = LaneRotation<kRot, kNeox, kV, kSplit>;
+template <class R, SrcDtype kCsT>
+__device__ __forceinline__ void load_cos_sin(const char* row, int j, float (&c)[R::kCs], float (&s)[R::kCs]) {
   if (j < R::kRotLanes) {
     const int i = R::cos_index(j);
     constexpr int es = elem_bytes_of<kCsT>();
@@ -258,12 +260,10 @@ __device__ __forceinline__ void load_cos_sin(const char* row, int j,
 // RoPE on the lane's values in place: NeoX inside a split lane, or with the partner lane's values (a
 // shuffle in the group, every lane of it taking part); GPT-J inside the lane. Lanes from rotary_dim on
 // keep theirs.
-template <int kRot, bool kNeox, int kV, int G, bool kSplit>
-__device__ __forceinline__ void rotate(float (&y)[kV], int j,
-                                       const float (&c)[LaneRotation<kRot, kNeox, kV, kSplit>::kCs],
-                                       const float (&s)[LaneRotation<kRot, kNeox, kV, kSplit>::kCs], unsigned mask) {
-  using R = LaneRotation<kRot, kNeox, kV, kSplit>;
-  if constexpr (kSplit) {
+template <class R, int G, int kV = R::kValues>
+__device__ __forceinline__ void rotate(float (&y)[kV], int j, const float (&c)[R::kCs], const float (&s)[R::kCs],
+                                       unsigned mask) {
+  if constexpr (R::kSplitLanes) {
     if (j < R::kRotLanes) {
 #pragma unroll
       for (int i = 0; i < kV / 2; ++i) {
@@ -272,7 +272,7 @@ __device__ __forceinline__ void rotate(float (&y)[kV], int j,
         y[kV / 2 + i] = __fadd_rn(__fmul_rn(b, c[i]), __fmul_rn(a, s[i]));
       }
     }
-  } else if constexpr (kNeox) {
+  } else if constexpr (R::kIsNeox) {
     const bool first = j < R::kHalfLanes;
     const int partner = first ? j + R::kHalfLanes : j - R::kHalfLanes;
     float other[kV];
@@ -344,9 +344,9 @@ __device__ __forceinline__ cuda::Pack<lane_values<kSrc>()> quantize_source(const
 template <SrcDtype kSrc, KvFormat kFmt, class R, int kV>
 __device__ __forceinline__ void store_floats_lane(char* base, int j, const float (&y)[kV], const cuda::Divider& div) {
   if constexpr (kFmt == KvFormat::kCopy) {
-    store_lane<R, kV, elem_bytes_of<kSrc>()>(base, j, round_to<kSrc, kV>(y));
+    store_lane<R, elem_bytes_of<kSrc>()>(base, j, round_to<kSrc, kV>(y));
   } else {
-    store_lane<R, kV, 1>(base, j, quantize_floats<kFmt, kV>(y, div));
+    store_lane<R, 1>(base, j, quantize_floats<kFmt, kV>(y, div));
   }
 }
 
