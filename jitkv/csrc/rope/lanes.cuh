@@ -240,8 +240,10 @@ __device__ __forceinline__ void rms_norm(float (&x)[kV], const float (&w)[kV], f
   } else {
     sum = sum_squares<kV, G>(x, mask);
   }
-  const float mean = __fdiv_rn(sum, float(kD));
-  const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+  // sum / D and 1 / sqrt as the reference rounds them: for a power-of-two D the product with 1 / D is
+  // that quotient exactly, and __frcp_rn is the correctly rounded 1 / x (each saves a division).
+  const float mean = (kD & (kD - 1)) == 0 ? __fmul_rn(sum, 1.0f / float(kD)) : __fdiv_rn(sum, float(kD));
+  const float r = __frcp_rn(__fsqrt_rn(__fadd_rn(mean, eps)));
 #pragma unroll
   for (int i = 0; i < kV; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], r), w[i]);
 }
