@@ -774,9 +774,8 @@ def cpu_spec() -> JitSpec:
 
 
 def cuda_spec(arch: str, v: Variant, *, pdl: bool = True) -> JitSpec:
-    """rope_store_cache's CUDA module for a Variant (rope/rope_store_cache_cuda.cu): NeoX or GPT-J, the
-    norms and the cos/sin and weight dtypes are read per call, so variants that differ only there share
-    a module."""
+    """rope_store_cache's CUDA module for a Variant (rope/rope_store_cache_cuda.cu): NeoX or GPT-J and the
+    cos/sin dtype are read per call, so variants that differ only there share a module."""
     return JitSpec(
         "rope_store_cache_cuda",
         ("rope/rope_store_cache_cuda.cu",),
@@ -787,6 +786,8 @@ def cuda_spec(arch: str, v: Variant, *, pdl: bool = True) -> JitSpec:
             ("src_dtype", int(v.src_dtype)),
             ("q_mode", int(v.q_mode)),
             ("kv_dtype", int(v.kv_format)),
+            ("norms", int(v.q_norm) | 2 * int(v.k_norm)),
+            ("norm_dtype", int(v.norm_dtype)),
             ("pdl", int(pdl)),
         ),
         target=arch,
@@ -834,6 +835,8 @@ def cuda_refusal(v: Variant):
         return "the call's views are not aligned to the kernel's 16-byte lanes"
     if (v.q_norm or v.k_norm) and v.head_dim % NORM_GROUP:
         return f"the norm sums groups of {NORM_GROUP} dims; head_dim is {v.head_dim}"
+    if (v.q_norm or v.k_norm) and v.norm_dtype not in (SrcDtype.F32, v.src_dtype):
+        return "norm weights are float32 or of the sources' dtype"
     return _lane_refusal(v.head_dim, v.rotary_dim, v.is_neox, v.src_dtype, v.v_head_dim)
 
 
@@ -850,10 +853,12 @@ def cuda_mla_refusal(v: MlaVariant):
     return _lane_refusal(v.rope_dim, v.rope_dim, v.is_neox, v.src_dtype, v.nope_dim)
 
 
-# Prebuilt CUDA modules: head_dim 128 (Llama-3, Qwen3: with or without the norm, NeoX or GPT-J) bf16 with q
-# in place or into an e4m3 q_out, bf16 or e4m3 caches; DeepSeek MLA 512 + 64 bf16, e4m3 and fp8_ds_mla rows.
+# Prebuilt CUDA modules: head_dim 128 bf16 (Llama-3 without norms, Qwen3 with both and bf16 weights; NeoX or
+# GPT-J) with q in place and bf16 caches or an e4m3 q_out and e4m3 caches; DeepSeek MLA 512 + 64 bf16, e4m3
+# and fp8_ds_mla rows.
 CUDA_PREBUILD = tuple(
-    Variant(128, 128, 128, True, False, False, SrcDtype.BF16, SrcDtype.F32, SrcDtype.NONE, q_mode, kv)
+    Variant(128, 128, 128, True, norm, norm, SrcDtype.BF16, SrcDtype.F32, w, q_mode, kv)
+    for norm, w in ((False, SrcDtype.NONE), (True, SrcDtype.BF16))
     for q_mode, kv in ((RopeQ.IN_PLACE, KvFormat.COPY), (RopeQ.E4M3, KvFormat.E4M3))
 )
 CUDA_MLA_PREBUILD = tuple(

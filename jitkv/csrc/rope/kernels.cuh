@@ -89,14 +89,20 @@ __host__ __device__ T warp_up(T pieces) {
 }
 
 // rope_store_cache's build: q/k head dim, v head dim, rotary dim, the sources' dtype, the queries'
-// destination and the caches' format. The norms and the norm weights' dtype are read from the block (one
-// branch per thread, the same in every thread); NeoX or GPT-J and the cos/sin dtype pick the kernel.
-template <int kD_, int kDv_, int kRot_, SrcDtype kSrc_, RopeQ kQ_, KvFormat kFmt_>
+// destination, the caches' format, which heads are normed (kNorms: bit 0 q, bit 1 k) and the norm
+// weights' dtype (float32 or the sources'; NONE without norms). NeoX or GPT-J and the cos/sin dtype
+// pick the kernel. The norms are the build's, not the block's: a runtime branch around the norm cost
+// Qwen3's shapes 1-7 % (docs/performance.md "rope norm arithmetic").
+template <int kD_, int kDv_, int kRot_, SrcDtype kSrc_, RopeQ kQ_, KvFormat kFmt_, int kNorms_, SrcDtype kNormDtype_>
 struct StoreShape {
   static constexpr int kD = kD_, kDv = kDv_, kRot = kRot_;
   static constexpr SrcDtype kSrc = kSrc_;
   static constexpr RopeQ kQ = kQ_;
   static constexpr KvFormat kFmt = kFmt_;
+  static constexpr int kNorms = kNorms_;
+  static constexpr SrcDtype kNormDtype = kNormDtype_;
+  static_assert(kNorms >= 0 && kNorms <= 3, "kNorms: bit 0 q, bit 1 k");
+  static_assert(kNorms == 0 || kNormDtype == SrcDtype::kF32 || kNormDtype == kSrc, "norm weights: f32 or kSrc");
   static constexpr int kV = lane_values<kSrc>();
   static constexpr int kLanes = kD / kV;  // of a q or k head
   static constexpr int kG = pow2_at_least(kLanes);
@@ -152,6 +158,7 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
   const bool inside = j < S::kLanes;
   const int64_t head = kIsK ? p.k_src_head : p.q_src_head;
   const char* src = (kIsK ? p.k_src + t * p.k_src_token : p.q_src + t * p.q_src_token) + h0 * head;
+  constexpr bool kNorm = (S::kNorms & (kIsK ? 2 : 1)) != 0;
   const char* norm = kIsK ? p.k_norm : p.q_norm;
   const LoadedIndex pos_in = load_index_later(p.positions, p.pos_i64, t);
   LoadedIndex slot_in = {};
@@ -161,8 +168,8 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
   for (int u = 0; u < kHpt; ++u) {
     if (inside) v[u] = load_lane<R, kEs>(src + u * head, j);
   }
-  NormWeights<kV, S::kSrc> w_in;
-  if (norm != nullptr) w_in.template load<R>(norm, p.norm_f32, j, inside);
+  NormWeights<kV, S::kNormDtype> w_in;
+  if constexpr (kNorm) w_in.template load<R>(norm, j, inside);
   float scale[kHpt];
 #pragma unroll
   for (int u = 0; u < kHpt; ++u) {
@@ -176,7 +183,7 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
   const int64_t pos = clamp_position(pos_in.value(), p.max_pos);
   const int64_t slot = kIsK ? kept_slot(p, slot_in.value(), p.k_num_slots) : -1;
   float w[kV];
-  if (norm != nullptr) w_in.floats(p.norm_f32, w);
+  if constexpr (kNorm) w_in.floats(w);
   float c[R::kCs] = {}, s[R::kCs] = {};
   load_cos_sin<R, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
   char* k_row = nullptr;
@@ -188,7 +195,7 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
   for (int u = 0; u < kHpt; ++u) {
     float y[kV];
     to_floats<S::kSrc>(v[u], y);
-    if (norm != nullptr) rms_norm<R, S::kD, S::kG>(y, w, p.eps, j, mask);
+    if constexpr (kNorm) rms_norm<R, S::kD, S::kG>(y, w, p.eps, j, mask);
     rotate<R, S::kG>(y, j, c, s, mask);
     if (!inside) continue;
     const cuda::Divider div(scale[u]);

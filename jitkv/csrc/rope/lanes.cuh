@@ -204,29 +204,21 @@ __device__ __forceinline__ float sum_squares_split(const float (&x)[8], int j, u
   return g;
 }
 
-// A lane's kV norm weights, float32 or of the sources' dtype kSrc: loaded by load() before the PDL
+// A lane's kV norm weights of dtype kW (float32 or the sources'): loaded by load() before the PDL
 // trigger, made float32 by floats() after it (as LoadedIndex); lanes outside the head read nothing and
 // get zeros.
-template <int kV, SrcDtype kSrc>
+template <int kV, SrcDtype kW>
 struct NormWeights {
-  cuda::Pack<kV * 4> f32 = {};
-  cuda::Pack<kV * elem_bytes_of<kSrc>()> src = {};
+  cuda::Pack<kV * elem_bytes_of<kW>()> w = {};
 
   template <class R>
-  __device__ __forceinline__ void load(const char* weight, bool weight_f32, int j, bool inside) {
-    if (!inside) return;
-    if (weight_f32) {
-      f32 = load_lane<R, 4>(weight, j);
-    } else {
-      src = load_lane<R, elem_bytes_of<kSrc>()>(weight, j);
-    }
+  __device__ __forceinline__ void load(const char* weight, int j, bool inside) {
+    if (inside) w = load_lane<R, elem_bytes_of<kW>()>(weight, j);
   }
 
-  __device__ __forceinline__ void floats(bool weight_f32, float (&w)[kV]) const {
+  __device__ __forceinline__ void floats(float (&out)[kV]) const {
 #pragma unroll
-    for (int i = 0; i < kV; ++i) {
-      w[i] = weight_f32 ? cuda::SrcTraits<SrcDtype::kF32>::at(f32.w, i) : cuda::SrcTraits<kSrc>::at(src.w, i);
-    }
+    for (int i = 0; i < kV; ++i) out[i] = cuda::SrcTraits<kW>::at(w.w, i);
   }
 };
 

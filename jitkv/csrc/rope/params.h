@@ -46,7 +46,7 @@ struct StoreArgs {
   char *q_dst, *k_out, *k_cache, *v_cache;  // k_out nullptr: none
   const void *slots, *loc_map, *positions;  // loc_map nullptr: no translation
   const char* cos_sin;
-  const char *q_norm, *k_norm;                           // nullptr: no norm (the kernel's template says which it reads)
+  const char *q_norm, *k_norm;                           // read when the build norms q / k (StoreShape kNorms)
   const float *q_scale_ptr, *k_scale_ptr, *v_scale_ptr;  // fp8: device scales, or nullptr: the values
   int64_t q_src_token, q_src_head, q_dst_token, q_dst_head, k_src_token, k_src_head, v_src_token, v_src_head;
   int64_t k_out_token, k_out_head;
@@ -58,7 +58,6 @@ struct StoreArgs {
   int32_t k_scale_stride, v_scale_stride;  // elements from one head's scale to the next (0: one scale)
   int32_t q_heads, kv_heads;
   int32_t slot_i64, loc_i64, pos_i64;
-  int32_t norm_f32;  // float32 norm weights (else the sources' dtype)
 };
 
 // rope_set_mla_kv_buffer's CUDA block.

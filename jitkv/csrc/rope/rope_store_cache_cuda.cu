@@ -4,8 +4,9 @@
 //
 // Template arguments (JitSpec args; ops/rope.py cuda_spec): JITKV_HEAD_DIM, JITKV_V_HEAD_DIM,
 // JITKV_ROTARY_DIM, JITKV_SRC_DTYPE (codes::SrcDtype), JITKV_Q_MODE (codes::RopeQ), JITKV_KV_DTYPE
-// (codes::KvFormat: copy, e4m3 or e5m2), JITKV_PDL. One module serves NeoX and GPT-J and both cos/sin
-// dtypes (a kernel each, kernel_of), the norms and both weight dtypes (the block's). Which variants
+// (codes::KvFormat: copy, e4m3 or e5m2), JITKV_NORMS (bit 0: q is normed, bit 1: k), JITKV_NORM_DTYPE
+// (codes::SrcDtype of the norm weights, NONE without norms), JITKV_PDL. One module serves NeoX and GPT-J
+// and both cos/sin dtypes (a kernel each, kernel_of). Which variants
 // build is decided in Python before building (ops/rope.py cuda_refusal: heads of at most 32 lanes of 16
 // bytes, NeoX halves of whole lanes).
 //
@@ -33,7 +34,8 @@ using tvm::ffi::TensorView;
 
 constexpr const char* kOp = "rope_store_cache";
 using Shape = StoreShape<JITKV_HEAD_DIM, JITKV_V_HEAD_DIM, JITKV_ROTARY_DIM, static_cast<SrcDtype>(JITKV_SRC_DTYPE),
-                         static_cast<RopeQ>(JITKV_Q_MODE), static_cast<KvFormat>(JITKV_KV_DTYPE)>;
+                         static_cast<RopeQ>(JITKV_Q_MODE), static_cast<KvFormat>(JITKV_KV_DTYPE), JITKV_NORMS,
+                         static_cast<SrcDtype>(JITKV_NORM_DTYPE)>;
 constexpr bool kPdl = JITKV_PDL != 0;
 
 void mismatch(const char* name, const char* what) {
@@ -51,6 +53,10 @@ void check_module(const StoreParams& p, DLDevice dev) {
   if (p.rot.rot != Shape::kRot) mismatch("rotary_dim", "rotary dim");
   if (p.q.mode != Shape::kQ) mismatch("q_out", "query mode");
   if (p.kv.kv_dtype != Shape::kFmt) mismatch("kv_cache_dtype", "cache format");
+  const int norms = (p.q_norm != nullptr ? 1 : 0) | (p.k_norm != nullptr ? 2 : 0);
+  if (norms != Shape::kNorms || (norms != 0 && p.norm_dtype != Shape::kNormDtype)) {
+    mismatch("q_norm_weight", "set of norms or weight dtype");
+  }
 }
 
 using jitkv::aligned;
@@ -119,7 +125,6 @@ StoreArgs kernel_args(const StoreParams& p) {
   a.k_scale_stride = k.scale_stride, a.v_scale_stride = v.scale_stride;
   a.q_heads = static_cast<int32_t>(p.q.heads), a.kv_heads = static_cast<int32_t>(p.kv.num_heads);
   a.slot_i64 = p.kv.slot_i64, a.loc_i64 = p.kv.loc_i64, a.pos_i64 = p.rot.pos_i64;
-  a.norm_f32 = p.norm_dtype == SrcDtype::kF32;
   return a;
 }
 
