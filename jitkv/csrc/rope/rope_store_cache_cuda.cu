@@ -6,9 +6,9 @@
 // JITKV_ROTARY_DIM, JITKV_SRC_DTYPE (codes::SrcDtype), JITKV_Q_MODE (codes::RopeQ), JITKV_KV_DTYPE
 // (codes::KvFormat: copy, e4m3 or e5m2), JITKV_NORMS (bit 0: q is normed, bit 1: k), JITKV_NORM_DTYPE
 // (codes::SrcDtype of the norm weights, NONE without norms), JITKV_PDL. One module serves NeoX and GPT-J
-// and both cos/sin dtypes (a kernel each, kernel_of). Which variants
-// build is decided in Python before building (ops/rope.py cuda_refusal: heads of at most 32 lanes of 16
-// bytes, NeoX halves of whole lanes).
+// and both cos/sin dtypes (a kernel each, kernel_of). Which variants build is decided in Python before
+// building (ops/rope.py cuda_refusal: heads of at most 32 lanes of 16 bytes, NeoX halves of whole lanes,
+// norm weights float32 or of the sources' dtype).
 //
 // Returns codes::Status: kNeedsAnyAlignment, before launching, for views the kernel's 16-byte lanes
 // cannot address (a base address or stride that is not a multiple of a lane's bytes) or a paged cache
