@@ -145,6 +145,14 @@ class Indexer:
     AMAX_MIN = 1e-4
 
 
+class RopeNorm:
+    """Which heads a rope_store_cache CUDA module norms (its JitSpec arg ``norms``, a sum of these bits;
+    docs/design.md §9)."""
+
+    Q = 1
+    K = 2
+
+
 # ------------------------------------------------------------------------ kernel launch constants
 
 
@@ -157,7 +165,7 @@ class Transfer:
 
 
 _ENUMS = (KvFormat, SrcDtype, ScaleFmt, Status, RopeQ, MlaKernel, MlaFp8Kernel)
-_RECORDS = (DsMla, Dsv4, Indexer, Transfer)
+_RECORDS = (DsMla, Dsv4, Indexer, RopeNorm, Transfer)
 # Constants whose C++ type is float (the kernels compute in fp32); every other record constant is an int.
 _FLOATS = {"FP8_MAX", "AMAX_MIN"}
 

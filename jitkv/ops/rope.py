@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from .. import checks, reference
-from ..codes import FP8_MAX, KV_FORMATS, NO_SLOT, SRC_DTYPES, DsMla, KvFormat, RopeQ, SrcDtype
+from ..codes import FP8_MAX, KV_FORMATS, NO_SLOT, SRC_DTYPES, DsMla, KvFormat, RopeNorm, RopeQ, SrcDtype
 from ..jit import JitSpec, cuda_arch
 from ._op import BackendUnavailable, Op, jit_function, scale_args
 from ._samples import rand, slots
@@ -786,7 +786,7 @@ def cuda_spec(arch: str, v: Variant, *, pdl: bool = True) -> JitSpec:
             ("src_dtype", int(v.src_dtype)),
             ("q_mode", int(v.q_mode)),
             ("kv_dtype", int(v.kv_format)),
-            ("norms", int(v.q_norm) | 2 * int(v.k_norm)),
+            ("norms", RopeNorm.Q * v.q_norm | RopeNorm.K * v.k_norm),
             ("norm_dtype", int(v.norm_dtype)),
             ("pdl", int(pdl)),
         ),

@@ -32,6 +32,7 @@
 namespace jitkv::rope {
 
 using codes::DsMla;
+using codes::RopeNorm;
 
 constexpr int kBlockThreads = 128;  // threads per block (a token's threads span grid.y blocks)
 
@@ -89,7 +90,7 @@ __host__ __device__ T warp_up(T pieces) {
 }
 
 // rope_store_cache's build: q/k head dim, v head dim, rotary dim, the sources' dtype, the queries'
-// destination, the caches' format, which heads are normed (kNorms: bit 0 q, bit 1 k) and the norm
+// destination, the caches' format, which heads are normed (kNorms: codes::RopeNorm bits) and the norm
 // weights' dtype (float32 or the sources'; NONE without norms). NeoX or GPT-J and the cos/sin dtype
 // pick the kernel. The norms are the build's, not the block's: a branch on the block around the norm
 // slows the normed kernels and keeps the norm's code in every module (docs/performance.md "rope norms in
@@ -102,7 +103,7 @@ struct StoreShape {
   static constexpr KvFormat kFmt = kFmt_;
   static constexpr int kNorms = kNorms_;
   static constexpr SrcDtype kNormDtype = kNormDtype_;
-  static_assert(kNorms >= 0 && kNorms <= 3, "kNorms: bit 0 q, bit 1 k");
+  static_assert((kNorms & ~(RopeNorm::kQ | RopeNorm::kK)) == 0, "kNorms: codes::RopeNorm bits");
   static_assert(kNorms == 0 || kNormDtype == SrcDtype::kF32 || kNormDtype == kSrc, "norm weights: f32 or kSrc");
   static constexpr int kV = lane_values<kSrc>();
   static constexpr int kLanes = kD / kV;  // of a q or k head
@@ -159,7 +160,7 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
   const bool inside = j < S::kLanes;
   const int64_t head = kIsK ? p.k_src_head : p.q_src_head;
   const char* src = (kIsK ? p.k_src + t * p.k_src_token : p.q_src + t * p.q_src_token) + h0 * head;
-  constexpr bool kNorm = (S::kNorms & (kIsK ? 2 : 1)) != 0;
+  constexpr bool kNorm = (S::kNorms & (kIsK ? RopeNorm::kK : RopeNorm::kQ)) != 0;
   const char* norm = kIsK ? p.k_norm : p.q_norm;
   const LoadedIndex pos_in = load_index_later(p.positions, p.pos_i64, t);
   LoadedIndex slot_in = {};

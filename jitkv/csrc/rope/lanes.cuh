@@ -46,6 +46,8 @@ constexpr int pow2_at_least(int x) {
   return p;
 }
 
+constexpr bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
+
 // The mask of the G lanes of this lane's group (G = 32: the warp).
 template <int G>
 __device__ __forceinline__ unsigned group_mask() {
@@ -96,13 +98,17 @@ __device__ __forceinline__ float sum_squares(const float (&x)[kV], unsigned mask
   return g;
 }
 
+// Whether a rotation's lanes are split (LaneRotation kSplit): NeoX of 16-bit values. 32-bit values (4 a
+// lane) exchange halves: split, their fp8 halves would be 2-byte stores.
+constexpr bool split_lanes(bool neox, int kv) { return neox && kv == 8; }
+
 // The rotation of a lane of the head: which cos/sin entries it reads, which values it holds, its partner
 // lane. NeoX lanes either exchange halves (kSplit false: lane j holds kV consecutive values, its partner
 // j +- h / kV the other half's) or hold both halves' values themselves (kSplit: a rotated lane j holds
 // [j kV/2, (j + 1) kV/2) and the same h further, as two kV/2 pieces; no shuffle).
 template <int kRot, bool kNeox, int kV, bool kSplit = false>
 struct LaneRotation {
-  static_assert(!kSplit || (kNeox && kV == 8), "split lanes: NeoX, 16-bit values");
+  static_assert(!kSplit || split_lanes(kNeox, kV), "split lanes: NeoX, 16-bit values");
   static constexpr bool kIsNeox = kNeox, kSplitLanes = kSplit;
   static constexpr int kValues = kV;  // values a lane holds
   static constexpr int kHalf = kRot / 2;
@@ -128,10 +134,6 @@ struct LaneRotation {
   __device__ __forceinline__ static int first(int j) { return split(j) ? j * (kV / 2) : j * kV; }
   __device__ __forceinline__ static int second(int j) { return split(j) ? kHalf + j * (kV / 2) : j * kV + kV / 2; }
 };
-
-// Whether a rotation's lanes are split (LaneRotation kSplit): NeoX of 16-bit values. 32-bit values (4 a
-// lane) exchange halves: split, their fp8 halves would be 2-byte stores.
-constexpr bool split_lanes(bool neox, int kv) { return neox && kv == 8; }
 
 // The LaneRotation the kernels use for a rotation: split lanes where split_lanes allows them.
 template <int kRot, bool kNeox, int kV>
@@ -188,7 +190,7 @@ __device__ __forceinline__ float sum_squares_split(const float (&x)[8], int j, u
   const float b = __fadd_rn(__fadd_rn(t[4], t[6]), __fadd_rn(t[5], t[7]));
   float g;
   int last = 2;
-  if constexpr (R::kRotLanes * 8 == kD && (kD & (kD - 1)) == 0) {
+  if constexpr (R::kRotLanes * 8 == kD && is_pow2(kD)) {
     g = __fadd_rn(a, b);
   } else {
     constexpr int kHalfGroups = R::kHalf / 8;
@@ -234,7 +236,7 @@ __device__ __forceinline__ void rms_norm(float (&x)[kV], const float (&w)[kV], f
   }
   // sum / D and 1 / sqrt as the reference rounds them: for a power-of-two D the product with 1 / D is
   // that quotient exactly, and __frcp_rn is the correctly rounded 1 / x (each saves a division).
-  const float mean = (kD & (kD - 1)) == 0 ? __fmul_rn(sum, 1.0f / float(kD)) : __fdiv_rn(sum, float(kD));
+  const float mean = is_pow2(kD) ? __fmul_rn(sum, 1.0f / float(kD)) : __fdiv_rn(sum, float(kD));
   const float r = __frcp_rn(__fsqrt_rn(__fadd_rn(mean, eps)));
 #pragma unroll
   for (int i = 0; i < kV; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], r), w[i]);

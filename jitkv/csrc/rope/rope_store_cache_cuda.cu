@@ -4,7 +4,7 @@
 //
 // Template arguments (JitSpec args; ops/rope.py cuda_spec): JITKV_HEAD_DIM, JITKV_V_HEAD_DIM,
 // JITKV_ROTARY_DIM, JITKV_SRC_DTYPE (codes::SrcDtype), JITKV_Q_MODE (codes::RopeQ), JITKV_KV_DTYPE
-// (codes::KvFormat: copy, e4m3 or e5m2), JITKV_NORMS (bit 0: q is normed, bit 1: k), JITKV_NORM_DTYPE
+// (codes::KvFormat: copy, e4m3 or e5m2), JITKV_NORMS (codes::RopeNorm bits: which heads are normed), JITKV_NORM_DTYPE
 // (codes::SrcDtype of the norm weights, NONE without norms), JITKV_PDL. One module serves NeoX and GPT-J
 // and both cos/sin dtypes (a kernel each, kernel_of). Which variants build is decided in Python before
 // building (ops/rope.py cuda_refusal: heads of at most 32 lanes of 16 bytes, NeoX halves of whole lanes,
@@ -53,7 +53,7 @@ void check_module(const StoreParams& p, DLDevice dev) {
   if (p.rot.rot != Shape::kRot) mismatch("rotary_dim", "rotary dim");
   if (p.q.mode != Shape::kQ) mismatch("q_out", "query mode");
   if (p.kv.kv_dtype != Shape::kFmt) mismatch("kv_cache_dtype", "cache format");
-  const int norms = (p.q_norm != nullptr ? 1 : 0) | (p.k_norm != nullptr ? 2 : 0);
+  const int norms = (p.q_norm != nullptr ? RopeNorm::kQ : 0) | (p.k_norm != nullptr ? RopeNorm::kK : 0);
   if (norms != Shape::kNorms || (norms != 0 && p.norm_dtype != Shape::kNormDtype)) {
     mismatch("q_norm_weight", "set of norms or weight dtype");
   }
