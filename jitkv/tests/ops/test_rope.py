@@ -724,24 +724,24 @@ def test_cuda_variants():
 
 
 def test_cuda_norm_builds():
-    """The norms a CUDA module is built for: which heads (bit 0 q, bit 1 k) and the weights' dtype as
-    JitSpec args, and weights the kernel has no build for refused before building."""
+    """The norms a CUDA module is built for: which heads (codes.RopeNorm bits: 1 q, 2 k) and the weights'
+    dtype as JitSpec args, and weights the kernel has no build for refused before building."""
     from jitkv.codes import KvFormat, RopeQ, SrcDtype
     from jitkv.ops.rope import Variant, cuda_refusal, cuda_spec
 
     def v(q_norm, k_norm, w):
         return Variant(128, 128, 128, True, q_norm, k_norm, SrcDtype.BF16, SrcDtype.F32, w, RopeQ.COPY, KvFormat.COPY)
 
-    args = {
-        (q, k, w): dict(cuda_spec("9.0a", v(q, k, w)).args)
+    args = [
+        dict(cuda_spec("9.0a", v(q, k, w)).args)
         for q, k, w in [
             (False, False, SrcDtype.NONE),
             (True, False, SrcDtype.BF16),
             (False, True, SrcDtype.F32),
             (True, True, SrcDtype.BF16),
         ]
-    }
-    assert [(a["norms"], a["norm_dtype"]) for a in args.values()] == [(0, 0), (1, 1), (2, 3), (3, 1)]
+    ]
+    assert [(a["norms"], a["norm_dtype"]) for a in args] == [(0, 0), (1, 1), (2, 3), (3, 1)]
     assert cuda_refusal(v(True, True, SrcDtype.F32)) is None
     assert cuda_refusal(v(True, True, SrcDtype.F16)) == "norm weights are float32 or of the sources' dtype"
 
