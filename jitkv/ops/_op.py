@@ -166,21 +166,22 @@ class Op:
         are cheaper to read than the attributes of ``self``."""
         home_at, variant, check, compiled = self._home_at, self.variant, self.check, self.compiled
         cuda_get, cpu_get, cuda_runner, cpu_runner = self._cuda.get, self._cpu.get, self._cuda_runner, self._cpu_runner
-        name, home_name = self.name, self.home
 
         def run(args: tuple, backend=None):
             if is_compiling():
                 return compiled(args, backend)
             home = args[home_at]
             try:
-                if home.is_cuda:
-                    index = home.get_device()
+                # One tensor attribute read on the hot path (each costs tens of ns): the device index,
+                # -1 off the accelerators. The device type is checked where a runner is first made;
+                # a tensor of another type that meets a runner made for CUDA or the CPU (an XPU
+                # tensor of a cached index, a meta tensor) fails in it, and the op's check names it.
+                index = home.get_device()
+                if index >= 0:
                     key = variant(*args) if variant is not None else ()
-                    fn = cuda_get((index, backend, key)) or cuda_runner(index, backend, key)
-                elif home.is_cpu:
-                    fn = cpu_get(backend) or cpu_runner(backend)
+                    fn = cuda_get((index, backend, key)) or cuda_runner(index, backend, key, home)
                 else:
-                    raise checks.unsupported_device(name, home_name, home)
+                    fn = cpu_get(backend) or cpu_runner(backend, home)
             except (AttributeError, TypeError, KeyError, BackendUnavailable):
                 # A home that is no tensor, arguments the variant cannot read, or a view no backend
                 # (or the forced one) takes: bad input gets its own error first, whichever backend
@@ -219,14 +220,18 @@ class Op:
         lookup once made (no lock), for an op module's own fast path (transfer_pages' (K, V) launch)."""
         return self._cuda.get((index, backend, key)) or self._cuda_runner(index, backend, key)
 
-    def _cpu_runner(self, backend):
+    def _cpu_runner(self, backend, home=None):
+        if home is not None and not home.is_cpu:
+            raise checks.unsupported_device(self.name, self.home, home)
         with _LOCK:
             fn = self._cpu.get(backend)
             if fn is None:
                 fn = self._cpu[backend] = self._resolve(_CPU, forced_backend(backend), None)
         return fn
 
-    def _cuda_runner(self, index, backend, key):
+    def _cuda_runner(self, index, backend, key, home=None):
+        if home is not None and not home.is_cuda:
+            raise checks.unsupported_device(self.name, self.home, home)
         with _LOCK:
             fn = self._cuda.get((index, backend, key))
             if fn is None:
