@@ -83,8 +83,7 @@ def rope_store_cache(
         is_neox: True for NeoX halves (Llama, Qwen), False for GPT-J pairs (interleaved).
         rotary_dim: even, <= D; None: ``cos_sin_cache.shape[1]``. Dims >= rotary_dim pass through.
         q_norm_weight, k_norm_weight: ``[D]`` in q's dtype or float32: per-head RMSNorm before RoPE
-            (Qwen3), with ``eps``; D must then be a multiple of 8. None: no norm. Model parameters:
-            the CUDA kernel reads them before its PDL wait (no kernel just before it may write them).
+            (Qwen3), with ``eps``; D must then be a multiple of 8. None: no norm.
         q_out: None (q rotated in place), or ``[n', Hq, D]`` (``[n', Hq*D]`` too) in q's dtype, or
             float8_e4m3fn / float8_e5m2 with ``q_scale`` (fp8 attention); q is then never written.
         q_scale: an fp8 q_out's scale: a finite float > 0 or a 1-element float32 tensor (read on the

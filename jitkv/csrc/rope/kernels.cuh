@@ -7,7 +7,7 @@
 //  - rope_set_mla_kv_buffer_kernel: kv_c's lanes (the fp8_ds_mla tiles: 16 lanes each, the first 64
 //    threads), k_pe's piece, then the query heads' q_nope pieces (q_out), then their q_pe pieces, each
 //    kind from a warp's start (MlaShape::Pieces).
-// Each thread: addresses, the norm weights, the PDL wait, its loads (index, position, source, scale), the
+// Each thread: addresses, the PDL wait, its loads (index, position, source, norm weights, scale), the
 // trigger for the next kernel, then the index and position widened and checked and the weights made
 // float32 (lanes.cuh LoadedIndex, NormWeights), the cos/sin loads, the arithmetic and the stores. Where
 // the trigger sits against the loads and their uses moves the n <= 8 latency by up to 0.2 µs either way;
@@ -162,11 +162,6 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
   const char* src = (kIsK ? p.k_src + t * p.k_src_token : p.q_src + t * p.q_src_token) + h0 * head;
   constexpr bool kNorm = (S::kNorms & (kIsK ? RopeNorm::kK : RopeNorm::kQ)) != 0;
   const char* norm = kIsK ? p.k_norm : p.q_norm;
-  // The norm weights are model parameters, which no kernel of a forward pass writes: loaded before the
-  // PDL wait, so that under PDL their latency overlaps the previous kernel (docs/design.md §9).
-  NormWeights<kV, S::kNormDtype> w_in;
-  if constexpr (kNorm) w_in.template load<R>(norm, j, inside);
-  cuda::pdl_wait();
   const LoadedIndex pos_in = load_index_later(p.positions, p.pos_i64, t);
   LoadedIndex slot_in = {};
   if (kIsK) slot_in = load_index_later(p.slots, p.slot_i64, t);
@@ -175,6 +170,8 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
   for (int u = 0; u < kHpt; ++u) {
     if (inside) v[u] = load_lane<R, kEs>(src + u * head, j);
   }
+  NormWeights<kV, S::kNormDtype> w_in;
+  if constexpr (kNorm) w_in.template load<R>(norm, j, inside);
   float scale[kHpt];
 #pragma unroll
   for (int u = 0; u < kHpt; ++u) {
@@ -220,7 +217,6 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
 template <class S, int kHpt>
 __device__ __forceinline__ void store_v(const StoreArgs& p, int64_t t, int h0, int c) {
   const bool inside = c < S::kVLanes;
-  cuda::pdl_wait();
   const LoadedIndex slot_in = load_index_later(p.slots, p.slot_i64, t);
   const char* src = p.v_src + t * p.v_src_token + h0 * p.v_src_head + c * 16;
   cuda::Pack<16> v[kHpt] = {};
@@ -258,7 +254,8 @@ __global__ void __launch_bounds__(kBlockThreads) rope_store_cache_kernel(const _
   const bool is_q = piece < at.q_end, is_k = piece >= at.k_begin && piece < at.k_end;
   const bool is_v = piece >= at.v_begin && piece < at.end;
   if (!is_q && !is_k && !is_v) return;  // the gaps before a warp and the token's last warp: whole groups
-  if (!is_v) {  // rope_heads and store_v wait for the previous kernel (PDL) before their first read of its output
+  cuda::pdl_wait();
+  if (!is_v) {
     const int h0 = (is_k ? piece - at.k_begin : piece) * kHpt;
     if (is_k) {
       rope_heads<S, kHpt, true, kNeox, kCs>(p, t, h0, j);

@@ -4,8 +4,7 @@
 // A kernel launched with the attribute may start while the previous kernel on its stream is still
 // running; it must not touch memory that kernel may write until griddepcontrol.wait returns (which is
 // after the previous grid completed and flushed). Our kernels call pdl_wait() before their first
-// global access (the one exception: rope's norm weights, model parameters, docs/design.md §9) and
-// pdl_launch_dependents() right after, so the next kernel's launch overlaps ours.
+// global access and pdl_launch_dependents() right after, so the next kernel's launch overlaps ours.
 // Both are no-ops below sm_90 or when the kernel was launched without the attribute, so launching with
 // PDL is always safe, and it saves time per launch under CUDA-graph replay (docs/performance.md "PDL").
 #pragma once
