@@ -166,7 +166,8 @@ JITKV_CPU_VEC __m256i quantize32(const void* p, int64_t i, const Fp8Vec& F) {
     const __m256i mag = _mm256_set1_epi16(0x7fff);
     const __m256i a0 = _mm256_and_si256(w0, mag), a1 = _mm256_and_si256(w1, mag);
     const __m256i nan = _mm256_cmpgt_epi16(_mm256_max_epi16(a0, a1), _mm256_set1_epi16(0x7f80));
-    if (__builtin_expect(_mm256_movemask_epi8(nan) != 0, 0)) return quantize32<K, Fp8Path::kDivide>(p, i, F);  // see quantize8
+    // vpmovmskb rather than vptest, as quantize8's test.
+    if (__builtin_expect(_mm256_movemask_epi8(nan) != 0, 0)) return quantize32<K, Fp8Path::kDivide>(p, i, F);
     const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,  //
                                            0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
     const __m256i codes =
