@@ -1230,12 +1230,15 @@ def _bench_cpu(h) -> list:
 
 
 ROPE_NS = (1, 8, 32, 128, 512, 2048, 16384)
+ROPE_CEILING_NS = (128, 512)  # where the rows also get a graph-timed contiguous copy of the op's bytes
 
 
 def _bench_gpu(h, ns=ROPE_NS) -> list:
     """The CPU cases on CUDA under graph replay, per layer its own caches (2^16 slots) and sources: the
     unfused composition (torch RoPE, then jitkv's writer), jitkv's writer alone (no RoPE), then the op
-    on its CUDA kernel and on Triton; "x floor" is over the fused-prologue floor of the same run."""
+    on its CUDA kernel and on Triton; "x floor" is over the fused-prologue floor of the same run. At
+    ROPE_CEILING_NS also a contiguous copy of the bytes the op moves (read = write = half), under graph
+    replay like the rows: what no kernel moving those bytes beats by much."""
     rows, slots_per_layer = [], 1 << 16
     for case, hq, hk, d, norm in MHA_MODELS:
         for kv in ("auto", "fp8_e4m3"):
@@ -1255,6 +1258,8 @@ def _bench_gpu(h, ns=ROPE_NS) -> list:
                     for b in ROPE_STORE_CACHE.order["cuda"]
                     if b != "torch"
                 ]
+                if n in ROPE_CEILING_NS:
+                    cases += h.contiguous_copies(_mha_bytes(args[0]))
                 rows += h.rows(
                     OP,
                     f"{case} bf16 -> {'bf16' if kv == 'auto' else 'e4m3'}",
@@ -1276,6 +1281,8 @@ def _bench_gpu(h, ns=ROPE_NS) -> list:
                 for b in ROPE_SET_MLA_KV_BUFFER.order["cuda"]
                 if b != "torch"
             ]
+            if n in ROPE_CEILING_NS:
+                cases += h.contiguous_copies(_mla_bytes(args[0]))
             rows += h.rows(
                 MLA_OP, f"DeepSeek H{MLA_HEADS} 512+64 bf16 -> {kv}", n, _mla_bytes(args[0]), cases, floor="rope"
             )
