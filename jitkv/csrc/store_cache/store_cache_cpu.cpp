@@ -90,11 +90,8 @@ inline void quantize_side(const SideRows& r, int64_t row, int64_t slot, cpu::Src
   const Side& s = *r.side;
   const char* src = s.src + row * s.src_stride_token;
   char* dst = slot_addr(s, slot);
-  const int64_t q_step = s.scale_stride != 0 ? 1 : 0;
-  for (int64_t h = 0; h < r.segs; ++h) {
-    r.fp8[h * q_step](reinterpret_cast<uint8_t*>(dst + h * s.dst_stride_head), kind, src + h * s.src_stride_head,
-                      r.seg_elems, nt);
-  }
+  cpu::Fp8Quantizer::segments(r.fp8, s.scale_stride != 0 ? 1 : 0, reinterpret_cast<uint8_t*>(dst), s.dst_stride_head,
+                              kind, src, s.src_stride_head, r.segs, r.seg_elems, nt);
 }
 
 // fp8 conversion costs more per source byte than a copy: weigh its payload so threads start earlier.

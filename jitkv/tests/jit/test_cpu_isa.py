@@ -223,15 +223,17 @@ def check_store_cache_fp8():
 
 
 def check_fp8_every_16_bit_value():
-    """store_cache's conversion of every bf16 / fp16 pattern, per-tensor and per-head scales."""
+    """store_cache's conversion of every bf16 / fp16 pattern, per-tensor and per-head scales; heads of 125
+    values (each segment's tail) and of 128 (whole lines: a row's per-head segments in one call)."""
     for dtype in (torch.bfloat16, torch.float16):
-        x = every_16_bit_value(dtype, 8 * 125)
-        k = x.view(x.shape[0], 8, 125)
-        for kv in FP8:
-            for scales in ((1.0, 0.37), (torch.exp2(torch.arange(-10.0, 14.0, 3.0)), 1e-3)):
-                _store_cache_case(
-                    "every value", k.shape[0], 8, 125, dtype, torch.uint8, "flat", kv=kv, scales=scales, k=k
-                )
+        for d in (125, 128):
+            x = every_16_bit_value(dtype, 8 * d)
+            k = x.view(x.shape[0], 8, d)
+            for kv in FP8:
+                for scales in ((1.0, 0.37), (torch.exp2(torch.arange(-10.0, 14.0, 3.0)), 1e-3)):
+                    _store_cache_case(
+                        "every value", k.shape[0], 8, d, dtype, torch.uint8, "flat", kv=kv, scales=scales, k=k
+                    )
 
 
 def _fp32_specials() -> torch.Tensor:

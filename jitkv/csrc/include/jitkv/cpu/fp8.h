@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "jitkv/cpu/fp8_avx2.h"
 #include "jitkv/cpu/fp8_avx512.h"
@@ -31,14 +32,43 @@ class Fp8Quantizer {
   void operator()(uint8_t* dst, SrcKind k, const void* src, int64_t n, bool nt) const {
     with_kind(k, [&](auto kind) {
       constexpr SrcKind K = decltype(kind)::value;
-      if (v_.divide) {
-        quantize_seg_k<K, Fp8Path::kDivide>(dst, src, n, v_, nt);
-      } else if (v_.pow2) {
-        quantize_seg_k<K, Fp8Path::kPow2>(dst, src, n, v_, nt);
-      } else {
-        quantize_seg_k<K, Fp8Path::kMul>(dst, src, n, v_, nt);
+      with_path(v_, [&](auto path) { quantize_seg_k<K, decltype(path)::value>(dst, src, n, v_, nt); });
+    });
+  }
+
+  // count segments of n values: segment i from src + i * src_step to dst + i * dst_step by quantizer
+  // q[i * q_step] (q_step 0: q[0] for all), as operator() each. A row's per-head segments in one call:
+  // the source kind is dispatched once, and segments of whole 64-value lines (head dims 64, 128, 256)
+  // take the line loop alone, inlined, with no call or tail per head (docs/performance.md "Per-head
+  // segments in one loop").
+  static void segments(const Fp8Quantizer* q, int64_t q_step, uint8_t* dst, int64_t dst_step, SrcKind k,
+                       const char* src, int64_t src_step, int64_t count, int64_t n, bool nt) {
+    with_kind(k, [&](auto kind) {
+      constexpr SrcKind K = decltype(kind)::value;
+      for (int64_t i = 0; i < count; ++i) {
+        const Fp8Vec& v = q[i * q_step].v_;
+        uint8_t* d = dst + i * dst_step;
+        const char* s = src + i * src_step;
+        if (n % 64 != 0) {
+          q[i * q_step](d, k, s, n, nt);
+        } else {
+          with_path(v, [&](auto path) { quantize_lines_k<K, decltype(path)::value>(d, s, n, v, nt); });
+        }
       }
     });
+  }
+
+ private:
+  // f(std::integral_constant<Fp8Path, P>) for v's path.
+  template <class F>
+  static void with_path(const Fp8Vec& v, F&& f) {
+    if (v.divide) {
+      f(std::integral_constant<Fp8Path, Fp8Path::kDivide>{});
+    } else if (v.pow2) {
+      f(std::integral_constant<Fp8Path, Fp8Path::kPow2>{});
+    } else {
+      f(std::integral_constant<Fp8Path, Fp8Path::kMul>{});
+    }
   }
 
  private:
@@ -63,6 +93,12 @@ class Fp8Quantizer {
   // dst[i] = fp8(clamp(src[i] / scale)) for i < n.
   void operator()(uint8_t* dst, SrcKind k, const void* src, int64_t n, bool) const {
     for (int64_t i = 0; i < n; ++i) dst[i] = quantize_one(load_f32(k, src, i), scale_, *fmt_);
+  }
+
+  // The vector builds' segments: segment i by q[i * q_step], as operator() each.
+  static void segments(const Fp8Quantizer* q, int64_t q_step, uint8_t* dst, int64_t dst_step, SrcKind k,
+                       const char* src, int64_t src_step, int64_t count, int64_t n, bool nt) {
+    for (int64_t i = 0; i < count; ++i) q[i * q_step](dst + i * dst_step, k, src + i * src_step, n, nt);
   }
 
  private:

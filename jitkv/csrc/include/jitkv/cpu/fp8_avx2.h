@@ -196,12 +196,18 @@ inline float abs_max_k(const void* src, int64_t n) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
+// Elements [0, n) -> n bytes, n a multiple of 64: whole lines, no tail (quantize_seg_k's main loop).
 template <SrcKind K, Fp8Path P>
-inline void quantize_seg_k(uint8_t* dst, const void* src, int64_t n, const Fp8Vec& F, bool nt) {
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
+JITKV_CPU_VEC void quantize_lines_k(uint8_t* dst, const void* src, int64_t n, const Fp8Vec& F, bool nt) {
+  for (int64_t i = 0; i < n; i += 64) {
     store_line(reinterpret_cast<char*>(dst + i), quantize32<K, P>(src, i, F), quantize32<K, P>(src, i + 32, F), nt);
   }
+}
+
+template <SrcKind K, Fp8Path P>
+inline void quantize_seg_k(uint8_t* dst, const void* src, int64_t n, const Fp8Vec& F, bool nt) {
+  int64_t i = n / 64 * 64;
+  quantize_lines_k<K, P>(dst, src, i, F, nt);
   if (i + 32 <= n) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), quantize32<K, P>(src, i, F));
     i += 32;

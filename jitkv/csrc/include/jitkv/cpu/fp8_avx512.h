@@ -186,10 +186,16 @@ inline float abs_max_k(const void* src, int64_t n) {
   return _mm512_reduce_max_ps(acc);
 }
 
+// Elements [0, n) -> n bytes, n a multiple of 64: whole lines, no tail (quantize_seg_k's main loop).
+template <SrcKind K, Fp8Path P>
+JITKV_CPU_VEC void quantize_lines_k(uint8_t* dst, const void* src, int64_t n, const Fp8Vec& F, bool nt) {
+  for (int64_t i = 0; i < n; i += 64) store_line(reinterpret_cast<char*>(dst + i), quantize64<K, P>(src, i, F), nt);
+}
+
 template <SrcKind K, Fp8Path P>
 inline void quantize_seg_k(uint8_t* dst, const void* src, int64_t n, const Fp8Vec& F, bool nt) {
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64) store_line(reinterpret_cast<char*>(dst + i), quantize64<K, P>(src, i, F), nt);
+  int64_t i = n / 64 * 64;
+  quantize_lines_k<K, P>(dst, src, i, F, nt);
   for (; i < n; i += 16) {
     const int64_t r = n - i < 16 ? n - i : 16;
     const __mmask16 m = static_cast<__mmask16>((1u << r) - 1);
