@@ -71,7 +71,6 @@ class Fp8Quantizer {
     }
   }
 
- private:
   Fp8Vec v_;
 };
 #else
