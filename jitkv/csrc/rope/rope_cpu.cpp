@@ -206,10 +206,10 @@ void transform_head(const rope::Rotation& r, const float* w, float eps, int64_t 
 
 const cpu::Fp8Format& fp8_of(RopeQ m) { return m == RopeQ::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3; }
 
-// s.x (n values) into a destination of kind k, or quantized (fp8: scale > 0).
-inline void store_head(char* dst, SrcKind k, const float* x, int64_t n, const cpu::Fp8Format* fp8, float scale) {
+// s.x (n values) into a destination of kind k, or quantized by fp8 (non-null).
+inline void store_head(char* dst, SrcKind k, const float* x, int64_t n, const cpu::Fp8Quantizer* fp8) {
   if (fp8 != nullptr) {
-    cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst), SrcKind::kF32, x, n, scale, *fp8, false);
+    (*fp8)(reinterpret_cast<uint8_t*>(dst), SrcKind::kF32, x, n, false);
   } else {
     store_row(dst, k, x, n);
   }
@@ -258,35 +258,52 @@ inline float side_scale(const store_cache::Side& s, int64_t h) {
   return s.scale_stride != 0 ? s.scale_ptr[h * s.scale_stride] : s.scale_ptr ? *s.scale_ptr : s.scale;
 }
 
-void store_token(const rope::StoreParams& p, const float* qw, const float* kw, int64_t t, int64_t slot, Scratch& s) {
+// The call's fp8 quantizers, set up once (cpu::Fp8Quantizer: its setup costs about as much as
+// converting 32 values, a quarter of a 128-value head): q's, and K's and V's per head (one per scale).
+struct StoreQuantizers {
+  std::vector<cpu::Fp8Quantizer> q, k, v;  // empty: that side is not quantized
+
+  explicit StoreQuantizers(const rope::StoreParams& p) {
+    if (rope::q_is_fp8(p.q.mode)) q.emplace_back(fp8_of(p.q.mode), p.q.scale_ptr ? *p.q.scale_ptr : p.q.scale);
+    if (p.kv.kv_dtype == codes::KvFormat::kCopy) return;
+    const cpu::Fp8Format& fmt = p.kv.kv_dtype == codes::KvFormat::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3;
+    for (int64_t h = 0; h < p.kv.num_heads; ++h) {
+      k.emplace_back(fmt, side_scale(p.kv.k, h));
+      v.emplace_back(fmt, side_scale(p.kv.v, h));
+    }
+  }
+
+  static const cpu::Fp8Quantizer* at(const std::vector<cpu::Fp8Quantizer>& side, int64_t h) {
+    return side.empty() ? nullptr : &side[static_cast<size_t>(h)];
+  }
+};
+
+void store_token(const rope::StoreParams& p, const StoreQuantizers& fp8, const float* qw, const float* kw, int64_t t,
+                 int64_t slot, Scratch& s) {
   const auto& kv = p.kv;
   const int64_t d = kv.k_head_dim, src_es = elem_bytes(kv.src_dtype);
   const SrcKind src = kind_of(kv.src_dtype);
-  const bool fp8_kv = kv.kv_dtype != codes::KvFormat::kCopy;
-  const cpu::Fp8Format& kv_fmt = kv.kv_dtype == codes::KvFormat::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3;
   expand_cos_sin(p.rot, t, s);
-  const bool q_fp8 = rope::q_is_fp8(p.q.mode);
-  const float q_scale = p.q.scale_ptr ? *p.q.scale_ptr : p.q.scale;
+  const cpu::Fp8Quantizer* q_fp8 = StoreQuantizers::at(fp8.q, 0);
   for (int64_t h = 0; h < p.q.heads; ++h) {
     load_row(s.x.data(), src, row_of(p.q.src, t, h), d);
     transform_head(p.rot, qw, p.eps, d, s);
-    store_head(row_of(p.q.dst, t, h), src, s.x.data(), d, q_fp8 ? &fp8_of(p.q.mode) : nullptr, q_scale);
+    store_head(row_of(p.q.dst, t, h), src, s.x.data(), d, q_fp8);
   }
   for (int64_t h = 0; h < kv.num_heads; ++h) {
     load_row(s.x.data(), src, kv.k.src + t * kv.k.src_stride_token + h * kv.k.src_stride_head, d);
     transform_head(p.rot, kw, p.eps, d, s);
     if (p.k_out.ptr != nullptr) store_row(row_of(p.k_out, t, h), src, s.x.data(), d);
     if (slot >= 0) {
-      store_head(slot_row(kv.k, slot) + h * kv.k.dst_stride_head, src, s.x.data(), d, fp8_kv ? &kv_fmt : nullptr,
-                 fp8_kv ? side_scale(kv.k, h) : 1.0f);
+      store_head(slot_row(kv.k, slot) + h * kv.k.dst_stride_head, src, s.x.data(), d, StoreQuantizers::at(fp8.k, h));
     }
   }
   if (slot < 0) return;
   for (int64_t h = 0; h < kv.num_heads; ++h) {
     const char* v = kv.v.src + t * kv.v.src_stride_token + h * kv.v.src_stride_head;
     char* dst = slot_row(kv.v, slot) + h * kv.v.dst_stride_head;
-    if (fp8_kv) {
-      cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst), src, v, kv.v_head_dim, side_scale(kv.v, h), kv_fmt, false);
+    if (!fp8.v.empty()) {
+      fp8.v[static_cast<size_t>(h)](reinterpret_cast<uint8_t*>(dst), src, v, kv.v_head_dim, false);
     } else {
       cpu::copy_seg(dst, v, kv.v_head_dim * src_es, false);
     }
@@ -319,35 +336,49 @@ void rope_store_cache_cpu(TensorView q, TensorView k, TensorView v, TensorView k
   check_positions(kOp, p.rot, n);
   const std::vector<int64_t> dest = p.kv.slot_i64 ? store_destinations<int64_t>(p) : store_destinations<int32_t>(p);
   const std::vector<float> qw = weight_f32(p.q_norm, p.norm_dtype, d), kw = weight_f32(p.k_norm, p.norm_dtype, d);
+  const StoreQuantizers fp8(p);
   const int64_t payload =
       n * ((p.q.heads + p.kv.num_heads) * d + p.kv.num_heads * p.kv.v_head_dim) * elem_bytes(p.kv.src_dtype);
   cpu::for_rows(n, cpu::threads_for(kRopeWeight * payload), [&](int64_t begin, int64_t end) {
     Scratch s(std::max(d, p.kv.v_head_dim), p.rot.rot);
     for (int64_t t = begin; t < end; ++t) {
-      store_token(p, qw.empty() ? nullptr : qw.data(), kw.empty() ? nullptr : kw.data(), t, dest[t], s);
+      store_token(p, fp8, qw.empty() ? nullptr : qw.data(), kw.empty() ? nullptr : kw.data(), t, dest[t], s);
     }
   });
 }
 
 // ---------------------------------------------------------------------------------------- MLA
 
-void mla_token(const rope::MlaParams& p, int64_t t, int64_t slot, Scratch& s) {
+// The call's fp8 quantizers, set up once (as StoreQuantizers): q_out's, and the row's (e4m3 / e5m2).
+struct MlaQuantizers {
+  std::vector<cpu::Fp8Quantizer> q, kv;  // empty: not quantized (fp8_ds_mla scales per tile)
+
+  explicit MlaQuantizers(const rope::MlaParams& p) {
+    if (rope::q_is_fp8(p.q.mode)) q.emplace_back(fp8_of(p.q.mode), p.q.scale_ptr ? *p.q.scale_ptr : p.q.scale);
+    const codes::KvFormat f = p.kv.kv_format;
+    if (f == codes::KvFormat::kE4M3 || f == codes::KvFormat::kE5M2) {
+      kv.emplace_back(f == codes::KvFormat::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3,
+                      p.kv.scale_ptr ? *p.kv.scale_ptr : p.kv.scale);
+    }
+  }
+};
+
+void mla_token(const rope::MlaParams& p, const MlaQuantizers& fp8, int64_t t, int64_t slot, Scratch& s) {
   const auto& kv = p.kv;
   const int64_t es = elem_bytes(kv.dtype), r = p.rot.rot, nope = kv.nope_bytes / es;
   const SrcKind src = kind_of(kv.dtype);
   const codes::KvFormat format = kv.kv_format;
   expand_cos_sin(p.rot, t, s);
   if (p.q.mode != RopeQ::kNone) {
-    const bool q_fp8 = rope::q_is_fp8(p.q.mode), in_place = p.q.mode == RopeQ::kInPlace;
-    const float q_scale = p.q.scale_ptr ? *p.q.scale_ptr : p.q.scale;
-    const cpu::Fp8Format* fmt = q_fp8 ? &fp8_of(p.q.mode) : nullptr;
-    const int64_t dst_es = q_fp8 ? 1 : es;
+    const bool in_place = p.q.mode == RopeQ::kInPlace;
+    const cpu::Fp8Quantizer* q_fp8 = fp8.q.empty() ? nullptr : &fp8.q[0];
+    const int64_t dst_es = q_fp8 != nullptr ? 1 : es;
     for (int64_t h = 0; h < p.q.heads; ++h) {
       char* dst = row_of(p.q.dst, t, h);
       if (!in_place) {
         const char* qn = row_of(p.q_nope, t, h);
-        if (q_fp8) {
-          cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst), src, qn, p.nope_q, q_scale, *fmt, false);
+        if (q_fp8 != nullptr) {
+          (*q_fp8)(reinterpret_cast<uint8_t*>(dst), src, qn, p.nope_q, false);
         } else {
           cpu::copy_seg(dst, qn, p.nope_q * es, false);
         }
@@ -355,7 +386,7 @@ void mla_token(const rope::MlaParams& p, int64_t t, int64_t slot, Scratch& s) {
       }
       load_row(s.x.data(), src, row_of(p.q.src, t, h), r);
       transform_head(p.rot, nullptr, 0.0f, r, s);
-      store_head(dst, src, s.x.data(), r, fmt, q_scale);
+      store_head(dst, src, s.x.data(), r, q_fp8);
     }
   }
   load_row(s.x.data(), src, kv.rope + t * kv.rope_row_stride, r);
@@ -371,10 +402,8 @@ void mla_token(const rope::MlaParams& p, int64_t t, int64_t slot, Scratch& s) {
     store_row(reinterpret_cast<char*>(s.half.data()), src, s.x.data(), r);
     mla::write_ds_mla(dst, src, kv_c, reinterpret_cast<const char*>(s.half.data()), false);
   } else {
-    const cpu::Fp8Format& fmt = format == codes::KvFormat::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3;
-    const float scale = kv.scale_ptr ? *kv.scale_ptr : kv.scale;
-    cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst), src, kv_c, nope, scale, fmt, false);
-    cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst) + nope, SrcKind::kF32, s.x.data(), r, scale, fmt, false);
+    fp8.kv[0](reinterpret_cast<uint8_t*>(dst), src, kv_c, nope, false);
+    fp8.kv[0](reinterpret_cast<uint8_t*>(dst) + nope, SrcKind::kF32, s.x.data(), r, false);
   }
 }
 
@@ -399,9 +428,10 @@ void rope_set_mla_kv_buffer_cpu(TensorView kv_buffer, TensorView loc, TensorView
   const int64_t es = elem_bytes(p.kv.dtype);
   const int64_t payload = n * (p.kv.nope_bytes + p.kv.rope_bytes + p.q.heads * (p.nope_q + p.rot.rot) * es);
   const int64_t width = std::max<int64_t>(p.rot.rot, 1);
+  const MlaQuantizers fp8(p);
   cpu::for_rows(n, cpu::threads_for(kRopeWeight * payload), [&](int64_t begin, int64_t end) {
     Scratch s(width, p.rot.rot);
-    for (int64_t t = begin; t < end; ++t) mla_token(p, t, dest[t], s);
+    for (int64_t t = begin; t < end; ++t) mla_token(p, fp8, t, dest[t], s);
   });
 }
 
