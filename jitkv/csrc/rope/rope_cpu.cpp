@@ -205,6 +205,14 @@ void transform_head(const rope::Rotation& r, const float* w, float eps, int64_t 
 }
 
 const cpu::Fp8Format& fp8_of(RopeQ m) { return m == RopeQ::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3; }
+const cpu::Fp8Format& fp8_of(codes::KvFormat f) { return f == codes::KvFormat::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3; }
+
+// q_out's quantizer (one element) for an fp8 q_out, else none; its setup is shared by every head.
+std::vector<cpu::Fp8Quantizer> q_quantizers(const rope::Queries& q) {
+  std::vector<cpu::Fp8Quantizer> out;
+  if (rope::q_is_fp8(q.mode)) out.emplace_back(fp8_of(q.mode), q.scale_ptr ? *q.scale_ptr : q.scale);
+  return out;
+}
 
 // s.x (n values) into a destination of kind k, or quantized by fp8 (non-null).
 inline void store_head(char* dst, SrcKind k, const float* x, int64_t n, const cpu::Fp8Quantizer* fp8) {
@@ -259,14 +267,13 @@ inline float side_scale(const store_cache::Side& s, int64_t h) {
 }
 
 // The call's fp8 quantizers, set up once (cpu::Fp8Quantizer: its setup costs about as much as
-// converting 32 values, a quarter of a 128-value head): q's, and K's and V's per head (one per scale).
+// converting 32 values, a quarter of a 128-value head): q's, and K's and V's, one per head.
 struct StoreQuantizers {
   std::vector<cpu::Fp8Quantizer> q, k, v;  // empty: that side is not quantized
 
-  explicit StoreQuantizers(const rope::StoreParams& p) {
-    if (rope::q_is_fp8(p.q.mode)) q.emplace_back(fp8_of(p.q.mode), p.q.scale_ptr ? *p.q.scale_ptr : p.q.scale);
+  explicit StoreQuantizers(const rope::StoreParams& p) : q(q_quantizers(p.q)) {
     if (p.kv.kv_dtype == codes::KvFormat::kCopy) return;
-    const cpu::Fp8Format& fmt = p.kv.kv_dtype == codes::KvFormat::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3;
+    const cpu::Fp8Format& fmt = fp8_of(p.kv.kv_dtype);
     for (int64_t h = 0; h < p.kv.num_heads; ++h) {
       k.emplace_back(fmt, side_scale(p.kv.k, h));
       v.emplace_back(fmt, side_scale(p.kv.v, h));
@@ -353,12 +360,10 @@ void rope_store_cache_cpu(TensorView q, TensorView k, TensorView v, TensorView k
 struct MlaQuantizers {
   std::vector<cpu::Fp8Quantizer> q, kv;  // empty: not quantized (fp8_ds_mla scales per tile)
 
-  explicit MlaQuantizers(const rope::MlaParams& p) {
-    if (rope::q_is_fp8(p.q.mode)) q.emplace_back(fp8_of(p.q.mode), p.q.scale_ptr ? *p.q.scale_ptr : p.q.scale);
+  explicit MlaQuantizers(const rope::MlaParams& p) : q(q_quantizers(p.q)) {
     const codes::KvFormat f = p.kv.kv_format;
     if (f == codes::KvFormat::kE4M3 || f == codes::KvFormat::kE5M2) {
-      kv.emplace_back(f == codes::KvFormat::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3,
-                      p.kv.scale_ptr ? *p.kv.scale_ptr : p.kv.scale);
+      kv.emplace_back(fp8_of(f), p.kv.scale_ptr ? *p.kv.scale_ptr : p.kv.scale);
     }
   }
 };
