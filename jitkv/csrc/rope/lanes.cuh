@@ -1,10 +1,9 @@
 // rope's device arithmetic (docs/design.md §9) on a lane group: a head of D values held by G lanes (G a
 // power of two <= 32), lane j holding kV values (16 source bytes) as float32; lanes j >= D / kV hold
 // zeros and store nothing. All of it is the reference's order, rounded at the same places: the squares
-// summed in groups of 8 then folded by halves (an xor butterfly over the group's lanes gives the same
-// sums: each step adds a[j] and a[j + half] in every lane), IEEE division and square root, and every
-// product rounded before its sum (__fmul_rn, __fadd_rn, __fsub_rn: nvcc contracts a * b + c into an FMA
-// otherwise).
+// summed in groups of 8 then folded by halves (gather_fold: every lane folds all the group sums itself),
+// IEEE division, square root and reciprocal (rcp_sqrt_rn), and every product rounded before its sum
+// (__fmul_rn, __fadd_rn, __fsub_rn: nvcc contracts a * b + c into an FMA otherwise).
 //
 // Which values a lane holds (LaneRotation): [j kV, (j + 1) kV), except NeoX's split lanes, where a
 // rotated lane j holds [j kV/2, (j + 1) kV/2) and the same h = rotary_dim / 2 further, so that both
@@ -75,6 +74,28 @@ __device__ __forceinline__ void to_floats(const cuda::Pack<16>& v, float (&x)[la
   for (int i = 0; i < lane_values<kSrc>(); ++i) x[i] = cuda::SrcTraits<kSrc>::at(v.w, i);
 }
 
+// The fixed-order sum of P values (a[i] + a[i + half] for half = P / 2, ..., 1), value k held by the
+// kStride lanes from k kStride of the group: every lane gathers all P at once (independent shuffles,
+// their latencies overlapping, where a butterfly waits for log2 P rounds one after another) and folds
+// them itself, so every lane gets the same bits (docs/performance.md "rope norm in one round").
+template <int P, int kStride, int G>
+__device__ __forceinline__ float gather_fold(float g, unsigned mask) {
+  static_assert(is_pow2(P) && P * kStride <= G, "P values of the group's lanes");
+  if constexpr (P == 1) {
+    return g;
+  } else {
+    float a[P];
+#pragma unroll
+    for (int k = 0; k < P; ++k) a[k] = __shfl_sync(mask, g, k * kStride, G);
+#pragma unroll
+    for (int half = P / 2; half >= 1; half /= 2) {
+#pragma unroll
+      for (int i = 0; i < half; ++i) a[i] = __fadd_rn(a[i], a[i + half]);
+    }
+    return a[0];
+  }
+}
+
 // The group's sum of squares in the fixed order (every lane gets it).
 template <int kV, int G>
 __device__ __forceinline__ float sum_squares(const float (&x)[kV], unsigned mask) {
@@ -93,9 +114,7 @@ __device__ __forceinline__ float sum_squares(const float (&x)[kV], unsigned mask
     g = __fadd_rn(__fadd_rn(t[0], t[2]), __fadd_rn(t[1], t[3]));
   }
   constexpr int kLanesPerGroup = 8 / kV;
-#pragma unroll
-  for (int off = G / 2; off >= kLanesPerGroup; off /= 2) g = __fadd_rn(g, __shfl_xor_sync(mask, g, off));
-  return g;
+  return gather_fold<G / kLanesPerGroup, kLanesPerGroup, G>(g, mask);
 }
 
 // Whether a rotation's lanes are split (LaneRotation kSplit): NeoX of 16-bit values. 32-bit values (4 a
@@ -176,9 +195,8 @@ __device__ __forceinline__ void store_lane(char* base, int j, const cuda::Pack<R
 // The group's sum of squares in the fixed order for split lanes (R: LaneRotation with kSplit, kV 8) of a
 // head of kD dims: a split lane's two pieces are halves of 8-dim groups j / 2 and h / 8 + j / 2 (their
 // other halves in lane j ^ 1), a lane from rotary_dim on holds group j whole. With the rotation covering
-// all of a power-of-two D the first fold of the group sums adds exactly a lane's two groups and the later
-// folds are lanes G / 2, ..., 2 apart; otherwise each group's sum moves to lane (group) first (two
-// shuffles) and the folds run as sum_squares' do.
+// all of a power-of-two D the first fold of the group sums adds exactly a lane's two groups, lanes 2m and
+// 2m + 1 then holding fold m; otherwise each group's sum moves to lane (group) first (two shuffles).
 template <class R, int kD, int G>
 __device__ __forceinline__ float sum_squares_split(const float (&x)[8], int j, unsigned mask) {
   float s[8], t[8];
@@ -188,22 +206,16 @@ __device__ __forceinline__ float sum_squares_split(const float (&x)[8], int j, u
   for (int i = 0; i < 8; ++i) t[i] = __fadd_rn(s[i], __shfl_xor_sync(mask, s[i], 1));
   const float a = __fadd_rn(__fadd_rn(t[0], t[2]), __fadd_rn(t[1], t[3]));
   const float b = __fadd_rn(__fadd_rn(t[4], t[6]), __fadd_rn(t[5], t[7]));
-  float g;
-  int last = 2;
   if constexpr (R::kRotLanes * 8 == kD && is_pow2(kD)) {
-    g = __fadd_rn(a, b);
+    return gather_fold<G / 2, 2, G>(__fadd_rn(a, b), mask);  // lanes 2m and 2m + 1 hold fold m
   } else {
     constexpr int kHalfGroups = R::kHalf / 8;
     const float from_a = __shfl_sync(mask, a, (2 * j) % G, G);
     const float from_b = __shfl_sync(mask, b, (2 * (j - kHalfGroups) + 2 * G) % G, G);
     const float whole = __fadd_rn(__fadd_rn(__fadd_rn(s[0], s[4]), __fadd_rn(s[2], s[6])),
                                   __fadd_rn(__fadd_rn(s[1], s[5]), __fadd_rn(s[3], s[7])));
-    g = j < kHalfGroups ? from_a : j < 2 * kHalfGroups ? from_b : whole;
-    last = 1;
+    return gather_fold<G, 1, G>(j < kHalfGroups ? from_a : j < 2 * kHalfGroups ? from_b : whole, mask);
   }
-#pragma unroll
-  for (int off = G / 2; off >= last; off /= 2) g = __fadd_rn(g, __shfl_xor_sync(mask, g, off));
-  return g;
 }
 
 // A lane's kV norm weights of dtype kW (float32 or the sources'): loaded by load() before the PDL
@@ -224,6 +236,26 @@ struct NormWeights {
   }
 };
 
+// 1 / sqrt(m) with the square root and the reciprocal each correctly rounded: the bits of
+// __frcp_rn(__fsqrt_rn(m)) for every float32 m (test_rope.py checks all 2^32), without those functions'
+// range checks and branches, which sit on the norm's critical path (docs/performance.md "rope reciprocal
+// root"). m is first scaled by 2^126 or 2^-126 into [2^-100, 2^100], where each is its hardware
+// approximation refined by one Newton step (the sequences nvcc emits for sqrt.rn and rcp.rn inside their
+// fast ranges); scaling m by 4^k scales the rounded root by 2^k and its rounded reciprocal by 2^-k
+// exactly, as no result there is subnormal. Selects, not branches: 0 gives inf, inf gives 0, NaN and
+// negative m NaN.
+__device__ __forceinline__ float rcp_sqrt_rn(float m) {
+  const bool small = m < 0x1p-100f, big = m > 0x1p100f;
+  const float mm = __fmul_rn(m, small ? 0x1p126f : big ? 0x1p-126f : 1.0f);
+  float y, z;
+  asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(mm));
+  const float s0 = __fmul_rn(mm, y), half_y = __fmul_rn(y, 0.5f);
+  const float s = __fmaf_rn(__fmaf_rn(-s0, s0, mm), half_y, s0);
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(z) : "f"(s));
+  const float r = __fmul_rn(__fmaf_rn(z, __fmaf_rn(-s, z, 1.0f), z), small ? 0x1p63f : big ? 0x1p-63f : 1.0f);
+  return m == 0.0f ? copysignf(__int_as_float(0x7f800000), m) : m == __int_as_float(0x7f800000) ? 0.0f : r;
+}
+
 // x = (x * r) * w, r = 1 / sqrt(sum / D + eps): Qwen3's per-head RMSNorm in the fixed order, lane j
 // holding its values as R lays them out.
 template <class R, int kD, int G, int kV = R::kValues>
@@ -235,9 +267,9 @@ __device__ __forceinline__ void rms_norm(float (&x)[kV], const float (&w)[kV], f
     sum = sum_squares<kV, G>(x, mask);
   }
   // sum / D and 1 / sqrt as the reference rounds them: for a power-of-two D the product with 1 / D is
-  // that quotient exactly, and __frcp_rn is the correctly rounded 1 / x (each saves a division).
+  // that quotient exactly (it saves a division), and rcp_sqrt_rn rounds the root and its reciprocal.
   const float mean = is_pow2(kD) ? __fmul_rn(sum, 1.0f / float(kD)) : __fdiv_rn(sum, float(kD));
-  const float r = __frcp_rn(__fsqrt_rn(__fadd_rn(mean, eps)));
+  const float r = rcp_sqrt_rn(__fadd_rn(mean, eps));
 #pragma unroll
   for (int i = 0; i < kV; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], r), w[i]);
 }

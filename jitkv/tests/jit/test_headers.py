@@ -55,7 +55,7 @@ def _units(root: Path, headers: list[str], suffix: str) -> list[str]:
     return units
 
 
-def _includes(tmp_path: Path) -> list[str]:
+def includes(tmp_path: Path) -> list[str]:
     import tvm_ffi.libinfo
 
     generated = tmp_path / "generated"
@@ -88,14 +88,14 @@ def test_cuda_and_family_headers_compile_alone(tmp_path):
         pytest.skip("nvcc not found")
     headers = LIBRARY + HOST_LIBRARY + FAMILY_CUDA + FAMILY_HOST
     units = _units(tmp_path / "units", headers, ".cu")
-    nvcc = [toolchain.nvcc(), "-ptx", "-arch=sm_90a", "-std=c++17", "--expt-relaxed-constexpr", *_includes(tmp_path)]
+    nvcc = [toolchain.nvcc(), "-ptx", "-arch=sm_90a", "-std=c++17", "--expt-relaxed-constexpr", *includes(tmp_path)]
     _check([[*nvcc, *units[0::2]], [*nvcc, *units[1::2]]], cwd=tmp_path / "units")
 
 
 def test_host_headers_compile_alone(tmp_path):
     cxx = shlex.split(toolchain.cxx())
     units = _units(tmp_path / "units", HOST_LIBRARY + FAMILY_HOST, ".cpp")
-    _check([[*cxx, "-fsyntax-only", "-std=c++17", *_includes(tmp_path), *units]], cwd=tmp_path / "units")
+    _check([[*cxx, "-fsyntax-only", "-std=c++17", *includes(tmp_path), *units]], cwd=tmp_path / "units")
 
 
 @pytest.mark.skipif(toolchain.host_cpu_isa() == "scalar", reason="a host without AVX2 builds the scalar path only")
@@ -104,6 +104,6 @@ def test_cpu_headers_compile_alone_on_every_path(tmp_path):
     the flags the builds add to -march=native for it)."""
     cxx = shlex.split(toolchain.cxx())
     units = _units(tmp_path / "units", CPU_LIBRARY, ".cpp")
-    base = [*cxx, "-fsyntax-only", "-std=c++17", "-march=native", *_includes(tmp_path)]
+    base = [*cxx, "-fsyntax-only", "-std=c++17", "-march=native", *includes(tmp_path)]
     cmds = [[*base, *toolchain.cpu_isa_cflags(isa), *units] for isa in toolchain.host_cpu_isas()]
     _check(cmds, cwd=tmp_path / "units")

@@ -749,6 +749,56 @@ def test_cuda_norm_builds():
 # ------------------------------------------------------------------------------ GPU-only cases
 
 
+_RCP_SQRT_CHECK = r"""
+#include <cstdio>
+#include "rope/lanes.cuh"
+
+// Every float32 bit pattern m: rcp_sqrt_rn(m) against __frcp_rn(__fsqrt_rn(m)), bit for bit.
+__global__ void check(unsigned long long* bad, unsigned* first) {
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < (1ull << 32); i += gridDim.x * blockDim.x) {
+    const float m = __uint_as_float(unsigned(i));
+    const unsigned got = __float_as_uint(jitkv::rope::rcp_sqrt_rn(m)), want = __float_as_uint(__frcp_rn(__fsqrt_rn(m)));
+    if (got != want && !(isnan(__uint_as_float(got)) && isnan(__uint_as_float(want)))) {
+      atomicAdd(bad, 1ull);
+      atomicMin(first, unsigned(i));
+    }
+  }
+}
+
+int main() {
+  unsigned long long* bad;
+  unsigned* first;
+  cudaMallocManaged(&bad, sizeof *bad);
+  cudaMallocManaged(&first, sizeof *first);
+  *bad = 0, *first = ~0u;
+  check<<<4096, 256>>>(bad, first);
+  if (cudaDeviceSynchronize() != cudaSuccess) return 2;
+  std::printf("%llu mismatches, first at 0x%08x\n", *bad, *first);
+  return *bad != 0;
+}
+"""
+
+
+@gpu
+def test_rcp_sqrt_rn_is_the_ieee_functions_for_every_float(tmp_path):
+    """The norm's 1 / sqrt(m) (lanes.cuh rcp_sqrt_rn: m scaled into range, the hardware approximations and
+    one Newton step each, no branches) gives the bits of __frcp_rn(__fsqrt_rn(m)) for all 2^32 float32 m
+    (any NaN for a NaN): a standalone program over every bit pattern, built for this GPU."""
+    import subprocess
+
+    from jitkv.jit import toolchain
+    from jitkv.tests.jit.test_headers import includes
+
+    (tmp_path / "check.cu").write_text(_RCP_SQRT_CHECK)
+    arch = toolchain.sm_name(toolchain.cuda_arch(torch.device("cuda")))
+    build = [toolchain.nvcc(), f"-arch={arch}", "-std=c++17", "-O3", *includes(tmp_path), "check.cu", "-o", "check"]
+    built = subprocess.run(build, cwd=tmp_path, capture_output=True, text=True)
+    assert built.returncode == 0, built.stdout + built.stderr
+    run = subprocess.run([str(tmp_path / "check")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.startswith("0 mismatches"), run.stdout
+
+
 @gpu
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("n", [1, 64, 3000])
