@@ -205,7 +205,6 @@ void transform_head(const rope::Rotation& r, const float* w, float eps, int64_t 
 }
 
 const cpu::Fp8Format& fp8_of(RopeQ m) { return m == RopeQ::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3; }
-const cpu::Fp8Format& fp8_of(codes::KvFormat f) { return f == codes::KvFormat::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3; }
 
 // q_out's quantizer (one element) for an fp8 q_out, else none; its setup is shared by every head.
 std::vector<cpu::Fp8Quantizer> q_quantizers(const rope::Queries& q) {
@@ -273,7 +272,7 @@ struct StoreQuantizers {
 
   explicit StoreQuantizers(const rope::StoreParams& p) : q(q_quantizers(p.q)) {
     if (p.kv.kv_dtype == codes::KvFormat::kCopy) return;
-    const cpu::Fp8Format& fmt = fp8_of(p.kv.kv_dtype);
+    const cpu::Fp8Format& fmt = cpu::fp8_format(p.kv.kv_dtype);
     for (int64_t h = 0; h < p.kv.num_heads; ++h) {
       k.emplace_back(fmt, side_scale(p.kv.k, h));
       v.emplace_back(fmt, side_scale(p.kv.v, h));
@@ -363,7 +362,7 @@ struct MlaQuantizers {
   explicit MlaQuantizers(const rope::MlaParams& p) : q(q_quantizers(p.q)) {
     const codes::KvFormat f = p.kv.kv_format;
     if (f == codes::KvFormat::kE4M3 || f == codes::KvFormat::kE5M2) {
-      kv.emplace_back(fp8_of(f), p.kv.scale_ptr ? *p.kv.scale_ptr : p.kv.scale);
+      kv.emplace_back(cpu::fp8_format(f), p.kv.scale_ptr ? *p.kv.scale_ptr : p.kv.scale);
     }
   }
 };

@@ -122,7 +122,7 @@ void write_all(const StoreCacheParams& p, const SideRows& k, const SideRows& v, 
                [nt](const SideRows& r, int64_t row, int64_t slot) { copy_side(r, row, slot, nt); });
     return;
   }
-  const cpu::Fp8Format& fmt = p.kv_dtype == KvFormat::kE4M3 ? cpu::kFp8E4M3 : cpu::kFp8E5M2;
+  const cpu::Fp8Format& fmt = cpu::fp8_format(p.kv_dtype);
   const cpu::SrcKind kind = p.src_dtype.code == kDLBfloat ? cpu::SrcKind::kBF16
                             : p.src_dtype.bits == 16      ? cpu::SrcKind::kF16
                                                           : cpu::SrcKind::kF32;

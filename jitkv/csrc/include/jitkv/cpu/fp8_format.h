@@ -19,6 +19,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "jitkv/codes.h"
 #include "jitkv/cpu/row_copy.h"
 
 namespace jitkv {
@@ -38,6 +39,10 @@ constexpr Fp8Format kFp8E4M3{448.0f, 1087u << 20, 121u << 23, 141u << 23, (uint3
                              20,     0x7f};
 constexpr Fp8Format kFp8E5M2{57344.0f, 143u << 23, 113u << 23, 134u << 23, (uint32_t(15 - 127) << 23) + 0xfffffu,
                              21,       0x7c};
+
+// The constants of a cache format's fp8 bytes: e5m2 for codes::KvFormat kE5M2, e4m3 for kE4M3 (and the
+// fp8_ds_mla tiles).
+inline const Fp8Format& fp8_format(codes::KvFormat f) { return f == codes::KvFormat::kE5M2 ? kFp8E5M2 : kFp8E4M3; }
 
 // Source element kind: a runtime value; the vector paths dispatch on it once per segment.
 enum class SrcKind { kBF16, kF16, kF32 };
