@@ -109,9 +109,11 @@ def rope_store_cache(
     one pass per token: CPU (C++) checks every position and slot serially first, then per token and
     head loads a head into float32 (AVX-512 or AVX2), norms it in the fixed order, rotates it with the
     token's cos/sin row, and stores q (or q_out), k_out and the cache row in one go; OpenMP above a
-    payload threshold. Triton (one program per token and head) as the CUDA fallback until the CUDA
-    kernel lands. The RMSNorm of Qwen3 (HF Qwen3RMSNorm) and the RoPE of Llama / GPT-NeoX / GPT-J
-    (HF apply_rotary_pos_emb), vLLM's and sglang's cos_sin_cache layout.
+    payload threshold, cache rows by streaming stores where store_cache would stream them. CUDA (JIT):
+    one launch, a thread per 16 source bytes of a head, the head's lanes one shuffle group
+    (docs/design.md §9); Triton (one program per token and head) as its fallback. The RMSNorm of Qwen3
+    (HF Qwen3RMSNorm) and the RoPE of Llama / GPT-NeoX / GPT-J (HF apply_rotary_pos_emb), vLLM's and
+    sglang's cos_sin_cache layout.
     """
     ROPE_STORE_CACHE.run(
         (

@@ -16,6 +16,7 @@
 #include "jitkv/cpu/scatter.h"
 #include "mla/ds_mla_cpu.h"
 #include "mla/parse.h"
+#include "mla/rows_cpu.h"
 
 namespace jitkv {
 namespace {
@@ -25,8 +26,7 @@ constexpr const char* kOp = "set_mla_kv_buffer";
 void write_rows(const mla::MlaParams& a, const cpu::RowSlot* rows, int64_t m) {
   int64_t payload = m * (a.nope_bytes + a.rope_bytes);
   int threads = cpu::threads_for(payload);
-  bool nt = cpu::want_streaming(a.num_slots * cpu::abs64(a.dst_row_stride), payload, threads) &&
-            cpu::aligned64(a.dst) && a.dst_row_stride % 64 == 0;
+  bool nt = mla::streamed_rows(a, payload, threads);
   cpu::for_rows(m, threads, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       int64_t r = rows[i].row;
@@ -45,8 +45,7 @@ void write_fp8_rows(const mla::MlaParams& a, const cpu::RowSlot* rows, int64_t m
   const int64_t nope = a.nope_bytes / 2, rope = a.rope_bytes / 2;
   const int64_t payload = m * (a.nope_bytes + a.rope_bytes);
   const int threads = cpu::threads_for(payload);
-  const bool nt = cpu::want_streaming(a.num_slots * cpu::abs64(a.dst_row_stride), payload, threads) &&
-                  cpu::aligned64(a.dst) && a.dst_row_stride % 64 == 0;
+  const bool nt = mla::streamed_rows(a, payload, threads);
   cpu::for_rows(m, threads, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       char* dst = a.dst + rows[i].slot * a.dst_row_stride;

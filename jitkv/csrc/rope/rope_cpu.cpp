@@ -8,7 +8,8 @@
 // halves in registers, the group sums by halves), rotate, then store every destination from the float32
 // result: round to nearest even (bf16, fp16), or fp8 by fp8.h's exact conversion. V and the MLA kv_c are
 // copied or quantized from their sources as store_cache / set_mla_kv_buffer do. Vectors: AVX-512 or
-// AVX2 (jitkv/cpu/isa.h), scalar otherwise; OpenMP above a payload threshold (scatter.h).
+// AVX2 (jitkv/cpu/isa.h), scalar otherwise; OpenMP above a payload threshold, and the cache rows by
+// streaming stores where store_cache / set_mla_kv_buffer would stream them (scatter.h want_streaming).
 #include <tvm/ffi/function.h>
 
 #include <algorithm>
@@ -21,8 +22,10 @@
 #include "jitkv/cpu/row_copy.h"
 #include "jitkv/cpu/scatter.h"
 #include "mla/ds_mla_cpu.h"
+#include "mla/rows_cpu.h"
 #include "rope/f32_cpu.h"
 #include "rope/parse.h"
+#include "store_cache/side_cpu.h"
 
 namespace jitkv {
 namespace {
@@ -222,6 +225,22 @@ inline void store_head(char* dst, SrcKind k, const float* x, int64_t n, const cp
   }
 }
 
+// store_head into a cache row; nt: by streaming stores (dst 64-byte aligned), a rounded head staged in
+// s.half first.
+inline void store_cache_head(char* dst, SrcKind k, const float* x, int64_t n, const cpu::Fp8Quantizer* fp8, bool nt,
+                             Scratch& s) {
+  if (!nt) {
+    store_head(dst, k, x, n, fp8);
+  } else if (fp8 != nullptr) {
+    (*fp8)(reinterpret_cast<uint8_t*>(dst), SrcKind::kF32, x, n, true);
+  } else if (k == SrcKind::kF32) {
+    cpu::copy_seg(dst, reinterpret_cast<const char*>(x), n * 4, true);
+  } else {
+    store_row(reinterpret_cast<char*>(s.half.data()), k, x, n);
+    cpu::copy_seg(dst, reinterpret_cast<const char*>(s.half.data()), n * 2, true);
+  }
+}
+
 inline char* row_of(const Rows& r, int64_t t, int64_t h) { return r.ptr + t * r.stride_token + h * r.stride_head; }
 
 // IndexError at the first of positions[0, n) outside [0, max_pos), before anything is written.
@@ -257,10 +276,6 @@ std::vector<float> weight_f32(const void* w, codes::SrcDtype dt, int64_t d) {
 
 // ---------------------------------------------------------------------------------- MHA / GQA
 
-inline char* slot_row(const store_cache::Side& s, int64_t slot) {
-  return s.dst + (slot / s.block_size) * s.dst_stride_block + (slot % s.block_size) * s.dst_stride_token;
-}
-
 inline float side_scale(const store_cache::Side& s, int64_t h) {
   return s.scale_stride != 0 ? s.scale_ptr[h * s.scale_stride] : s.scale_ptr ? *s.scale_ptr : s.scale;
 }
@@ -284,8 +299,9 @@ struct StoreQuantizers {
   }
 };
 
+// Token t's q, k and v; its cache rows (slot >= 0) by streaming stores where nt.
 void store_token(const rope::StoreParams& p, const StoreQuantizers& fp8, const float* qw, const float* kw, int64_t t,
-                 int64_t slot, Scratch& s) {
+                 int64_t slot, bool nt, Scratch& s) {
   const auto& kv = p.kv;
   const int64_t d = kv.k_head_dim, src_es = elem_bytes(kv.src_dtype);
   const SrcKind src = kind_of(kv.src_dtype);
@@ -301,19 +317,29 @@ void store_token(const rope::StoreParams& p, const StoreQuantizers& fp8, const f
     transform_head(p.rot, kw, p.eps, d, s);
     if (p.k_out.ptr != nullptr) store_row(row_of(p.k_out, t, h), src, s.x.data(), d);
     if (slot >= 0) {
-      store_head(slot_row(kv.k, slot) + h * kv.k.dst_stride_head, src, s.x.data(), d, StoreQuantizers::at(fp8.k, h));
+      char* dst = store_cache::slot_row(kv.k, slot) + h * kv.k.dst_stride_head;
+      store_cache_head(dst, src, s.x.data(), d, StoreQuantizers::at(fp8.k, h), nt, s);
     }
   }
   if (slot < 0) return;
   for (int64_t h = 0; h < kv.num_heads; ++h) {
     const char* v = kv.v.src + t * kv.v.src_stride_token + h * kv.v.src_stride_head;
-    char* dst = slot_row(kv.v, slot) + h * kv.v.dst_stride_head;
+    char* dst = store_cache::slot_row(kv.v, slot) + h * kv.v.dst_stride_head;
     if (!fp8.v.empty()) {
-      fp8.v[static_cast<size_t>(h)](reinterpret_cast<uint8_t*>(dst), src, v, kv.v_head_dim, false);
+      fp8.v[static_cast<size_t>(h)](reinterpret_cast<uint8_t*>(dst), src, v, kv.v_head_dim, nt);
     } else {
-      cpu::copy_seg(dst, v, kv.v_head_dim * src_es, false);
+      cpu::copy_seg(dst, v, kv.v_head_dim * src_es, nt);
     }
   }
+}
+
+// Whether the cache rows go by streaming stores: as store_cache writes them (cpu::want_streaming: the
+// caches span far more than the LLC, or a thread writes more than its L2 holds), every head on a line.
+bool streamed_caches(const store_cache::StoreCacheParams& kv, int64_t n, int threads) {
+  const int64_t es = kv.kv_dtype == codes::KvFormat::kCopy ? elem_bytes(kv.src_dtype) : 1;
+  const int64_t dst_bytes = n * kv.num_heads * (kv.k_head_dim + kv.v_head_dim) * es;
+  return cpu::want_streaming(store_cache::span_bytes(kv.k) + store_cache::span_bytes(kv.v), dst_bytes, threads) &&
+         store_cache::lines_aligned(kv.k, true) && store_cache::lines_aligned(kv.v, true);
 }
 
 template <class IdxT>
@@ -345,11 +371,14 @@ void rope_store_cache_cpu(TensorView q, TensorView k, TensorView v, TensorView k
   const StoreQuantizers fp8(p);
   const int64_t payload =
       n * ((p.q.heads + p.kv.num_heads) * d + p.kv.num_heads * p.kv.v_head_dim) * elem_bytes(p.kv.src_dtype);
-  cpu::for_rows(n, cpu::threads_for(kRopeWeight * payload), [&](int64_t begin, int64_t end) {
+  const int threads = cpu::threads_for(kRopeWeight * payload);
+  const bool nt = streamed_caches(p.kv, n, threads);
+  cpu::for_rows(n, threads, [&](int64_t begin, int64_t end) {
     Scratch s(std::max(d, p.kv.v_head_dim), p.rot.rot);
     for (int64_t t = begin; t < end; ++t) {
-      store_token(p, fp8, qw.empty() ? nullptr : qw.data(), kw.empty() ? nullptr : kw.data(), t, dest[t], s);
+      store_token(p, fp8, qw.empty() ? nullptr : qw.data(), kw.empty() ? nullptr : kw.data(), t, dest[t], nt, s);
     }
+    if (nt) cpu::stream_fence();
   });
 }
 
@@ -367,7 +396,8 @@ struct MlaQuantizers {
   }
 };
 
-void mla_token(const rope::MlaParams& p, const MlaQuantizers& fp8, int64_t t, int64_t slot, Scratch& s) {
+// Token t's q and its kv_buffer row (slot >= 0), the row by streaming stores where nt.
+void mla_token(const rope::MlaParams& p, const MlaQuantizers& fp8, int64_t t, int64_t slot, bool nt, Scratch& s) {
   const auto& kv = p.kv;
   const int64_t es = elem_bytes(kv.dtype), r = p.rot.rot, nope = kv.nope_bytes / es;
   const SrcKind src = kind_of(kv.dtype);
@@ -399,15 +429,21 @@ void mla_token(const rope::MlaParams& p, const MlaQuantizers& fp8, int64_t t, in
   if (slot < 0) return;
   char* dst = kv.dst + slot * kv.dst_row_stride;
   const char* kv_c = kv.nope + t * kv.nope_row_stride;
-  if (format == codes::KvFormat::kCopy) {
-    cpu::copy_seg(dst, kv_c, kv.nope_bytes, false);
-    store_row(dst + kv.nope_bytes, src, s.x.data(), r);
-  } else if (format == codes::KvFormat::kDsMla) {
+  if (format == codes::KvFormat::kE4M3 || format == codes::KvFormat::kE5M2) {  // rope(k_pe) from float32
+    fp8.kv[0](reinterpret_cast<uint8_t*>(dst), src, kv_c, nope, nt);
+    fp8.kv[0](reinterpret_cast<uint8_t*>(dst) + nope, SrcKind::kF32, s.x.data(), r, nt && nope % 64 == 0);
+    return;
+  }
+  // rope(k_pe) in kv_c's dtype: rounded into s.half (16-bit), or the float32 values themselves.
+  const char* rope_row = reinterpret_cast<const char*>(s.x.data());
+  if (src != SrcKind::kF32) {
     store_row(reinterpret_cast<char*>(s.half.data()), src, s.x.data(), r);
-    mla::write_ds_mla(dst, src, kv_c, reinterpret_cast<const char*>(s.half.data()), false);
+    rope_row = reinterpret_cast<const char*>(s.half.data());
+  }
+  if (format == codes::KvFormat::kCopy) {
+    cpu::copy_two(dst, kv_c, kv.nope_bytes, rope_row, kv.rope_bytes, nt);
   } else {
-    fp8.kv[0](reinterpret_cast<uint8_t*>(dst), src, kv_c, nope, false);
-    fp8.kv[0](reinterpret_cast<uint8_t*>(dst) + nope, SrcKind::kF32, s.x.data(), r, false);
+    mla::write_ds_mla(dst, src, kv_c, rope_row, nt);
   }
 }
 
@@ -433,9 +469,12 @@ void rope_set_mla_kv_buffer_cpu(TensorView kv_buffer, TensorView loc, TensorView
   const int64_t payload = n * (p.kv.nope_bytes + p.kv.rope_bytes + p.q.heads * (p.nope_q + p.rot.rot) * es);
   const int64_t width = std::max<int64_t>(p.rot.rot, 1);
   const MlaQuantizers fp8(p);
-  cpu::for_rows(n, cpu::threads_for(kRopeWeight * payload), [&](int64_t begin, int64_t end) {
+  const int threads = cpu::threads_for(kRopeWeight * payload);
+  const bool nt = mla::streamed_rows(p.kv, n * (p.kv.nope_bytes + p.kv.rope_bytes), threads);
+  cpu::for_rows(n, threads, [&](int64_t begin, int64_t end) {
     Scratch s(width, p.rot.rot);
-    for (int64_t t = begin; t < end; ++t) mla_token(p, fp8, t, dest[t], s);
+    for (int64_t t = begin; t < end; ++t) mla_token(p, fp8, t, dest[t], nt, s);
+    if (nt) cpu::stream_fence();
   });
 }
 

@@ -16,6 +16,7 @@
 #include "jitkv/cpu/row_copy.h"
 #include "jitkv/cpu/scatter.h"
 #include "store_cache/parse.h"
+#include "store_cache/side_cpu.h"
 
 namespace jitkv {
 namespace {
@@ -51,26 +52,13 @@ SideRows side_rows(const Side& s, int64_t heads, int64_t head_dim, int64_t src_e
   return r;
 }
 
-inline char* slot_addr(const Side& s, int64_t slot) {
-  if (s.block_size == 1) return s.dst + slot * s.dst_stride_block;
-  return s.dst + (slot / s.block_size) * s.dst_stride_block + (slot % s.block_size) * s.dst_stride_token;
-}
-
 // Every destination segment starts on a 64-byte line (required by streaming stores).
-bool lines_aligned(const SideRows& r) {
-  const Side& s = *r.side;
-  return cpu::aligned64(s.dst) && s.dst_stride_block % 64 == 0 && (s.block_size == 1 || s.dst_stride_token % 64 == 0) &&
-         (r.segs == 1 || s.dst_stride_head % 64 == 0);
-}
-
-int64_t span_bytes(const Side& s) {
-  return s.block_size > 0 ? (s.num_slots / s.block_size) * cpu::abs64(s.dst_stride_block) : 0;
-}
+bool lines_aligned(const SideRows& r) { return store_cache::lines_aligned(*r.side, r.segs != 1); }
 
 inline void copy_side(const SideRows& r, int64_t row, int64_t slot, bool nt) {
   const Side& s = *r.side;
   const char* src = s.src + row * s.src_stride_token;
-  char* dst = slot_addr(s, slot);
+  char* dst = store_cache::slot_row(s, slot);
   for (int64_t h = 0; h < r.segs; ++h) {
     cpu::copy_seg(dst + h * s.dst_stride_head, src + h * s.src_stride_head, r.src_seg_bytes, nt);
   }
@@ -89,7 +77,7 @@ std::vector<cpu::Fp8Quantizer> quantizers(const SideRows& r, const cpu::Fp8Forma
 inline void quantize_side(const SideRows& r, int64_t row, int64_t slot, cpu::SrcKind kind, bool nt) {
   const Side& s = *r.side;
   const char* src = s.src + row * s.src_stride_token;
-  char* dst = slot_addr(s, slot);
+  char* dst = store_cache::slot_row(s, slot);
   cpu::Fp8Quantizer::segments(r.fp8, s.scale_stride != 0 ? 1 : 0, reinterpret_cast<uint8_t*>(dst), s.dst_stride_head,
                               kind, src, s.src_stride_head, r.segs, r.seg_elems, nt);
 }
@@ -115,8 +103,9 @@ void write_all(const StoreCacheParams& p, const SideRows& k, const SideRows& v, 
   const int64_t src_bytes = m * (k.segs * k.src_seg_bytes + v.segs * v.src_seg_bytes);
   const int64_t dst_bytes = quantize ? m * p.num_heads * (p.k_head_dim + p.v_head_dim) : src_bytes;
   const int threads = cpu::threads_for(quantize ? kQuantizeWeight * src_bytes : src_bytes);
-  const bool nt = cpu::want_streaming(span_bytes(p.k) + span_bytes(p.v), dst_bytes, threads) && lines_aligned(k) &&
-                  lines_aligned(v);
+  const bool nt =
+      cpu::want_streaming(store_cache::span_bytes(p.k) + store_cache::span_bytes(p.v), dst_bytes, threads) &&
+      lines_aligned(k) && lines_aligned(v);
   if (!quantize) {
     write_rows(k, v, rows, m, threads, nt,
                [nt](const SideRows& r, int64_t row, int64_t slot) { copy_side(r, row, slot, nt); });

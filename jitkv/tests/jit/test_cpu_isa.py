@@ -600,6 +600,48 @@ def check_rope() -> None:
         )
 
 
+def check_rope_streamed() -> None:
+    """The rope ops' cache rows by streaming stores (payload per thread past the L2 size, every head on a
+    line): bf16 and e4m3 K / V heads of 128 values, and MLA rows of 576 values whose rope part starts on
+    a line (512 + 64) or inside one (500 + 76: the line straddling nope, and the fp8 rope part not
+    streamed)."""
+    from jitkv.ops.rope import cos_sin_table
+
+    d, hq, hk = 128, 4, 8
+    for kv, cache_dtype, es in (("auto", torch.bfloat16, 2), ("fp8_e4m3", torch.float8_e4m3fn, 1)):
+        n = _streamed_rows(2 * hk * d * es)
+        num_slots = 16 * (-(-2 * n // 16))
+        q, k, v = rand((n, hq, d), torch.bfloat16), rand((n, hk, d), torch.bfloat16), rand((n, hk, d), torch.bfloat16)
+        cs, pos, sm = cos_sin_table(64, d), torch.randint(0, 64, (n,)), _with_padding(n, num_slots)
+        fp8 = dict(k_scale=0.3, v_scale=torch.rand(hk) + 0.5) if kv != "auto" else {}
+
+        def call(backend, q_out, kc, vc):
+            jitkv.rope_store_cache(
+                q, k, v, kc, vc, sm, pos, cs, is_neox=True, q_out=q_out, kv_cache_dtype=kv, backend=backend, **fp8
+            )
+
+        bases = (
+            torch.empty(n, hq, d, dtype=torch.bfloat16),
+            *(_kv_cache("nhd", num_slots, hk, d, cache_dtype, 0) for _ in "kv"),
+        )
+        _agree(f"rope_store_cache streamed {kv} n={n}", bases, call)
+    for kv, nope, r in (("auto", 512, 64), ("auto", 500, 76), ("fp8_e4m3", 512, 64), ("fp8_e4m3", 500, 76)):
+        es = 2 if kv == "auto" else 1
+        n = _streamed_rows(576 * es)
+        num_slots = 2 * n
+        kv_c, k_pe = rand((n, nope), torch.bfloat16), rand((n, r), torch.bfloat16)
+        cs, pos, loc = cos_sin_table(64, r), torch.randint(0, 64, (n,)), _with_padding(n, num_slots)
+
+        def call_mla(backend, buf):
+            scale = 0.7 if kv != "auto" else None
+            jitkv.rope_set_mla_kv_buffer(
+                buf, loc, kv_c, k_pe, pos, cs, is_neox=False, kv_cache_dtype=kv, scale=scale, backend=backend
+            )
+
+        buf = torch.empty(num_slots, 576, dtype=torch.bfloat16 if kv == "auto" else torch.uint8)
+        _agree(f"rope_set_mla_kv_buffer streamed {kv} {nope}+{r} n={n}", (buf,), call_mla)
+
+
 CHECKS = (
     check_store_cache_copy,
     check_store_cache_fp8,
@@ -611,4 +653,5 @@ CHECKS = (
     check_mla_gather,
     check_indexer,
     check_rope,
+    check_rope_streamed,
 )
