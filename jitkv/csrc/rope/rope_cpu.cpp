@@ -76,39 +76,72 @@ inline float fold_by_halves(float* g, int64_t count) {
   return g[0];
 }
 
-// The group sums of x[0, d) squared into g[0, d / 8).
-inline void group_squares(const float* x, int64_t d, float* g) {
-  int64_t i = 0;
-#if defined(JITKV_CPU_AVX512)
-  // Two groups per vector: add lanes j ^ 4, then j ^ 2, then j ^ 1 (each lane's partner in its group);
-  // lanes 0 and 8 then hold fold8 of their groups (IEEE addition commutes, so both orders agree).
-  for (; i + 16 <= d; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    __m512 s = _mm512_mul_ps(v, v);
-    s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
-    s = _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(1, 0, 3, 2)));
-    s = _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(2, 3, 0, 1)));
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, s);
-    g[i / 8] = lanes[0];
-    g[i / 8 + 1] = lanes[8];
-  }
-#elif defined(JITKV_CPU_AVX2)
-  for (; i + 8 <= d; i += 8) {  // one group per vector: lanes j ^ 4, j ^ 2, j ^ 1
-    const __m256 v = _mm256_loadu_ps(x + i);
-    __m256 s = _mm256_mul_ps(v, v);
-    s = _mm256_add_ps(s, _mm256_permute2f128_ps(s, s, 1));
-    s = _mm256_add_ps(s, _mm256_permute_ps(s, _MM_SHUFFLE(1, 0, 3, 2)));
-    s = _mm256_add_ps(s, _mm256_permute_ps(s, _MM_SHUFFLE(2, 3, 0, 1)));
-    g[i / 8] = _mm256_cvtss_f32(s);
-  }
-#endif
-  for (; i < d; i += 8) {
+// The fixed-order sum of x[0, d) squared (docs/design.md §9): each group of 8 by fold8, the group sums by
+// halves. g: scratch of pow2_at_least(d / 8) values.
+inline float sum_squares_scalar(const float* x, int64_t d, float* g) {
+  for (int64_t i = 0; i < d; i += 8) {
     float s[8];
     for (int j = 0; j < 8; ++j) s[j] = x[i + j] * x[i + j];
     g[i / 8] = fold8(s);
   }
+  return fold_by_halves(g, d / 8);
 }
+
+#if defined(JITKV_CPU_AVX512) || defined(JITKV_CPU_AVX2)
+// The vector builds keep the group sums in registers: vectors of group sums (AVX-512: groups 2k and
+// 2k + 1 in a vector's halves, AVX2: group k, each lane of a group holding its sum), zero vectors past
+// the last group up to a power of two, folded by halves a vector at a time (group j's fold with group j +
+// half is its vector's with the vector half / groups-per-vector further), so no sum goes through memory.
+constexpr int64_t kMaxNormVecs = 32;  // group-sum vectors of the widest head the vector sum takes
+
+#if defined(JITKV_CPU_AVX512)
+using NormVec = __m512;
+constexpr int64_t kGroupsPerVec = 2;
+
+// Groups i / 8 and i / 8 + 1 of x (d a multiple of 8: the second is zeros past d).
+JITKV_CPU_VEC NormVec group_sums(const float* x, int64_t i, int64_t d) {
+  const __m512 v = _mm512_maskz_loadu_ps(static_cast<__mmask16>(d - i >= 16 ? 0xffff : 0xff), x + i);
+  __m512 s = _mm512_mul_ps(v, v);  // then lanes j ^ 4, j ^ 2, j ^ 1 of each group: fold8's order
+  s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+JITKV_CPU_VEC NormVec zero_vec() { return _mm512_setzero_ps(); }
+JITKV_CPU_VEC NormVec add_vec(NormVec a, NormVec b) { return _mm512_add_ps(a, b); }
+// The last fold: the vector's two groups.
+JITKV_CPU_VEC float last_fold(NormVec v) {
+  return _mm512_cvtss_f32(_mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2))));
+}
+#else
+using NormVec = __m256;
+constexpr int64_t kGroupsPerVec = 1;
+
+// Group i / 8 of x.
+JITKV_CPU_VEC NormVec group_sums(const float* x, int64_t i, int64_t) {
+  const __m256 v = _mm256_loadu_ps(x + i);
+  __m256 s = _mm256_mul_ps(v, v);  // then lanes j ^ 4, j ^ 2, j ^ 1: fold8's order
+  s = _mm256_add_ps(s, _mm256_permute2f128_ps(s, s, 1));
+  s = _mm256_add_ps(s, _mm256_permute_ps(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm256_add_ps(s, _mm256_permute_ps(s, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+JITKV_CPU_VEC NormVec zero_vec() { return _mm256_setzero_ps(); }
+JITKV_CPU_VEC NormVec add_vec(NormVec a, NormVec b) { return _mm256_add_ps(a, b); }
+JITKV_CPU_VEC float last_fold(NormVec v) { return _mm256_cvtss_f32(v); }
+#endif
+
+inline float sum_squares(const float* x, int64_t d, float* g) {
+  const int64_t groups = pow2_at_least(d / 8), vecs = groups / kGroupsPerVec, step = 8 * kGroupsPerVec;
+  if (vecs < 1 || vecs > kMaxNormVecs) return sum_squares_scalar(x, d, g);
+  NormVec v[kMaxNormVecs];
+  for (int64_t k = 0; k < vecs; ++k) v[k] = k * step < d ? group_sums(x, k * step, d) : zero_vec();
+  for (int64_t width = vecs; width > 1; width /= 2) {
+    for (int64_t k = 0; k < width / 2; ++k) v[k] = add_vec(v[k], v[k + width / 2]);
+  }
+  return last_fold(v[0]);
+}
+#else
+inline float sum_squares(const float* x, int64_t d, float* g) { return sum_squares_scalar(x, d, g); }
+#endif
 
 // x[0, rot) rotated in place: out = x * C + partner(x) * S, each product rounded before the sum; the
 // partner of i is i +- h (NeoX) or i ^ 1 (GPT-J). Both halves of a NeoX pair are loaded before either is
@@ -199,8 +232,7 @@ void expand_cos_sin(const rope::Rotation& r, int64_t t, Scratch& s) {
 void transform_head(const rope::Rotation& r, const float* w, float eps, int64_t d, Scratch& s) {
   float* x = s.x.data();
   if (w != nullptr) {
-    group_squares(x, d, s.g.data());
-    const float mean = fold_by_halves(s.g.data(), d / 8) / static_cast<float>(d);
+    const float mean = sum_squares(x, d, s.g.data()) / static_cast<float>(d);
     const float inv = 1.0f / std::sqrt(mean + eps);
     for (int64_t i = 0; i < d; ++i) x[i] = (x[i] * inv) * w[i];
   }
