@@ -5,9 +5,10 @@
 // rot values (NeoX: [c | c] and [-s | s]; GPT-J: c and -s, s per pair), so that a rotation is
 // out = x * C + swap(x) * S, each product rounded before the sum (the module is built with
 // -ffp-contract=off). Per head: load into float32, RMSNorm in the fixed order (groups of 8 folded by
-// halves in registers, the group sums by halves), rotate, then store every destination from the float32
-// result: round to nearest even (bf16, fp16), or fp8 by fp8.h's exact conversion. V and the MLA kv_c are
-// copied or quantized from their sources as store_cache / set_mla_kv_buffer do. Vectors: AVX-512 or
+// halves, then the group sums by halves; in registers on the vector paths), rotate, then store every
+// destination from the float32 result: round to nearest even (bf16, fp16), or fp8 by fp8.h's exact
+// conversion. V and the MLA kv_c are copied or quantized from their sources as store_cache /
+// set_mla_kv_buffer do. Vectors: AVX-512 or
 // AVX2 (jitkv/cpu/isa.h), scalar otherwise; OpenMP above a payload threshold, and the cache rows by
 // streaming stores where store_cache / set_mla_kv_buffer would stream them (scatter.h want_streaming).
 #include <tvm/ffi/function.h>
