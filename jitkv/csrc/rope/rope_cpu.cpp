@@ -8,9 +8,9 @@
 // halves, then the group sums by halves; in registers on the vector paths), rotate, then store every
 // destination from the float32 result: round to nearest even (bf16, fp16), or fp8 by fp8.h's exact
 // conversion. V and the MLA kv_c are copied or quantized from their sources as store_cache /
-// set_mla_kv_buffer do. Vectors: AVX-512 or
-// AVX2 (jitkv/cpu/isa.h), scalar otherwise; OpenMP above a payload threshold, and the cache rows by
-// streaming stores where store_cache / set_mla_kv_buffer would stream them (scatter.h want_streaming).
+// set_mla_kv_buffer do. Vectors: AVX-512 or AVX2 (jitkv/cpu/isa.h), scalar otherwise; OpenMP above a
+// payload threshold, and the cache rows by streaming stores where store_cache / set_mla_kv_buffer would
+// stream them (scatter.h want_streaming).
 #include <tvm/ffi/function.h>
 
 #include <algorithm>
@@ -366,13 +366,12 @@ void store_token(const rope::StoreParams& p, const StoreQuantizers& fp8, const f
   }
 }
 
-// Whether the cache rows go by streaming stores: as store_cache writes them (cpu::want_streaming: the
-// caches span far more than the LLC, or a thread writes more than its L2 holds), every head on a line.
+// Whether the cache rows go by streaming stores: as store_cache decides for its rows (store_cache::streamed),
+// each head written as a segment of its own.
 bool streamed_caches(const store_cache::StoreCacheParams& kv, int64_t n, int threads) {
   const int64_t es = kv.kv_dtype == codes::KvFormat::kCopy ? elem_bytes(kv.src_dtype) : 1;
-  const int64_t dst_bytes = n * kv.num_heads * (kv.k_head_dim + kv.v_head_dim) * es;
-  return cpu::want_streaming(store_cache::span_bytes(kv.k) + store_cache::span_bytes(kv.v), dst_bytes, threads) &&
-         store_cache::lines_aligned(kv.k, true) && store_cache::lines_aligned(kv.v, true);
+  return store_cache::streamed(kv.k, true, kv.v, true, n * kv.num_heads * (kv.k_head_dim + kv.v_head_dim) * es,
+                               threads);
 }
 
 template <class IdxT>

@@ -28,4 +28,12 @@ inline bool lines_aligned(const Side& s, bool per_head) {
          (!per_head || s.dst_stride_head % 64 == 0);
 }
 
+// Whether dst_bytes written by `threads` threads into the K and V caches go by streaming stores:
+// cpu::want_streaming over both caches' span, and every segment of each on a line (its heads each a
+// segment where k_per_head / v_per_head).
+inline bool streamed(const Side& k, bool k_per_head, const Side& v, bool v_per_head, int64_t dst_bytes, int threads) {
+  return cpu::want_streaming(span_bytes(k) + span_bytes(v), dst_bytes, threads) && lines_aligned(k, k_per_head) &&
+         lines_aligned(v, v_per_head);
+}
+
 }  // namespace jitkv::store_cache

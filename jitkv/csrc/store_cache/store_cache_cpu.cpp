@@ -52,9 +52,6 @@ SideRows side_rows(const Side& s, int64_t heads, int64_t head_dim, int64_t src_e
   return r;
 }
 
-// Every destination segment starts on a 64-byte line (required by streaming stores).
-bool lines_aligned(const SideRows& r) { return store_cache::lines_aligned(*r.side, r.segs != 1); }
-
 inline void copy_side(const SideRows& r, int64_t row, int64_t slot, bool nt) {
   const Side& s = *r.side;
   const char* src = s.src + row * s.src_stride_token;
@@ -103,9 +100,7 @@ void write_all(const StoreCacheParams& p, const SideRows& k, const SideRows& v, 
   const int64_t src_bytes = m * (k.segs * k.src_seg_bytes + v.segs * v.src_seg_bytes);
   const int64_t dst_bytes = quantize ? m * p.num_heads * (p.k_head_dim + p.v_head_dim) : src_bytes;
   const int threads = cpu::threads_for(quantize ? kQuantizeWeight * src_bytes : src_bytes);
-  const bool nt =
-      cpu::want_streaming(store_cache::span_bytes(p.k) + store_cache::span_bytes(p.v), dst_bytes, threads) &&
-      lines_aligned(k) && lines_aligned(v);
+  const bool nt = store_cache::streamed(p.k, k.segs != 1, p.v, v.segs != 1, dst_bytes, threads);
   if (!quantize) {
     write_rows(k, v, rows, m, threads, nt,
                [nt](const SideRows& r, int64_t row, int64_t slot) { copy_side(r, row, slot, nt); });
