@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -93,7 +94,6 @@ inline float sum_squares_scalar(const float* x, int64_t d, float* g) {
 // 2k + 1 in a vector's halves, AVX2: group k, each lane of a group holding its sum), zero vectors past
 // the last group up to a power of two, folded by halves a vector at a time (group j's fold with group j +
 // half is its vector's with the vector half / groups-per-vector further), so no sum goes through memory.
-constexpr int64_t kMaxNormVecs = 32;  // group-sum vectors of the widest head the vector sum takes
 
 #if defined(JITKV_CPU_AVX512)
 using NormVec = __m512;
@@ -130,15 +130,44 @@ JITKV_CPU_VEC NormVec add_vec(NormVec a, NormVec b) { return _mm256_add_ps(a, b)
 JITKV_CPU_VEC float last_fold(NormVec v) { return _mm256_cvtss_f32(v); }
 #endif
 
-inline float sum_squares(const float* x, int64_t d, float* g) {
-  const int64_t groups = pow2_at_least(d / 8), vecs = groups / kGroupsPerVec, step = 8 * kGroupsPerVec;
-  if (vecs < 1 || vecs > kMaxNormVecs) return sum_squares_scalar(x, d, g);
-  NormVec v[kMaxNormVecs];
-  for (int64_t k = 0; k < vecs; ++k) v[k] = k * step < d ? group_sums(x, k * step, d) : zero_vec();
-  for (int64_t width = vecs; width > 1; width /= 2) {
-    for (int64_t k = 0; k < width / 2; ++k) v[k] = add_vec(v[k], v[k + width / 2]);
+// Vectors v[0, W) folded by halves into v[0].
+template <int W>
+JITKV_CPU_VEC void fold_vecs(NormVec* v) {
+  if constexpr (W > 1) {
+    for (int k = 0; k < W / 2; ++k) v[k] = add_vec(v[k], v[k + W / 2]);
+    fold_vecs<W / 2>(v);
   }
+}
+
+// The sum over kVecs group-sum vectors: their count a compile-time constant, so that all of them stay in
+// registers (a runtime-sized array of vectors lives on the stack, every fold then waiting on a store and
+// its reload: docs/performance.md "The norm's sum in registers").
+template <int kVecs>
+float sum_squares_vecs(const float* x, int64_t d) {
+  constexpr int64_t kStep = 8 * kGroupsPerVec;
+  NormVec v[kVecs];
+  for (int k = 0; k < kVecs; ++k) v[k] = k * kStep < d ? group_sums(x, k * kStep, d) : zero_vec();
+  fold_vecs<kVecs>(v);
   return last_fold(v[0]);
+}
+
+inline float sum_squares(const float* x, int64_t d, float* g) {
+  switch (pow2_at_least(d / 8) / kGroupsPerVec) {
+    case 1:
+      return sum_squares_vecs<1>(x, d);
+    case 2:
+      return sum_squares_vecs<2>(x, d);
+    case 4:
+      return sum_squares_vecs<4>(x, d);
+    case 8:
+      return sum_squares_vecs<8>(x, d);
+    case 16:
+      return sum_squares_vecs<16>(x, d);
+    case 32:
+      return sum_squares_vecs<32>(x, d);
+    default:
+      return sum_squares_scalar(x, d, g);
+  }
 }
 #else
 inline float sum_squares(const float* x, int64_t d, float* g) { return sum_squares_scalar(x, d, g); }
@@ -195,13 +224,35 @@ inline void rotate(float* x, const float* C, const float* S, int64_t rot, bool n
   }
 }
 
-// Per-thread scratch: one head, the norm's group sums, the token's cos/sin row and its expanded form
-// (C, S), and a rounded head (MLA's fp8_ds_mla rope).
-struct Scratch {
-  std::vector<float> x, g, cs, C, S;
-  std::vector<uint16_t> half;
-  explicit Scratch(int64_t width, int64_t rot)
-      : x(width), g(pow2_at_least(width / 8)), cs(rot), C(rot), S(rot), half(width) {}
+// Normed heads go through the norm kNormBatch at a time: every head's sum, division, root and reciprocal
+// first, then each head scaled and rotated, so that the heads' dependent chains overlap (one head's
+// chain, then its stores, left the core waiting on each; docs/performance.md "rope CPU norm batches").
+constexpr int64_t kNormBatch = 4;
+
+// Per-thread scratch: kNormBatch heads, the norm's group sums, the token's cos/sin row and its expanded form
+// (C, S), and a rounded head (MLA's fp8_ds_mla rope); each array from a 64-byte line of its own, as a
+// vector access that crosses a line costs two (a std::vector's storage is only 16-byte aligned, and
+// where its heads fell moved the rows' time by up to 10 %).
+class Scratch {
+ public:
+  float *x, *g, *cs, *C, *S;
+  uint16_t* half;
+
+  explicit Scratch(int64_t width, int64_t rot) {
+    const int64_t sizes[] = {kNormBatch * width, pow2_at_least(width / 8), rot, rot, rot, (width + 1) / 2};
+    int64_t total = kLine;  // room to move the first array to a line
+    for (int64_t n : sizes) total += lines(n);
+    buf_.resize(static_cast<size_t>(total));
+    float* at = buf_.data() + (kLine - reinterpret_cast<uintptr_t>(buf_.data()) / sizeof(float) % kLine) % kLine;
+    float** arrays[] = {&x, &g, &cs, &C, &S};
+    for (int i = 0; i < 5; ++i) *arrays[i] = at, at += lines(sizes[i]);
+    half = reinterpret_cast<uint16_t*>(at);
+  }
+
+ private:
+  static constexpr int64_t kLine = 64 / sizeof(float);
+  static int64_t lines(int64_t n) { return (n + kLine - 1) / kLine * kLine; }
+  std::vector<float> buf_;
 };
 
 int64_t position_at(const rope::Rotation& r, int64_t t) {
@@ -213,7 +264,7 @@ void expand_cos_sin(const rope::Rotation& r, int64_t t, Scratch& s) {
   const char* row = r.cos_sin + position_at(r, t) * r.cs_stride;
   const SrcKind k = kind_of(r.cs_dtype);
   const int64_t h = r.rot / 2;
-  float* c = s.cs.data();  // cos then sin
+  float* c = s.cs;  // cos then sin
   load_row(c, k, row, r.rot);
   for (int64_t i = 0; i < h; ++i) {
     const float cv = c[i], sv = c[h + i];
@@ -229,15 +280,36 @@ void expand_cos_sin(const rope::Rotation& r, int64_t t, Scratch& s) {
   }
 }
 
-// One head, loaded into s.x: normed with w (float32, nullptr: none), its first rot dims rotated.
-void transform_head(const rope::Rotation& r, const float* w, float eps, int64_t d, Scratch& s) {
-  float* x = s.x.data();
-  if (w != nullptr) {
-    const float mean = sum_squares(x, d, s.g.data()) / static_cast<float>(d);
-    const float inv = 1.0f / std::sqrt(mean + eps);
-    for (int64_t i = 0; i < d; ++i) x[i] = (x[i] * inv) * w[i];
+// The heads [0, heads) of a side: row(h) the source row of head h, loaded, normed with w (float32, nullptr:
+// none), rotated, then store(h, x) with x its float32 values. Normed heads go kNormBatch at a time (see
+// kNormBatch); the others one by one.
+template <class RowOf, class Store>
+void side_heads(const rope::Rotation& r, const float* w, float eps, int64_t d, SrcKind src, int64_t heads, RowOf row,
+                Store store, Scratch& s) {
+  float* x = s.x;
+  if (w == nullptr) {
+    for (int64_t h = 0; h < heads; ++h) {
+      load_row(x, src, row(h), d);
+      rotate(x, s.C, s.S, r.rot, r.neox);
+      store(h, x);
+    }
+    return;
   }
-  rotate(x, s.C.data(), s.S.data(), r.rot, r.neox);
+  for (int64_t h0 = 0; h0 < heads; h0 += kNormBatch) {
+    const int64_t m = std::min(kNormBatch, heads - h0);
+    float inv[kNormBatch];
+    for (int64_t b = 0; b < m; ++b) load_row(x + b * d, src, row(h0 + b), d);
+    for (int64_t b = 0; b < m; ++b) {
+      const float mean = sum_squares(x + b * d, d, s.g) / static_cast<float>(d);
+      inv[b] = 1.0f / std::sqrt(mean + eps);
+    }
+    for (int64_t b = 0; b < m; ++b) {
+      float* y = x + b * d;
+      for (int64_t i = 0; i < d; ++i) y[i] = (y[i] * inv[b]) * w[i];
+    }
+    for (int64_t b = 0; b < m; ++b) rotate(x + b * d, s.C, s.S, r.rot, r.neox);
+    for (int64_t b = 0; b < m; ++b) store(h0 + b, x + b * d);
+  }
 }
 
 const cpu::Fp8Format& fp8_of(RopeQ m) { return m == RopeQ::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3; }
@@ -269,8 +341,8 @@ inline void store_cache_head(char* dst, SrcKind k, const float* x, int64_t n, co
   } else if (k == SrcKind::kF32) {
     cpu::copy_seg(dst, reinterpret_cast<const char*>(x), n * 4, true);
   } else {
-    store_row(reinterpret_cast<char*>(s.half.data()), k, x, n);
-    cpu::copy_seg(dst, reinterpret_cast<const char*>(s.half.data()), n * 2, true);
+    store_row(reinterpret_cast<char*>(s.half), k, x, n);
+    cpu::copy_seg(dst, reinterpret_cast<const char*>(s.half), n * 2, true);
   }
 }
 
@@ -340,20 +412,20 @@ void store_token(const rope::StoreParams& p, const StoreQuantizers& fp8, const f
   const SrcKind src = kind_of(kv.src_dtype);
   expand_cos_sin(p.rot, t, s);
   const cpu::Fp8Quantizer* q_fp8 = StoreQuantizers::at(fp8.q, 0);
-  for (int64_t h = 0; h < p.q.heads; ++h) {
-    load_row(s.x.data(), src, row_of(p.q.src, t, h), d);
-    transform_head(p.rot, qw, p.eps, d, s);
-    store_head(row_of(p.q.dst, t, h), src, s.x.data(), d, q_fp8);
-  }
-  for (int64_t h = 0; h < kv.num_heads; ++h) {
-    load_row(s.x.data(), src, kv.k.src + t * kv.k.src_stride_token + h * kv.k.src_stride_head, d);
-    transform_head(p.rot, kw, p.eps, d, s);
-    if (p.k_out.ptr != nullptr) store_row(row_of(p.k_out, t, h), src, s.x.data(), d);
-    if (slot >= 0) {
-      char* dst = store_cache::slot_row(kv.k, slot) + h * kv.k.dst_stride_head;
-      store_cache_head(dst, src, s.x.data(), d, StoreQuantizers::at(fp8.k, h), nt, s);
-    }
-  }
+  side_heads(
+      p.rot, qw, p.eps, d, src, p.q.heads, [&](int64_t h) { return row_of(p.q.src, t, h); },
+      [&](int64_t h, const float* x) { store_head(row_of(p.q.dst, t, h), src, x, d, q_fp8); }, s);
+  const auto k_row = [&](int64_t h) { return kv.k.src + t * kv.k.src_stride_token + h * kv.k.src_stride_head; };
+  side_heads(
+      p.rot, kw, p.eps, d, src, kv.num_heads, k_row,
+      [&](int64_t h, const float* x) {
+        if (p.k_out.ptr != nullptr) store_row(row_of(p.k_out, t, h), src, x, d);
+        if (slot >= 0) {
+          char* dst = store_cache::slot_row(kv.k, slot) + h * kv.k.dst_stride_head;
+          store_cache_head(dst, src, x, d, StoreQuantizers::at(fp8.k, h), nt, s);
+        }
+      },
+      s);
   if (slot < 0) return;
   for (int64_t h = 0; h < kv.num_heads; ++h) {
     const char* v = kv.v.src + t * kv.v.src_stride_token + h * kv.v.src_stride_head;
@@ -450,27 +522,27 @@ void mla_token(const rope::MlaParams& p, const MlaQuantizers& fp8, int64_t t, in
         }
         dst += p.nope_q * dst_es;
       }
-      load_row(s.x.data(), src, row_of(p.q.src, t, h), r);
-      transform_head(p.rot, nullptr, 0.0f, r, s);
-      store_head(dst, src, s.x.data(), r, q_fp8);
+      load_row(s.x, src, row_of(p.q.src, t, h), r);
+      rotate(s.x, s.C, s.S, p.rot.rot, p.rot.neox);
+      store_head(dst, src, s.x, r, q_fp8);
     }
   }
-  load_row(s.x.data(), src, kv.rope + t * kv.rope_row_stride, r);
-  transform_head(p.rot, nullptr, 0.0f, r, s);
-  if (p.k_pe_out.ptr != nullptr) store_row(row_of(p.k_pe_out, t, 0), src, s.x.data(), r);
+  load_row(s.x, src, kv.rope + t * kv.rope_row_stride, r);
+  rotate(s.x, s.C, s.S, p.rot.rot, p.rot.neox);
+  if (p.k_pe_out.ptr != nullptr) store_row(row_of(p.k_pe_out, t, 0), src, s.x, r);
   if (slot < 0) return;
   char* dst = kv.dst + slot * kv.dst_row_stride;
   const char* kv_c = kv.nope + t * kv.nope_row_stride;
   if (format == codes::KvFormat::kE4M3 || format == codes::KvFormat::kE5M2) {  // rope(k_pe) from float32
     fp8.kv[0](reinterpret_cast<uint8_t*>(dst), src, kv_c, nope, nt);
-    fp8.kv[0](reinterpret_cast<uint8_t*>(dst) + nope, SrcKind::kF32, s.x.data(), r, nt && nope % 64 == 0);
+    fp8.kv[0](reinterpret_cast<uint8_t*>(dst) + nope, SrcKind::kF32, s.x, r, nt && nope % 64 == 0);
     return;
   }
   // rope(k_pe) in kv_c's dtype: rounded into s.half (16-bit), or the float32 values themselves.
-  const char* rope_row = reinterpret_cast<const char*>(s.x.data());
+  const char* rope_row = reinterpret_cast<const char*>(s.x);
   if (src != SrcKind::kF32) {
-    store_row(reinterpret_cast<char*>(s.half.data()), src, s.x.data(), r);
-    rope_row = reinterpret_cast<const char*>(s.half.data());
+    store_row(reinterpret_cast<char*>(s.half), src, s.x, r);
+    rope_row = reinterpret_cast<const char*>(s.half);
   }
   if (format == codes::KvFormat::kCopy) {
     cpu::copy_two(dst, kv_c, kv.nope_bytes, rope_row, kv.rope_bytes, nt);

@@ -519,7 +519,7 @@ def check_rope() -> None:
         (136, 40, False, torch.bfloat16),
         (128, 128, True, torch.float16),
     ):
-        n, hq, hk = 37, 3, 2
+        n, hq, hk = 37, 5, 2  # 5 normed q heads: a batch of the norm (rope_cpu.cpp kNormBatch) and a tail
         q, k, v = rand((n, hq, d), dtype), rand((n, hk, d), dtype), rand((n, hk, d), dtype)
         cs, pos, sm = cos_sin_table(64, rot), torch.randint(0, 64, (n,)), _with_padding(n, 96)
         weights = dict(q_norm_weight=rand((d,), dtype), k_norm_weight=rand((d,), dtype))
