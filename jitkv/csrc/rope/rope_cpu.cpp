@@ -232,7 +232,7 @@ constexpr int64_t kNormBatch = 4;
 // Per-thread scratch: kNormBatch heads, the norm's group sums, the token's cos/sin row and its expanded form
 // (C, S), and a rounded head (MLA's fp8_ds_mla rope); each array from a 64-byte line of its own, as a
 // vector access that crosses a line costs two (a std::vector's storage is only 16-byte aligned, and
-// where its heads fell moved the rows' time by up to 10 %).
+// where its heads fell moved rows' times by up to 17 %).
 class Scratch {
  public:
   float *x, *g, *cs, *C, *S;
