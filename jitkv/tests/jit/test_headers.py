@@ -44,6 +44,18 @@ def test_every_family_has_split_headers():
     assert {"jitkv/cuda/fp8.cuh", "jitkv/cuda/launch.cuh", "jitkv/cuda/paged.cuh", "jitkv/cuda/vec.cuh"} <= set(LIBRARY)
 
 
+MAX_SOURCE_LINES = 500  # a csrc file longer than this is split along its seams (docs/architecture.md)
+
+
+def test_no_source_file_over_the_line_limit():
+    sources = [p for p in CSRC.rglob("*") if p.suffix in (".h", ".cuh", ".cpp", ".cu")]
+    assert sources
+    long = {
+        p.relative_to(CSRC).as_posix(): n for p in sources if (n := len(p.read_text().splitlines())) > MAX_SOURCE_LINES
+    }
+    assert not long, f"csrc files over {MAX_SOURCE_LINES} lines: {long}"
+
+
 def _units(root: Path, headers: list[str], suffix: str) -> list[str]:
     """One translation unit per header, named after it (a failure names the header)."""
     root.mkdir(parents=True)
