@@ -89,12 +89,20 @@ inline void store_row(char* dst, SrcKind k, const float* src, int64_t n) {
   auto* out = reinterpret_cast<uint16_t*>(dst);
   int64_t i = 0;
 #if defined(JITKV_CPU_AVX512)
+  const auto half16 = [k](__m512 v) {
+    return k == SrcKind::kBF16 ? bf16x16(v) : _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+  };
+  // 32 values a store: two conversions joined in a register, where a conversion stored by itself compiles
+  // to its memory form (vpmovdw / vcvtps2ph to memory), which Zen 4 runs far slower than the register form
+  // and a store (docs/performance.md "rope CPU 16-bit stores").
+  for (; i + 32 <= n; i += 32) {
+    const __m256i lo = half16(_mm512_loadu_ps(src + i)), hi = half16(_mm512_loadu_ps(src + i + 16));
+    _mm512_storeu_si512(out + i, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+  }
   for (; i < n; i += 16) {
     const int64_t r = n - i < 16 ? n - i : 16;
     const __mmask16 m = static_cast<__mmask16>((1u << r) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(m, src + i);
-    const __m256i h = k == SrcKind::kBF16 ? bf16x16(v) : _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
-    _mm256_mask_storeu_epi16(out + i, m, h);
+    _mm256_mask_storeu_epi16(out + i, m, half16(_mm512_maskz_loadu_ps(m, src + i)));
   }
 #elif defined(JITKV_CPU_AVX2)
   for (; i + 8 <= n; i += 8) {
