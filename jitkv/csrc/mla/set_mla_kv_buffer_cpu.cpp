@@ -39,7 +39,7 @@ void write_rows(const mla::MlaParams& a, const cpu::RowSlot* rows, int64_t m) {
 
 void write_fp8_rows(const mla::MlaParams& a, const cpu::RowSlot* rows, int64_t m) {
   const auto format = static_cast<mla::KvFormat>(a.kv_format);
-  const cpu::SrcKind kind = a.dtype.code == kDLBfloat ? cpu::SrcKind::kBF16 : cpu::SrcKind::kF16;
+  const cpu::SrcKind kind = cpu::src_kind(a.dtype);
   const cpu::Fp8Format& fmt = cpu::fp8_format(format);
   const cpu::Fp8Quantizer quantize(fmt, a.scale_ptr ? *a.scale_ptr : a.scale);  // set up once for every row
   const int64_t nope = a.nope_bytes / 2, rope = a.rope_bytes / 2;

@@ -49,10 +49,6 @@ constexpr const char* kMlaOp = "rope_set_mla_kv_buffer";
 // earlier (the same rule as store_cache's fp8 weight).
 constexpr int64_t kRopeWeight = 4;
 
-SrcKind kind_of(DLDataType d) {
-  return d.code == kDLBfloat ? SrcKind::kBF16 : d.bits == 16 ? SrcKind::kF16 : SrcKind::kF32;
-}
-
 SrcKind kind_of(codes::SrcDtype d) {
   return d == codes::SrcDtype::kBF16 ? SrcKind::kBF16 : d == codes::SrcDtype::kF16 ? SrcKind::kF16 : SrcKind::kF32;
 }
@@ -242,7 +238,7 @@ void store_token(const rope::StoreParams& p, const StoreQuantizers& fp8, const f
                  int64_t slot, bool nt, Scratch& s) {
   const auto& kv = p.kv;
   const int64_t d = kv.k_head_dim, src_es = elem_bytes(kv.src_dtype);
-  const SrcKind src = kind_of(kv.src_dtype);
+  const SrcKind src = cpu::src_kind(kv.src_dtype);
   expand_cos_sin(p.rot, t, s);
   const cpu::Fp8Quantizer* q_fp8 = StoreQuantizers::at(fp8.q, 0);
   side_heads(
@@ -337,7 +333,7 @@ struct MlaQuantizers {
 void mla_token(const rope::MlaParams& p, const MlaQuantizers& fp8, int64_t t, int64_t slot, bool nt, Scratch& s) {
   const auto& kv = p.kv;
   const int64_t es = elem_bytes(kv.dtype), r = p.rot.rot, nope = kv.nope_bytes / es;
-  const SrcKind src = kind_of(kv.dtype);
+  const SrcKind src = cpu::src_kind(kv.dtype);
   const codes::KvFormat format = kv.kv_format;
   expand_cos_sin(p.rot, t, s);
   if (p.q.mode != RopeQ::kNone) {

@@ -107,9 +107,7 @@ void write_all(const StoreCacheParams& p, const SideRows& k, const SideRows& v, 
     return;
   }
   const cpu::Fp8Format& fmt = cpu::fp8_format(p.kv_dtype);
-  const cpu::SrcKind kind = p.src_dtype.code == kDLBfloat ? cpu::SrcKind::kBF16
-                            : p.src_dtype.bits == 16      ? cpu::SrcKind::kF16
-                                                          : cpu::SrcKind::kF32;
+  const cpu::SrcKind kind = cpu::src_kind(p.src_dtype);
   const std::vector<cpu::Fp8Quantizer> kq = quantizers(k, fmt), vq = quantizers(v, fmt);
   SideRows kw = k, vw = v;
   kw.fp8 = kq.data();

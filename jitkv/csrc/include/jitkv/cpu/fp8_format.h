@@ -14,6 +14,8 @@
 // 8-byte steps; the last < 8 values are staged through a zeroed stack buffer (no byte masks).
 #pragma once
 
+#include <dlpack/dlpack.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -46,6 +48,11 @@ inline const Fp8Format& fp8_format(codes::KvFormat f) { return f == codes::KvFor
 
 // Source element kind: a runtime value; the vector paths dispatch on it once per segment.
 enum class SrcKind { kBF16, kF16, kF32 };
+
+// The kind of a bf16, fp16 or fp32 tensor's elements (the parsers have checked the dtype).
+inline SrcKind src_kind(DLDataType d) {
+  return d.code == kDLBfloat ? SrcKind::kBF16 : d.bits == 16 ? SrcKind::kF16 : SrcKind::kF32;
+}
 
 inline uint32_t f32_bits(float f) {
   uint32_t u;
