@@ -47,11 +47,6 @@ inline int heads_per_thread(bool divides, int64_t threads_at_one, int sms) {
   return divides && threads_at_one >= kThreadsPerSm * (sms > 1 ? sms : 1) ? kBulkHpt : 1;
 }
 
-// The cache format the queries are stored in.
-constexpr KvFormat q_format(RopeQ q) {
-  return q == RopeQ::kE4M3 ? KvFormat::kE4M3 : q == RopeQ::kE5M2 ? KvFormat::kE5M2 : KvFormat::kCopy;
-}
-
 template <bool kNeox>
 using NeoxTag = std::integral_constant<bool, kNeox>;
 template <SrcDtype kCs>

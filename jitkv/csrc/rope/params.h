@@ -12,6 +12,13 @@ namespace jitkv::rope {
 
 using codes::RopeQ;
 
+// The format the queries are stored in (copy: the sources' dtype).
+constexpr codes::KvFormat q_format(RopeQ q) {
+  return q == RopeQ::kE4M3   ? codes::KvFormat::kE4M3
+         : q == RopeQ::kE5M2 ? codes::KvFormat::kE5M2
+                             : codes::KvFormat::kCopy;
+}
+
 // Rows of one tensor, [n', H, W] (2-D rows: one head, stride_head 0). Strides in bytes.
 struct Rows {
   char* ptr;

@@ -141,12 +141,12 @@ void side_heads(const rope::Rotation& r, const float* w, float eps, int64_t d, S
   }
 }
 
-const cpu::Fp8Format& fp8_of(RopeQ m) { return m == RopeQ::kE5M2 ? cpu::kFp8E5M2 : cpu::kFp8E4M3; }
-
 // q_out's quantizer (one element) for an fp8 q_out, else none; its setup is shared by every head.
 std::vector<cpu::Fp8Quantizer> q_quantizers(const rope::Queries& q) {
   std::vector<cpu::Fp8Quantizer> out;
-  if (rope::q_is_fp8(q.mode)) out.emplace_back(fp8_of(q.mode), q.scale_ptr ? *q.scale_ptr : q.scale);
+  if (rope::q_is_fp8(q.mode)) {
+    out.emplace_back(cpu::fp8_format(rope::q_format(q.mode)), q.scale_ptr ? *q.scale_ptr : q.scale);
+  }
   return out;
 }
 
