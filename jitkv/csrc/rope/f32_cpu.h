@@ -39,9 +39,13 @@ inline void load_row(float* dst, SrcKind k, const char* src, int64_t n) {
 #if defined(JITKV_CPU_AVX512)
   cpu::with_kind(k, [&](auto kind) {
     constexpr SrcKind K = decltype(kind)::value;
-    for (int64_t i = 0; i < n; i += 16) {
-      const int64_t r = n - i < 16 ? n - i : 16;
-      const __mmask16 m = static_cast<__mmask16>((1u << r) - 1);
+    // Whole vectors by plain stores: a masked store forwards nothing to the loads that read the row
+    // next (the norm, the rotation), which then wait for it to reach the cache (docs/performance.md
+    // "rope CPU masked stores").
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, cpu::load16<K>(src, i, static_cast<__mmask16>(0xffff)));
+    if (i < n) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
       _mm512_mask_storeu_ps(dst + i, m, cpu::load16<K>(src, i, m));
     }
   });
