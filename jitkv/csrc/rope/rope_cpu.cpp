@@ -5,9 +5,9 @@
 // rot values (NeoX: [c | c] and [-s | s]; GPT-J: c and -s, s per pair), so that a rotation is
 // out = x * C + swap(x) * S, each product rounded before the sum (the module is built with
 // -ffp-contract=off). Per head: load into float32, RMSNorm in the fixed order (groups of 8 folded by
-// halves, then the group sums by halves; in registers on the vector paths), rotate, then store every
-// destination from the float32 result: round to nearest even (bf16, fp16), or fp8 by fp8.h's exact
-// conversion. V and the MLA kv_c are copied or quantized from their sources as store_cache /
+// halves, then the group sums by halves: rope/norm_cpu.h; normed heads kNormBatch at a time), rotate,
+// then store every destination from the float32 result: round to nearest even (bf16, fp16), or fp8 by
+// fp8.h's exact conversion. V and the MLA kv_c are copied or quantized from their sources as store_cache /
 // set_mla_kv_buffer do. Vectors: AVX-512 or AVX2 (jitkv/cpu/isa.h), scalar otherwise; OpenMP above a
 // payload threshold, and the cache rows by streaming stores where store_cache / set_mla_kv_buffer would
 // stream them (scatter.h want_streaming).
@@ -54,8 +54,8 @@ SrcKind kind_of(codes::SrcDtype d) {
 }
 
 // Normed heads go through the norm kNormBatch at a time: every head's sum, division, root and reciprocal
-// first, then each head scaled and rotated, so that the heads' dependent chains overlap (one head's
-// chain, then its stores, left the core waiting on each; docs/performance.md "rope CPU norm batches").
+// first, then each head scaled and rotated, so that the heads' dependent chains overlap (one head at a
+// time, the core waits on each head's chain; docs/performance.md "rope CPU norm batches").
 constexpr int64_t kNormBatch = 4;
 
 // Per-thread scratch: kNormBatch heads, the norm's group sums, the token's cos/sin row and its expanded form
