@@ -49,10 +49,6 @@ constexpr const char* kMlaOp = "rope_set_mla_kv_buffer";
 // earlier (the same rule as store_cache's fp8 weight).
 constexpr int64_t kRopeWeight = 4;
 
-SrcKind kind_of(codes::SrcDtype d) {
-  return d == codes::SrcDtype::kBF16 ? SrcKind::kBF16 : d == codes::SrcDtype::kF16 ? SrcKind::kF16 : SrcKind::kF32;
-}
-
 // Normed heads go through the norm kNormBatch at a time: every head's sum, division, root and reciprocal
 // first, then each head scaled and rotated, so that the heads' dependent chains overlap (one head at a
 // time, the core waits on each head's chain; docs/performance.md "rope CPU norm batches").
@@ -91,7 +87,7 @@ int64_t position_at(const rope::Rotation& r, int64_t t) {
 // The token's expanded cos/sin row (see the top of this file).
 void expand_cos_sin(const rope::Rotation& r, int64_t t, Scratch& s) {
   const char* row = r.cos_sin + position_at(r, t) * r.cs_stride;
-  const SrcKind k = kind_of(r.cs_dtype);
+  const SrcKind k = cpu::src_kind(r.cs_dtype);
   const int64_t h = r.rot / 2;
   float* c = s.cs;  // cos then sin
   load_row(c, k, row, r.rot);
@@ -203,7 +199,7 @@ std::vector<float> weight_f32(const void* w, codes::SrcDtype dt, int64_t d) {
   std::vector<float> out;
   if (w != nullptr) {
     out.resize(d);
-    load_row(out.data(), kind_of(dt), static_cast<const char*>(w), d);
+    load_row(out.data(), cpu::src_kind(dt), static_cast<const char*>(w), d);
   }
   return out;
 }

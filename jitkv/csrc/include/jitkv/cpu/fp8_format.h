@@ -54,6 +54,11 @@ inline SrcKind src_kind(DLDataType d) {
   return d.code == kDLBfloat ? SrcKind::kBF16 : d.bits == 16 ? SrcKind::kF16 : SrcKind::kF32;
 }
 
+// The kind of a codes::SrcDtype (BF16, F16, F32; the parsers give no other).
+inline SrcKind src_kind(codes::SrcDtype d) {
+  return d == codes::SrcDtype::kBF16 ? SrcKind::kBF16 : d == codes::SrcDtype::kF16 ? SrcKind::kF16 : SrcKind::kF32;
+}
+
 inline uint32_t f32_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
