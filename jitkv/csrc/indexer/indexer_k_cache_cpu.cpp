@@ -103,4 +103,4 @@ void gather_indexer_k_quant_cache_cpu(TensorView kv_cache, TensorView dst_k, Ten
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(indexer_k_quant_and_cache, jitkv::indexer_k_quant_and_cache_cpu);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gather_indexer_k_quant_cache, jitkv::gather_indexer_k_quant_cache_cpu);
-JITKV_CPU_EXPORT_ISA();
+JITKV_CPU_EXPORT_INFO();

@@ -103,4 +103,4 @@ void set_mla_kv_buffer_cpu(TensorView kv_buffer, TensorView loc, TensorView k_no
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(set_mla_kv_buffer, jitkv::set_mla_kv_buffer_cpu);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(set_mla_kv_buffer_fp8, jitkv::set_mla_kv_buffer_fp8_cpu);
-JITKV_CPU_EXPORT_ISA();
+JITKV_CPU_EXPORT_INFO();

@@ -102,4 +102,4 @@ void gather_mla_cache_cpu(TensorView out, TensorView kv_cache, TensorView block_
 }  // namespace jitkv
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gather_mla_cache, jitkv::gather_mla_cache_cpu);
-JITKV_CPU_EXPORT_ISA();
+JITKV_CPU_EXPORT_INFO();

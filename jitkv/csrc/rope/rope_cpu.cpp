@@ -412,4 +412,4 @@ void rope_set_mla_kv_buffer_cpu(TensorView kv_buffer, TensorView loc, TensorView
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(rope_store_cache, jitkv::rope_store_cache_cpu);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(rope_set_mla_kv_buffer, jitkv::rope_set_mla_kv_buffer_cpu);
-JITKV_CPU_EXPORT_ISA();
+JITKV_CPU_EXPORT_INFO();

@@ -154,4 +154,4 @@ int64_t store_cache_cpu(TensorView k, TensorView v, TensorView k_cache, TensorVi
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(store_cache, jitkv::store_cache_cpu);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(store_cache_copy, jitkv::store_cache::store_cache_copy<jitkv::store_cache_cpu>);
-JITKV_CPU_EXPORT_ISA();
+JITKV_CPU_EXPORT_INFO();

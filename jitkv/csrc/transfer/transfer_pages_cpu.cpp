@@ -70,4 +70,4 @@ void transfer_pages_cpu(TensorView src, TensorView dst, TensorView src_pages, Te
 }  // namespace jitkv
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(transfer_pages, jitkv::transfer_pages_cpu);
-JITKV_CPU_EXPORT_ISA();
+JITKV_CPU_EXPORT_INFO();

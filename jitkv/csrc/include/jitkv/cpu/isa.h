@@ -4,11 +4,14 @@
 //   JITKV_CPU_AVX512  AVX-512 F + BW: 64-byte lines, masked tails.
 //   JITKV_CPU_AVX2    AVX2 + F16C + FMA: 32-byte vectors, overlapping or staged tails.
 //   neither           portable scalar code (memcpy, the bit formulas of fp8_format.h).
-// Each CPU module exports cpu_isa() (JITKV_CPU_EXPORT_ISA) so a caller can see which one it loaded.
+// Each CPU module exports cpu_isa() and cpu_cache_bytes(level) (JITKV_CPU_EXPORT_INFO) so a caller can
+// see which path it loaded and the cache sizes its streaming rule uses (caches.h).
 #pragma once
 
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/string.h>
+
+#include "jitkv/cpu/caches.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -34,5 +37,8 @@ inline tvm::ffi::String isa_name() { return JITKV_CPU_ISA_NAME; }
 }  // namespace cpu
 }  // namespace jitkv
 
-// Exports cpu_isa() -> "avx512" / "avx2" / "scalar"; once per module, at global scope.
-#define JITKV_CPU_EXPORT_ISA() TVM_FFI_DLL_EXPORT_TYPED_FUNC(cpu_isa, jitkv::cpu::isa_name)
+// Exports cpu_isa() -> "avx512" / "avx2" / "scalar" and cpu_cache_bytes(level) -> bytes (2: L2, 3: the
+// LLC); once per module, at global scope.
+#define JITKV_CPU_EXPORT_INFO()                                 \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(cpu_isa, jitkv::cpu::isa_name); \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(cpu_cache_bytes, jitkv::cpu::cache_bytes_of)

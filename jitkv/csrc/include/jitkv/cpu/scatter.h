@@ -12,13 +12,13 @@
 #pragma once
 
 #include <omp.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <memory>
 
 #include "jitkv/check.h"
+#include "jitkv/cpu/caches.h"
 #include "jitkv/cpu/row_copy.h"
 
 namespace jitkv {
@@ -75,11 +75,6 @@ int64_t resolve_slots(const char* op, const char* idx_name, const IdxT* idx, int
   return m;
 }
 
-inline int64_t cache_bytes(int name, int64_t fallback) {
-  long s = sysconf(name);
-  return s > 0 ? int64_t(s) : fallback;
-}
-
 // Threads for a payload: one per kBytesPerThread, a team only from two of them.
 inline int threads_for(int64_t payload_bytes) {
   const int64_t t = payload_bytes / kBytesPerThread;
@@ -91,9 +86,7 @@ inline int threads_for(int64_t payload_bytes) {
 // LLC (random rows of a big cache), or one thread writes more than its L2 holds (measured here: at
 // 2 MB per thread streaming is 1.4x faster, at 1 MB 1.3x slower).
 inline bool want_streaming(int64_t dst_span_bytes, int64_t payload_bytes, int threads) {
-  static const int64_t llc = cache_bytes(_SC_LEVEL3_CACHE_SIZE, int64_t(32) << 20);
-  static const int64_t l2 = cache_bytes(_SC_LEVEL2_CACHE_SIZE, int64_t(1) << 20);
-  return nt_available() && (dst_span_bytes > 4 * llc || payload_bytes / threads >= l2);
+  return nt_available() && (dst_span_bytes > 4 * llc_bytes() || payload_bytes / threads >= l2_bytes());
 }
 
 // body(begin, end) over [0, m) kept rows, split statically across `threads` threads.

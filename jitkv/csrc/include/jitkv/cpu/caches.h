@@ -1,0 +1,66 @@
+// The cache sizes the CPU kernels' streaming rule (scatter.h want_streaming) is measured against:
+// those of the caches cpu0 uses, as sysfs lists them, whose L3 is the slice one core shares (a CCX's
+// on AMD EPYC). sysconf's _SC_LEVEL3_CACHE_SIZE may report the whole package's L3 instead (ten times
+// a CCX's 32 MB on an EPYC guest), which held streaming off for caches far past the core's LLC. Read
+// once per module (the first call of a kernel that asks); each CPU module exports cpu_cache_bytes(level)
+// (isa.h) so a caller can see what its rule used.
+#pragma once
+
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace jitkv {
+namespace cpu {
+
+// Line `name` of /sys/devices/system/cpu/cpu0/cache/index<i>/ into text; false if there is none.
+inline bool sysfs_cache_field(int i, const char* name, char (&text)[32]) {
+  char path[80];
+  std::snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/%s", i, name);
+  FILE* f = std::fopen(path, "r");
+  if (!f) return false;
+  const bool ok = std::fgets(text, sizeof text, f) != nullptr;
+  std::fclose(f);
+  return ok;
+}
+
+// Bytes of cpu0's data or unified cache of `level` as sysfs lists it ("32768K"); 0 if it lists none.
+inline int64_t sysfs_cache_bytes(int level) {
+  char text[32];
+  for (int i = 0; sysfs_cache_field(i, "level", text); ++i) {
+    if (std::atoi(text) != level || !sysfs_cache_field(i, "type", text) || std::strncmp(text, "Instruction", 11) == 0 ||
+        !sysfs_cache_field(i, "size", text)) {
+      continue;
+    }
+    char* unit = nullptr;
+    const int64_t v = std::strtoll(text, &unit, 10);
+    return v << (*unit == 'K' ? 10 : *unit == 'M' ? 20 : *unit == 'G' ? 30 : 0);
+  }
+  return 0;
+}
+
+// Bytes of the level's cache: sysfs, else sysconf(sc_name), else fallback.
+inline int64_t cache_bytes(int level, int sc_name, int64_t fallback) {
+  if (const int64_t b = sysfs_cache_bytes(level); b > 0) return b;
+  const long s = sysconf(sc_name);
+  return s > 0 ? int64_t(s) : fallback;
+}
+
+inline int64_t llc_bytes() {
+  static const int64_t b = cache_bytes(3, _SC_LEVEL3_CACHE_SIZE, int64_t(32) << 20);
+  return b;
+}
+
+inline int64_t l2_bytes() {
+  static const int64_t b = cache_bytes(2, _SC_LEVEL2_CACHE_SIZE, int64_t(1) << 20);
+  return b;
+}
+
+// What want_streaming measures against: level 2 -> l2_bytes(), 3 -> llc_bytes(), else 0.
+inline int64_t cache_bytes_of(int64_t level) { return level == 2 ? l2_bytes() : level == 3 ? llc_bytes() : 0; }
+
+}  // namespace cpu
+}  // namespace jitkv
