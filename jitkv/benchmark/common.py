@@ -22,6 +22,10 @@ class Timing:
     min_us: float
     max_us: float
 
+    @classmethod
+    def of(cls, samples: list[float]) -> Timing:
+        return cls(statistics.median(samples), min(samples), max(samples))
+
     @property
     def wide(self) -> bool:
         return self.max_us > WIDE * self.min_us
@@ -61,16 +65,24 @@ class Row:
         return d
 
 
-def time_us(fn, *, min_time=0.2, repeats=7) -> Timing:
-    """The per-call µs of fn() over `repeats` batches of back-to-back calls, each batch sized to take
-    about min_time / repeats; a wide timing is repeated (see WIDE) and the narrowest returned."""
-    calls = _calls_per_batch(fn, min_time / repeats)
-    best = _timing(fn, calls, repeats)
+def time_alternating(fns, *, min_time=0.2, repeats=7) -> list[list[float]]:
+    """Per-call µs of each fn in `repeats` rounds, a round one batch of each fn in turn, each batch sized
+    to take about min_time / repeats: a change in the machine's speed (another tenant on its cores, a
+    clock change) lands on the fns of a round alike, so their ratios within a round hold where separate
+    timings would not. Rounds with a wide fn (see WIDE) are timed again and the set whose widest fn is
+    narrowest is returned."""
+    calls = [_calls_per_batch(fn, min_time / repeats) for fn in fns]
+    best = _rounds(fns, calls, repeats)
     for _ in range(RETIMES):
-        if not best.wide:
+        if not any(Timing.of(s).wide for s in best):
             break
-        best = min(best, _timing(fn, calls, repeats), key=lambda t: t.max_us / t.min_us)
+        best = min(best, _rounds(fns, calls, repeats), key=lambda ss: max(max(s) / min(s) for s in ss))
     return best
+
+
+def paired_ratio(samples: list[float], floor: list[float]) -> float:
+    """The median over rounds of a fn's batch over the floor fn's batch of the same round."""
+    return statistics.median(a / b for a, b in zip(samples, floor))
 
 
 def _calls_per_batch(fn, batch_s: float) -> int:
@@ -84,9 +96,12 @@ def _calls_per_batch(fn, batch_s: float) -> int:
     return max(1, round(calls * batch_s / took))
 
 
-def _timing(fn, calls: int, repeats: int) -> Timing:
-    samples = [_loop_s(fn, calls) / calls * 1e6 for _ in range(repeats)]
-    return Timing(statistics.median(samples), min(samples), max(samples))
+def _rounds(fns, calls: list[int], repeats: int) -> list[list[float]]:
+    out = [[] for _ in fns]
+    for _ in range(repeats):
+        for samples, fn, c in zip(out, fns, calls):
+            samples.append(_loop_s(fn, c) / c * 1e6)
+    return out
 
 
 def _loop_s(fn, calls: int) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ import time
 
 import torch
 
-from .common import Row, time_us
+from .common import Row, Timing, paired_ratio, time_alternating
 from .warm_start import warm_start
 
 
@@ -42,13 +43,28 @@ class Harness:
     def sizes(self, ns):
         return ns[:1] if self.quick else ns
 
-    def rows(self, op, case, n, moved, cases, *, min_time=0.2) -> list[Row]:
-        """One row per (name, fn[, bytes]) of ``cases``."""
-        rows, base = [], None
-        for name, fn, *case_moved in cases:
-            us = time_us(fn, min_time=0.002 if self.quick else min_time)
-            base = us if base is None else base
-            rows.append(Row(op, case, n, name, us, case_moved[0] if case_moved else moved, base, self.copy_gbps))
+    @staticmethod
+    def fresh_slots(num_slots, n):
+        """A callable giving each call the next n of one random permutation of num_slots (disjoint
+        windows, at most 2^16 of them, cycled): each call writes rows no call has touched for that many
+        calls, cold as an engine's new tokens are once those rows pass the LLC. The same slots on every
+        call would time lines the last call left in the caches instead."""
+        perm = torch.randperm(num_slots)
+        windows = itertools.cycle([perm[i : i + n] for i in range(0, min(num_slots, n << 16) - n + 1, n)])
+        return lambda: next(windows)
+
+    def rows(self, op, case, n, moved, cases, *, min_time=0.2, floor=None) -> list[Row]:
+        """One row per (name, fn[, bytes]) of ``cases``, all timed in alternating batches
+        (time_alternating); ``floor``: the name of the case each row's "× floor" is taken against, the
+        median of the rounds' ratios."""
+        names = [name for name, *_ in cases]
+        samples = time_alternating([fn for _, fn, *_ in cases], min_time=0.002 if self.quick else min_time)
+        base = Timing.of(samples[0])
+        rows = []
+        for (name, _, *case_moved), s in zip(cases, samples):
+            extra = {} if floor is None else {"x_floor": round(paired_ratio(s, samples[names.index(floor)]), 2)}
+            bytes_moved = case_moved[0] if case_moved else moved
+            rows.append(Row(op, case, n, name, Timing.of(s), bytes_moved, base, self.copy_gbps, extra))
         return rows
 
 

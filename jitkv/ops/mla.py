@@ -320,38 +320,40 @@ def sample(device, gen=None) -> dict:
     )
 
 
-def _bench_cpu(h) -> list:
-    """512+64 bf16 rows against torch indexing, and quantized to e4m3 / fp8_ds_mla against the torch
-    reference."""
+def _bench_cpu(h, num_slots=1 << 18) -> list:
+    """512+64 bf16 rows into a 2^18-row buffer (302 MB bf16, far past an LLC), each call writing slots
+    no recent call wrote (``h.fresh_slots``), against torch indexing, and quantized to e4m3 /
+    fp8_ds_mla against the torch reference."""
     rows = []
-    buf = rand((65536, 576), torch.bfloat16)
+    buf = rand((num_slots, 576), torch.bfloat16)
     for n in h.sizes((1, 133, 4096)):
-        nope, rope, loc = rand((n, 512), torch.bfloat16), rand((n, 64), torch.bfloat16), slots(65536, n)
+        nope, rope, loc = rand((n, 512), torch.bfloat16), rand((n, 64), torch.bfloat16), h.fresh_slots(num_slots, n)
 
         def torch_index():
-            buf[loc, :512] = nope
-            buf[loc, 512:] = rope
+            i = loc()
+            buf[i, :512] = nope
+            buf[i, 512:] = rope
 
         rows += h.rows(
             OP,
             "512+64 bf16",
             n,
             2 * n * 1152,
-            [("torch index", torch_index), ("jitkv jit", lambda: set_mla_kv_buffer(buf, loc, nope, rope))],
+            [("torch index", torch_index), ("jitkv jit", lambda: set_mla_kv_buffer(buf, loc(), nope, rope))],
         )
     for fmt, width in (("fp8_e4m3", 576), ("fp8_ds_mla", 656)):
-        buf8 = torch.zeros(65536, width, dtype=torch.uint8)
+        buf8 = rand((num_slots, width), torch.uint8)
         kw = dict(kv_cache_dtype=fmt, scale=None if fmt == "fp8_ds_mla" else 0.37)
         for n in h.sizes((1, 133, 4096)):
-            nope, rope, loc = rand((n, 512), torch.bfloat16), rand((n, 64), torch.bfloat16), slots(65536, n)
+            nope, rope, loc = rand((n, 512), torch.bfloat16), rand((n, 64), torch.bfloat16), h.fresh_slots(num_slots, n)
             rows += h.rows(
                 OP,
                 f"512+64 bf16 -> {fmt}",
                 n,
                 n * (1152 + width),
                 [
-                    ("torch reference", lambda: reference.set_mla_kv_buffer(buf8, loc, nope, rope, **kw)),
-                    ("jitkv jit", lambda: set_mla_kv_buffer(buf8, loc, nope, rope, **kw)),
+                    ("torch reference", lambda: reference.set_mla_kv_buffer(buf8, loc(), nope, rope, **kw)),
+                    ("jitkv jit", lambda: set_mla_kv_buffer(buf8, loc(), nope, rope, **kw)),
                 ],
             )
     return rows
