@@ -313,12 +313,14 @@ def sample_gather(device, gen=None) -> dict:
 
 
 def _bench_cpu(h) -> list:
-    """The writer (ue8m0) and the gather of one request, against the torch reference."""
-    bs, nb = 64, 1024
+    """The writer (ue8m0) into a cache of 2^15 blocks (277 MB, far past an LLC), each call writing slots
+    no recent call wrote (``h.fresh_slots``), and the gather of one request, against the torch
+    reference."""
+    bs, nb = 64, 1 << 15
     cache = INDEXER_K_CACHE.allocate(nb, bs, "cpu").random_(0, 256)
     rows = []
     for n in h.sizes((1, 133, 4096)):
-        k, sm = rand((n, 128), torch.bfloat16), slots(nb * bs, n)
+        k, sm = rand((n, 128), torch.bfloat16), h.fresh_slots(nb * bs, n)
         kw = dict(block_size=bs, scale_fmt="ue8m0")
         rows += h.rows(
             WRITE_OP,
@@ -326,8 +328,8 @@ def _bench_cpu(h) -> list:
             n,
             n * (2 * 128 + 132),
             [
-                ("torch reference", lambda: reference.indexer_k_quant_and_cache(k, cache, sm, **kw)),
-                ("jitkv jit", lambda: indexer_k_quant_and_cache(k, cache, sm, **kw)),
+                ("torch reference", lambda: reference.indexer_k_quant_and_cache(k, cache, sm(), **kw)),
+                ("jitkv jit", lambda: indexer_k_quant_and_cache(k, cache, sm(), **kw)),
             ],
         )
     for n in h.sizes((2048, 16384)):

@@ -1197,38 +1197,57 @@ def _mla_bytes(a) -> int:
     return a["q_pe"].numel() * 4 + n * (576 * 2 + a["kv_buffer"].shape[1] * a["kv_buffer"].element_size())
 
 
-def _bench_cpu(h) -> list:
-    """Llama-3-8B and Qwen3-8B (QK-norm) K/V into bf16 and e4m3 caches, DeepSeek MLA into bf16 and
-    fp8_ds_mla rows: torch's unfused composition (the baseline) against the fused op."""
+def _bench_cpu(h, num_slots=1 << 16, mla_slots=1 << 18) -> list:
+    """Llama-3-8B and Qwen3-8B (QK-norm) K/V into bf16 and e4m3 caches of 2^16 slots (256 / 128 MB for K
+    and V), DeepSeek MLA into bf16 and fp8_ds_mla rows of a 2^18-row buffer (302 / 172 MB), far past
+    an LLC, each call writing slots no recent call wrote (``h.fresh_slots``): torch's unfused
+    composition (the baseline) against the fused op."""
     rows = []
     for case, hq, hk, d, norm in MHA_MODELS:
         for kv in ("auto", "fp8_e4m3"):
+            cache_dtype = torch.bfloat16 if kv == "auto" else torch.float8_e4m3fn
+            caches = tuple(rand((num_slots, hk, d), cache_dtype) for _ in "kv")
             for n in h.sizes((1, 133, 4096)):
-                a = _mha_args(hq, hk, d, norm, n, 8192, kv)
+                a = _mha_args(hq, hk, d, norm, n, num_slots, kv, caches=caches)
+                fresh = h.fresh_slots(num_slots, n)
                 rows += h.rows(
                     OP,
                     f"{case} bf16 -> {'bf16' if kv == 'auto' else 'e4m3'}",
                     n,
                     _mha_bytes(a),
                     [
-                        ("torch unfused + jitkv store_cache", lambda: _mha_unfused(a)),
-                        ("jitkv jit", lambda: rope_store_cache(**a)),
+                        ("torch unfused + jitkv store_cache", _fresh(_mha_unfused, a, "slot_mapping", fresh)),
+                        ("jitkv jit", _fresh(lambda a: rope_store_cache(**a), a, "slot_mapping", fresh)),
                     ],
                 )
+            caches = None  # free them before the next case allocates
     for kv in ("auto", "fp8_ds_mla"):
+        buf = rand((mla_slots, 656 if kv == "fp8_ds_mla" else 576), torch.bfloat16 if kv == "auto" else torch.uint8)
         for n in h.sizes((1, 133, 1024)):
-            a = _mla_args(n, 8192, kv)
+            a = _mla_args(n, mla_slots, kv, buf=buf)
+            fresh = h.fresh_slots(mla_slots, n)
             rows += h.rows(
                 MLA_OP,
                 f"DeepSeek H{MLA_HEADS} 512+64 bf16 -> {kv}",
                 n,
                 _mla_bytes(a),
                 [
-                    ("torch unfused + jitkv set_mla_kv_buffer", lambda: _mla_unfused(a)),
-                    ("jitkv jit", lambda: rope_set_mla_kv_buffer(**a)),
+                    ("torch unfused + jitkv set_mla_kv_buffer", _fresh(_mla_unfused, a, "loc", fresh)),
+                    ("jitkv jit", _fresh(lambda a: rope_set_mla_kv_buffer(**a), a, "loc", fresh)),
                 ],
             )
+        buf = None
     return rows
+
+
+def _fresh(fn, a, key, slots_fn):
+    """A call of fn(a) with a[key] set to the next fresh slots first (the CPU benchmark's cases)."""
+
+    def call():
+        a[key] = slots_fn()
+        fn(a)
+
+    return call
 
 
 ROPE_NS = (1, 8, 32, 128, 512, 2048, 16384)
