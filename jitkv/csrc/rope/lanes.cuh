@@ -39,12 +39,6 @@ constexpr int lane_values() {
   return 16 / elem_bytes_of<kSrc>();
 }
 
-constexpr int pow2_at_least(int x) {
-  int p = 1;
-  while (p < x) p *= 2;
-  return p;
-}
-
 constexpr bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
 
 // The mask of the G lanes of this lane's group (G = 32: the warp).

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "jitkv/cpu/isa.h"
+#include "rope/params.h"
 
 namespace jitkv {
 namespace rope {
@@ -15,12 +16,6 @@ namespace rope {
 inline float fold8(const float* s) {
   const float a0 = s[0] + s[4], a1 = s[1] + s[5], a2 = s[2] + s[6], a3 = s[3] + s[7];
   return (a0 + a2) + (a1 + a3);
-}
-
-inline int64_t pow2_at_least(int64_t n) {
-  int64_t p = 1;
-  while (p < n) p *= 2;
-  return p;
 }
 
 // g[0, count) summed by halves, padded with zeros to a power of two (adding +0 is exact); g is scratch of

@@ -12,6 +12,14 @@ namespace jitkv::rope {
 
 using codes::RopeQ;
 
+// The least power of two >= x: the norm's group sums are folded by halves, zero-padded to it (the CUDA
+// lanes' shuffle groups, the CPU scratch).
+constexpr int64_t pow2_at_least(int64_t x) {
+  int64_t p = 1;
+  while (p < x) p *= 2;
+  return p;
+}
+
 // The format the queries are stored in (copy: the sources' dtype).
 constexpr codes::KvFormat q_format(RopeQ q) {
   return q == RopeQ::kE4M3   ? codes::KvFormat::kE4M3
