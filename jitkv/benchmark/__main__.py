@@ -111,13 +111,22 @@ def _cpu_model() -> str:
     return names[0] if names else platform.processor() or platform.machine()
 
 
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):g} MiB"
+
+
 def _cpu(families, report, quick=False):
-    from jitkv.jit.toolchain import cpu_isa
+    from jitkv.jit.toolchain import cpu_isa, host_cache_bytes
 
     from . import cpu
 
     report["isa"] = cpu_isa()
-    print(f"# jitkv CPU benchmark ({_describe('cpu')}, kernel path {report['isa']}, torch {torch.__version__})")
+    # The caches the kernels' streaming rule reads (jitkv/cpu/caches.h): whether a case's caches pass them.
+    report["cache_bytes"] = {f"L{level}": host_cache_bytes(level) for level in (2, 3)}
+    caches = ", ".join(f"{k} {_mib(v)}" for k, v in report["cache_bytes"].items() if v) or "caches unknown"
+    print(
+        f"# jitkv CPU benchmark ({_describe('cpu')}, kernel path {report['isa']}, {caches}, torch {torch.__version__})"
+    )
     rows = []
     if families:
         report["copy_gbps"] = cpu.copy_gbps(8 << 20) if quick else cpu.copy_gbps()

@@ -139,6 +139,27 @@ def host_cpu_isa() -> str:
     return next((isa for isa in ("avx512", "avx2") if _ISA_NEEDS[isa] <= flags), "scalar")
 
 
+def host_cache_bytes(level: int) -> int | None:
+    """cpu0's data or unified cache of ``level`` in bytes as sysfs lists it, None where it lists none: the
+    sizes the CPU kernels' streaming rule reads (jitkv/cpu/caches.h; sysconf may give a whole package's
+    L3 instead of the slice a core shares)."""
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for d in sorted(os.listdir(root)):
+            path = os.path.join(root, d)
+            if d.startswith("index") and _read(path, "level") == str(level) and _read(path, "type") != "Instruction":
+                size = _read(path, "size")
+                return int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1], 0)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _read(directory: str, name: str) -> str:
+    with open(os.path.join(directory, name)) as f:
+        return f.read().strip()
+
+
 def host_cpu_isas() -> tuple[str, ...]:
     """Every CPU kernel path this host runs, lowest first (``JITKV_CPU_ISA`` may choose any of them)."""
     return CPU_ISAS[: CPU_ISAS.index(host_cpu_isa()) + 1]

@@ -72,22 +72,11 @@ def test_isa_flags_are_part_of_the_key(monkeypatch):
     assert len(keys) == len(ISAS)
 
 
-def _sysfs_cache_bytes(level: int) -> int | None:
-    """cpu0's data or unified cache of ``level`` as sysfs lists it, in bytes; None if it lists none."""
-    root = "/sys/devices/system/cpu/cpu0/cache"
-    for d in sorted(os.listdir(root)) if os.path.isdir(root) else ():
-        read = lambda f: open(os.path.join(root, d, f)).read().strip()  # noqa: E731
-        if d.startswith("index") and int(read("level")) == level and read("type") != "Instruction":
-            size = read("size")
-            return int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1], 0)
-    return None
-
-
 @pytest.mark.parametrize("level", [2, 3])
 def test_streaming_rule_uses_the_cores_caches(level):
     """The streaming rule's L2 and LLC (caches.h) are cpu0's caches as sysfs lists them, not sysconf's
     (which may give a whole package's L3: ten times a core's on an AMD EPYC guest)."""
-    want = _sysfs_cache_bytes(level)
+    want = toolchain.host_cache_bytes(level)
     if want is None:
         pytest.skip(f"sysfs lists no level-{level} cache here")
     import importlib
