@@ -4,7 +4,8 @@
 // skipped, IndexError for an out-of-range slot before anything is written); then per kept token: the
 // amax of its values (cpu/fp8.h's abs_max: NaN left out, inf kept), the scale, the values through
 // quantize_seg (x / scale, clamp, round to nearest even: torch's bytes; AVX-512 or AVX2 where built)
-// and the scale's 4 bytes. OpenMP above a payload threshold (cpu/scatter.h).
+// and the scale's 4 bytes. OpenMP above a payload threshold, the values streamed where their lines are
+// cold (cpu/scatter.h).
 // Gather: per dst row, the covering request (binary search over cu_seq_lens), its block-table entry,
 // then a copy of the token's value and scale bytes (zeros for an invalid block).
 #include <tvm/ffi/function.h>
@@ -40,9 +41,17 @@ float token_scale(const uint16_t* x, bool f16, bool ue8m0) {
   return ue8m0 ? cpu::f32_from_bits((cpu::f32_bits(scale) + 0x7FFFFFu) & 0x7F800000u) : scale;
 }
 
+// Streaming stores for a token's values (two whole lines where the cache and its blocks start on lines)
+// when the written lines are cold (cpu::want_streaming); the 4-byte scales are plain stores.
+bool streamed(const WriteParams& p, int64_t m, int threads) {
+  return cpu::aligned64(p.cache) && p.block_stride % 64 == 0 &&
+         cpu::want_streaming(p.num_slots / p.block_size * p.block_stride, m * kTokenBytes, threads);
+}
+
 void write_rows(const WriteParams& p, const cpu::RowSlot* rows, int64_t m) {
   const cpu::SrcKind kind = p.k_f16 ? cpu::SrcKind::kF16 : cpu::SrcKind::kBF16;
   const int threads = cpu::threads_for(m * (2 * kHeadDim + kTokenBytes));
+  const bool nt = streamed(p, m, threads);
   cpu::for_rows(m, threads, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const char* src = p.k + rows[i].row * p.k_row_stride;
@@ -50,9 +59,10 @@ void write_rows(const WriteParams& p, const cpu::RowSlot* rows, int64_t m) {
       char* block = p.cache + blk * p.block_stride;
       const float scale = token_scale(reinterpret_cast<const uint16_t*>(src), p.k_f16, p.ue8m0);
       cpu::quantize_seg(reinterpret_cast<uint8_t*>(block + pos * kHeadDim), kind, src, kHeadDim, scale, cpu::kFp8E4M3,
-                        false);
+                        nt);
       std::memcpy(block + p.block_size * kHeadDim + pos * kScaleBytes, &scale, kScaleBytes);
     }
+    if (nt) cpu::stream_fence();
   });
 }
 

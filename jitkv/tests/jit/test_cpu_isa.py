@@ -140,10 +140,10 @@ def _with_padding(n: int, num_slots: int) -> torch.Tensor:
 
 def _streamed_rows(row_bytes: int) -> int:
     """Rows (a fifth of them padding) whose payload per thread passes the L2 size, where the scatters
-    stream (cpu/scatter.h want_streaming; getconf reads the sysconf value it reads, which os.sysconf
-    does not name)."""
+    stream (cpu/scatter.h want_streaming, with the L2 of cpu/caches.h: sysfs, else sysconf, which
+    getconf reads and os.sysconf does not name)."""
     out = subprocess.run(["getconf", "LEVEL2_CACHE_SIZE"], capture_output=True, text=True).stdout.strip()
-    l2 = int(out) if out.isdigit() and int(out) > 0 else 1 << 20
+    l2 = toolchain.host_cache_bytes(2) or (int(out) if out.isdigit() and int(out) > 0 else 1 << 20)
     return -(-l2 * torch.get_num_threads() * 3 // (2 * row_bytes))
 
 
@@ -507,6 +507,14 @@ def check_indexer():
                     (layout.allocate(nb, bs, "cpu"),),
                     call,
                 )
+    n = _streamed_rows(layout.token_bytes)  # the values streamed, the scales stored
+    blocks = 2 * n // bs
+    k, sm = rand((n, 128), torch.bfloat16), _with_padding(n, blocks * bs)
+
+    def call_streamed(backend, c):
+        jitkv.indexer_k_quant_and_cache(k, c, sm, block_size=bs, scale_fmt="ue8m0", backend=backend)
+
+    _agree(f"indexer_k_quant_and_cache streamed n={n}", (layout.allocate(blocks, bs, "cpu"),), call_streamed)
     cache = rand((nb, layout.block_stride(bs)), torch.uint8)
     table = torch.randperm(nb)[:12].int().view(2, 6)
     table[0, 4], table[1, 1] = nb, -1  # zero rows: a block past the cache, a negative one
