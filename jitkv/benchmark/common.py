@@ -7,8 +7,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 # A CPU row whose slowest batch took more than WIDE x its fastest was disturbed (another process on
-# its cores, a page fault, a clock change): it is timed again, up to RETIMES more times, and keeps
-# the narrowest timing; one still wide is marked. Re-measure a marked row alone on an idle machine:
+# its cores, a page fault, a clock change): its case is timed again, up to RETIMES more times, and
+# keeps the narrowest timing; a row still wide is marked. Re-measure a marked row on an idle machine:
 # python -m jitkv.benchmark --device cpu --op OP.
 WIDE = 1.5
 RETIMES = 3
