@@ -4,8 +4,9 @@
 // Algorithm: parse + validate (set_mla_kv_buffer.cuh, its host part); resolve every slot serially (skip rules,
 // IndexError before any write); then one pass over the kept rows writes both segments of each row with AVX-512
 // (row_copy.h copy_two). Bytes beyond nope+rope are never touched. OpenMP above a payload threshold;
-// when the buffer dwarfs the LLC and rows start on 64-byte lines, whole lines are assembled from
-// the two sources and streamed (non-temporal), only a partial last line uses a regular masked store.
+// when the written lines are cold (scatter.h want_streaming) and rows start on 64-byte lines, whole
+// lines are assembled from the two sources and streamed (non-temporal), only a partial last line uses
+// a regular masked store.
 // fp8: the same row pass with fp8.h's vector conversion (quantize_seg) instead of the copy; fp8_ds_mla
 // per tile: abs_max, scale = max(amax / 448, FLT_MIN) (a true division), then quantize_seg by it.
 #include <tvm/ffi/function.h>

@@ -6,7 +6,7 @@
 // row is one segment when both source and destination heads are dense (the common case, including
 // fused-qkv source views), else one segment per head. Copies use AVX-512 (row_copy.h); fp8
 // quantizes in registers (fp8.h). OpenMP above a payload threshold, non-temporal stores when the
-// caches dwarf the LLC (scatter.h).
+// written lines are cold (scatter.h want_streaming).
 #include <tvm/ffi/function.h>
 
 #include <vector>

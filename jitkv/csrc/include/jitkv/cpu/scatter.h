@@ -82,11 +82,12 @@ inline int threads_for(int64_t payload_bytes) {
 }
 
 // Streaming stores skip the read-for-ownership of each destination line but push it out of the
-// caches. Worth it when the written lines are cold anyway: the destination spans far more than the
-// LLC (random rows of a big cache), or one thread writes more than its L2 holds (measured here: at
-// 2 MB per thread streaming is 1.4x faster, at 1 MB 1.3x slower).
+// caches. Worth it when the written lines are cold anyway: the destination spans more than twice the
+// LLC (new rows of such a cache are cold at least half the time; docs/performance.md "The streaming
+// rule's span"), or one thread writes more than its L2 holds (at 2 MB per thread streaming is 1.4x
+// faster, at 1 MB 1.3x slower, on rows the last call left in the caches).
 inline bool want_streaming(int64_t dst_span_bytes, int64_t payload_bytes, int threads) {
-  return nt_available() && (dst_span_bytes > 4 * llc_bytes() || payload_bytes / threads >= l2_bytes());
+  return nt_available() && (dst_span_bytes > 2 * llc_bytes() || payload_bytes / threads >= l2_bytes());
 }
 
 // body(begin, end) over [0, m) kept rows, split statically across `threads` threads.
