@@ -21,8 +21,11 @@ inline void write_ds_mla(char* dst, cpu::SrcKind kind, const char* nope, const c
   for (int t = 0; t < DsMla::kTiles; ++t) {
     const char* x = nope + 2 * t * DsMla::kTile;
     scales[t] = std::max(cpu::abs_max(kind, x, DsMla::kTile) / DsMla::kFP8Max, FLT_MIN);
-    cpu::quantize_seg(reinterpret_cast<uint8_t*>(dst) + t * DsMla::kTile, kind, x, DsMla::kTile, scales[t],
-                      cpu::kFp8E4M3, nt && DsMla::kTile % 64 == 0);
+    // A tile is whole lines: segments takes the inlined line loop (no call, no tail; quantize_seg's
+    // call kept the quantizer's constants on the stack).
+    const cpu::Fp8Quantizer q(cpu::kFp8E4M3, scales[t]);
+    cpu::Fp8Quantizer::segments(&q, 0, reinterpret_cast<uint8_t*>(dst) + t * DsMla::kTile, 0, kind, x, 0, 1,
+                                DsMla::kTile, nt && DsMla::kTile % 64 == 0);
   }
   std::memcpy(dst + DsMla::kScaleOffset, scales, sizeof(scales));
   cpu::copy_seg(dst + DsMla::kRopeOffset, rope, 2 * DsMla::kRope, false);
