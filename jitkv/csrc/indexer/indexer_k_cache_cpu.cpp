@@ -58,8 +58,10 @@ void write_rows(const WriteParams& p, const cpu::RowSlot* rows, int64_t m) {
       const int64_t blk = rows[i].slot / p.block_size, pos = rows[i].slot - blk * p.block_size;
       char* block = p.cache + blk * p.block_stride;
       const float scale = token_scale(reinterpret_cast<const uint16_t*>(src), p.k_f16, p.ue8m0);
-      cpu::quantize_seg(reinterpret_cast<uint8_t*>(block + pos * kHeadDim), kind, src, kHeadDim, scale, cpu::kFp8E4M3,
-                        nt);
+      // Two whole lines by the token's own scale: segments takes the inlined line loop (no call).
+      const cpu::Fp8Quantizer q(cpu::kFp8E4M3, scale);
+      cpu::Fp8Quantizer::segments(&q, 0, reinterpret_cast<uint8_t*>(block + pos * kHeadDim), 0, kind, src, 0, 1,
+                                  kHeadDim, nt);
       std::memcpy(block + p.block_size * kHeadDim + pos * kScaleBytes, &scale, kScaleBytes);
     }
     if (nt) cpu::stream_fence();
