@@ -3,7 +3,7 @@
 // Writer: parse and check (indexer_k_cache.cuh, its host part); resolve every slot serially (slot < 0
 // skipped, IndexError for an out-of-range slot before anything is written); then per kept token: the
 // amax of its values (cpu/fp8.h's abs_max: NaN left out, inf kept), the scale, the values through
-// quantize_seg (x / scale, clamp, round to nearest even: torch's bytes; AVX-512 or AVX2 where built)
+// Fp8Quantizer (x / scale, clamp, round to nearest even: torch's bytes; AVX-512 or AVX2 where built)
 // and the scale's 4 bytes. OpenMP above a payload threshold, the values streamed where their lines are
 // cold (cpu/scatter.h).
 // Gather: per dst row, the covering request (binary search over cu_seq_lens), its block-table entry,

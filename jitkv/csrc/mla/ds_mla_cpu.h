@@ -21,8 +21,8 @@ inline void write_ds_mla(char* dst, cpu::SrcKind kind, const char* nope, const c
   for (int t = 0; t < DsMla::kTiles; ++t) {
     const char* x = nope + 2 * t * DsMla::kTile;
     scales[t] = std::max(cpu::abs_max(kind, x, DsMla::kTile) / DsMla::kFP8Max, FLT_MIN);
-    // A tile is whole lines: segments takes the inlined line loop (no call, no tail; quantize_seg's
-    // call kept the quantizer's constants on the stack).
+    // A tile is whole lines: segments takes the inlined line loop (no call, no tail; a call of the
+    // quantizer kept its constants on the stack).
     const cpu::Fp8Quantizer q(cpu::kFp8E4M3, scales[t]);
     cpu::Fp8Quantizer::segments(&q, 0, reinterpret_cast<uint8_t*>(dst) + t * DsMla::kTile, 0, kind, x, 0, 1,
                                 DsMla::kTile, nt && DsMla::kTile % 64 == 0);

@@ -7,8 +7,8 @@
 // when the written lines are cold (scatter.h want_streaming) and rows start on 64-byte lines, whole
 // lines are assembled from the two sources and streamed (non-temporal), only a partial last line uses
 // a regular masked store.
-// fp8: the same row pass with fp8.h's vector conversion (quantize_seg) instead of the copy; fp8_ds_mla
-// per tile: abs_max, scale = max(amax / 448, FLT_MIN) (a true division), then quantize_seg by it.
+// fp8: the same row pass with fp8.h's vector conversion (Fp8Quantizer) instead of the copy; fp8_ds_mla
+// per tile: abs_max, scale = max(amax / 448, FLT_MIN) (a true division), then the tile by that scale.
 #include <tvm/ffi/function.h>
 
 #include "jitkv/cpu/fp8.h"

@@ -1,6 +1,6 @@
 // fp32 -> fp8 (e4m3fn, e5m2) quantization for the CPU kernels, bit-exact with torch (fp8_format.h: the
 // formats, the scalar conversion and the vector paths' constants; fp8_avx512.h / fp8_avx2.h: the vector
-// loops): abs_max and Fp8Quantizer / quantize_seg on the path the build targets (jitkv/cpu/isa.h).
+// loops): abs_max and Fp8Quantizer on the path the build targets (jitkv/cpu/isa.h).
 #pragma once
 
 #include <cmath>
@@ -20,7 +20,7 @@ inline float abs_max(SrcKind k, const void* src, int64_t n) {
   return with_kind(k, [&](auto kind) { return abs_max_k<decltype(kind)::value>(src, n); });
 }
 
-// quantize_seg for one format and scale, set up once for many segments: the vector paths' setup (the
+// fp8 conversion by one format and scale, set up once for many segments: the vector paths' setup (the
 // reciprocal, the rounding's constants and their broadcasts) costs about as much as converting 32
 // values, so callers writing many short segments by one scale build it once.
 class Fp8Quantizer {
@@ -84,7 +84,7 @@ inline float abs_max(SrcKind k, const void* src, int64_t n) {
   return m;
 }
 
-// quantize_seg for one format and scale (the vector builds' setup is worth sharing; here it is the scale).
+// fp8 conversion by one format and scale (the vector builds' setup is worth sharing; here it is the scale).
 class Fp8Quantizer {
  public:
   Fp8Quantizer(const Fp8Format& fmt, float scale) : fmt_(&fmt), scale_(scale) {}
@@ -105,12 +105,6 @@ class Fp8Quantizer {
   float scale_;
 };
 #endif
-
-// dst[i] = fp8(clamp(src[i] / scale)) for i < n; nt: see Fp8Quantizer.
-inline void quantize_seg(uint8_t* dst, SrcKind k, const void* src, int64_t n, float scale, const Fp8Format& fmt,
-                         bool nt) {
-  Fp8Quantizer(fmt, scale)(dst, k, src, n, nt);
-}
 
 }  // namespace cpu
 }  // namespace jitkv
