@@ -142,8 +142,10 @@ def _streamed_rows(row_bytes: int) -> int:
     """Rows (a fifth of them padding) whose payload per thread passes the L2 size, where the scatters
     stream (cpu/scatter.h want_streaming, with the L2 of cpu/caches.h: sysfs, else sysconf, which
     getconf reads and os.sysconf does not name)."""
-    out = subprocess.run(["getconf", "LEVEL2_CACHE_SIZE"], capture_output=True, text=True).stdout.strip()
-    l2 = toolchain.host_cache_bytes(2) or (int(out) if out.isdigit() and int(out) > 0 else 1 << 20)
+    l2 = toolchain.host_cache_bytes(2)
+    if l2 is None:
+        out = subprocess.run(["getconf", "LEVEL2_CACHE_SIZE"], capture_output=True, text=True).stdout.strip()
+        l2 = int(out) if out.isdigit() and int(out) > 0 else 1 << 20
     return -(-l2 * torch.get_num_threads() * 3 // (2 * row_bytes))
 
 
