@@ -159,9 +159,15 @@ class RopeNorm:
 class Transfer:
     """transfer_pages' SM copy kernel (docs/design.md §2): the SMs it takes by default for a copy with a
     host pool (the link bounds it and a few SMs saturate the link; it must leave the forward pass its
-    SMs). A copy inside the GPU takes every SM."""
+    SMs). A copy inside the GPU takes every SM. Host ids go in a launch's parameter block (int32 pairs),
+    the smallest that holds them: INLINE_PAIRS_SMALL pairs (512 bytes), INLINE_PAIRS_MID (8 KiB) or
+    INLINE_PAIRS (31.25 KiB; CUDA takes 32,764 bytes), more in launches of INLINE_PAIRS (the host
+    copies a block per launch: a 31.25 KiB one costs it microseconds more than a 512-byte one)."""
 
     LINK_SMS = 4
+    INLINE_PAIRS_SMALL = 64
+    INLINE_PAIRS_MID = 1024
+    INLINE_PAIRS = 4000
 
 
 _ENUMS = (KvFormat, SrcDtype, ScaleFmt, Status, RopeQ, MlaKernel, MlaFp8Kernel)

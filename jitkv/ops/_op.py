@@ -299,7 +299,11 @@ class Op:
 
     def note(self, device: torch.device, name: str, reason: str, info: dict) -> None:
         """Record for backend_info a path a runner chose inside its backend (transfer_pages' copy
-        engines under its CPU-homed runner), as ``_resolve`` records a backend."""
+        engines under its CPU-homed runner), as ``_resolve`` records a backend. A call per op call:
+        nothing is written when backend_info already holds this backend and reason."""
+        entry = _INFO.get(self.name, {}).get(str(device))
+        if entry is not None and entry["reason"] == reason and entry["backend"] == name:
+            return
         with _LOCK:
             self._record(device, name, reason, None, info)
 

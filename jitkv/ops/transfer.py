@@ -37,7 +37,7 @@ def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=None, backend=None
             (e.g. ``(k_pool, v_pool)``) moved in one call, each to the pool at its position in dst.
         dst: the pool written in place: src's dtype, page shape and layer count; a tuple when src is.
         src_pages, dst_pages: ``[N]`` int32 or int64 page ids, dense, on the GPU (the SM kernel,
-            graph-safe) or on the host (the copy engines; see Devices). A pair with a negative id in
+            graph-safe) or on the host (an engine's CPU-side plan; see Devices). A pair with a negative id in
             either is padding and is skipped. An id past its pool: IndexError before anything is
             copied for host ids; skipped for GPU ids (``JITKV_DEBUG=1`` raises on the host first),
             docs/design.md §3. Pairs naming one destination page: with host ids the last valid one
@@ -52,7 +52,9 @@ def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=None, backend=None
     Devices: a copy between a GPU and pinned host memory, within one GPU, or between two host pools.
     The page ids live on the CUDA pool's device (the SM kernel: no host sync, graph-safe) or on the
     host (an engine's CPU-side plan, as vLLM's block_mapping: pages of ``CE_MIN_PAGE_BYTES`` or more
-    go to the copy engines, which use no SM; smaller ones to the SM kernel after the ids are moved).
+    go to the copy engines, which use no SM; smaller ones, and any while a graph is captured, to the SM
+    kernel, the pairs passed in its launch's parameter block, so nothing is staged and a captured graph
+    keeps the pairs of the capture).
     A CPU pool in a copy with a GPU must be pinned (``pin_memory()``): ValueError otherwise, as the
     copy engines read and write only page-locked host memory at full speed and a pageable pool would
     silently stage through a bounce buffer. Pools on two different GPUs: ValueError naming both.
@@ -67,7 +69,8 @@ def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=None, backend=None
         ValueError: src and dst of different dtypes or page shapes (naming both) or layer counts, a
         page part that is not dense, a pool of fewer than 2 dims, ids not 1-D or dense or of different
         lengths, a device rule above broken, tuples of different lengths, max_sms < 1.
-        IndexError: an id past its pool (CPU; CUDA under JITKV_DEBUG=1), before anything is copied.
+        IndexError: an id past its pool (host ids; GPU ids under JITKV_DEBUG=1), before anything is
+        copied.
 
     Algorithm: CPU (host to host) — the pairs resolved serially first (padding skipped, range checked,
     the last pair of each destination page kept), then one memcpy of page_bytes per (pair, layer) run,
@@ -77,9 +80,11 @@ def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=None, backend=None
     each warp moving two chunks at a time in a grid-stride loop (all their loads before the stores), so
     that large pages spread over the grid and small ones load at once; host pools read and written in
     place through their pinned mapping (UVA); a grid of at most ``max_sms`` x 3 CTAs of 8 warps. CUDA,
-    host ids: the pairs resolved on the host as on CPU, one run per (pair, layer), runs that follow on
-    in both pools merged, all in one ``cudaMemcpyBatchAsync`` on the current stream (one
-    ``cudaMemcpyAsync`` per run while a graph is being captured). The torch reference (gather, then
+    host ids: the pairs resolved on the host as on CPU; pages of ``CE_MIN_PAGE_BYTES`` or more: one
+    run per (pair, layer), runs that follow on in both pools merged, all (a tuple's too) in one
+    ``cudaMemcpyBatchAsync`` on the current stream; smaller pages, or a graph being captured: the SM
+    kernel above, the resolved pairs (int32: pools of fewer than 2^31 pages) in the launch's parameter
+    block, up to 4,000 a launch (``codes.Transfer``). The torch reference (gather, then
     ``index_copy_`` of byte views) is the fallback; it reads the plan on the host for host pools.
     """
     if isinstance(src, (tuple, list)) or isinstance(dst, (tuple, list)):
@@ -101,59 +106,93 @@ def _transfer_tuples(src, dst, src_pages, dst_pages, max_sms, backend):
     if len(src) == 1:  # one pool: its own call checks everything before it copies
         TRANSFER_PAGES.run((src[0], dst[0], src_pages, dst_pages, max_sms), backend)
         return
-    if len(src) == 2 and not is_compiling() and _run_pair(src, dst, src_pages, dst_pages, max_sms, backend):
-        return
-    if not is_compiling():
-        for j, (s, d) in enumerate(zip(src, dst)):
-            _check(s, d, src_pages, dst_pages, f"src[{j}]", f"dst[{j}]")
-        _max_sms(max_sms)
-        if src_pages.is_cpu:
-            device, index = _gpu_of((*src, *dst))
-            ce = None if device is None else _copy_engine(device, index)
-            _check_host_ids(ce, index, zip(src, dst), src_pages, dst_pages)
-            if _ids_to_the_gpu(src, dst, backend):  # checked: the ids move once for every pool
-                src_pages, dst_pages = _ids_on(device, src_pages, dst_pages)
-                if len(src) == 2 and _run_pair(src, dst, src_pages, dst_pages, max_sms, backend):
-                    return
+    if len(src) == 2 and not is_compiling():
+        try:
+            if _run_pair(src, dst, src_pages, dst_pages, max_sms, backend):
+                return
+        except (TypeError, ValueError):
+            _check_tuples(src, dst, src_pages, dst_pages, max_sms)  # the argument named as every path names it
+            raise
+    if not is_compiling() and not _checked_by_the_copy_engines(src, dst, src_pages, dst_pages, max_sms):
+        _check_tuples(src, dst, src_pages, dst_pages, max_sms)
+        if src_pages.is_cpu:  # host pools, or no copy-engine module: the reference's range check
+            _check_host_ids(None, None, zip(src, dst), src_pages, dst_pages)
     for s, d in zip(src, dst):
         TRANSFER_PAGES.run((s, d, src_pages, dst_pages, max_sms), backend)
 
 
-def _ids_to_the_gpu(src, dst, backend) -> bool:
-    """Host ids of a tuple with GPU pools whose pages all go to the SM kernel (under CE_MIN_PAGE_BYTES,
-    outside graph capture, the jit backend asked for or automatic)."""
-    if backend not in (None, "jit") or not any(t.is_cuda for t in (*src, *dst)):
+def _check_tuples(src, dst, src_pages, dst_pages, max_sms):
+    for j, (s, d) in enumerate(zip(src, dst)):
+        _check(s, d, src_pages, dst_pages, f"src[{j}]", f"dst[{j}]")
+    _max_sms(max_sms)
+
+
+def _checked_by_the_copy_engines(src, dst, src_pages, dst_pages, max_sms) -> bool:
+    """Host ids beside a GPU whose copy-engine module is built: its C++ check of every pool pair (the
+    Python check's rules, and the ids range checked) before any pool is copied, tens of µs less than
+    the Python check; on bad input the Python check raises first, naming the argument. True when it
+    ran."""
+    try:
+        if not src_pages.is_cpu:
+            return False
+        device, index = _gpu_of((*src, *dst))
+    except AttributeError:
         return False
-    return not any(_copy_engines_take(t) for t in src)
+    ce = None if device is None else _copy_engine(device, index)
+    if ce is None:
+        return False
+    try:
+        _max_sms(max_sms)
+        _check_host_ids(ce, index, zip(src, dst), src_pages, dst_pages)
+    except (TypeError, ValueError):
+        _check_tuples(src, dst, src_pages, dst_pages, max_sms)
+        raise
+    return True
 
 
 def _run_pair(src, dst, src_pages, dst_pages, max_sms, backend) -> bool:
-    """A (K, V) tuple with GPU ids in one launch of the SM kernel, when both pool pairs have one page
-    size and layer count and the jit backend runs (every argument checked by the binding before
-    anything is copied). False where the per-pool path must run instead.
+    """A (K, V) tuple in one call, the jit backend running: host ids of pages the copy engines take
+    (_copy_engines_take) in one batch of theirs; else (GPU ids, or host ids of smaller pages or while a
+    graph is captured) one launch of the SM kernel, both pool pairs of one page size and layer count.
+    Every argument is checked by the binding before anything is copied. False where the per-pool path
+    must run instead.
 
     This is the engines' per-layer call, so it reads each argument once and finds the launcher in
     the op's runner cache without a lock; the binding picks the vector width."""
     if backend not in (None, "jit"):
         return False
     try:
-        if not src_pages.is_cuda:
-            return False
         (s0, s1), (d0, d1) = src, dst
+        index = src_pages.get_device()
+        host_ids = index < 0
+        if host_ids:  # the GPU of the pools, if any
+            index = max(s0.get_device(), d0.get_device())
+            if index < 0:
+                return False
         shape0, shape1 = s0.shape, s1.shape
-        if (
-            len(shape0) < 2
-            or shape0[0] != shape1[0]
-            or math.prod(shape0[2:]) * s0.element_size() != math.prod(shape1[2:]) * s1.element_size()
-        ):
-            return False
+        page0, page1 = math.prod(shape0[2:]) * s0.element_size(), math.prod(shape1[2:]) * s1.element_size()
+        one_launch = len(shape0) >= 2 and shape0[0] == shape1[0] and page0 == page1
     except (AttributeError, TypeError, ValueError):
         return False  # the per-pool path names the bad argument
-    pair = getattr(TRANSFER_PAGES.cuda_runner(src_pages.get_device(), backend, ()), "pair", None)
-    if pair is None:
+    ms = 0 if max_sms is None else _max_sms(max_sms)
+    if host_ids:
+        if _copy_engines_take(min(page0, page1)):
+            ce = _copy_engine(_device(index), index)
+            if ce is None:
+                return False
+            ce[0](s0, d0, s1, d1, src_pages, dst_pages, 2, index)
+            _note(index, HOST_IDS_CE, "copy engine", ce[2])
+            return True
+        host = getattr(TRANSFER_PAGES.cuda_runner(index, backend, ()), "host_ids", None)
+        if host is None or not one_launch:
+            return False
+        host(s0, d0, s1, d1, src_pages, dst_pages, 2, ms)
+        _note(index, HOST_IDS_SM, "SM copy kernel", {})
+        return True
+    pair = getattr(TRANSFER_PAGES.cuda_runner(index, backend, ()), "pair", None)
+    if pair is None or not one_launch:
         return False
-    _max_sms(max_sms)
-    pair(s0, d0, s1, d1, src_pages, dst_pages, 0 if max_sms is None else max_sms)
+    pair(s0, d0, s1, d1, src_pages, dst_pages, ms)
     return True
 
 
@@ -257,12 +296,14 @@ def check(src, dst, src_pages, dst_pages, max_sms):
 
 
 def _max_sms(max_sms):
+    """max_sms checked (None or an int >= 1), returned."""
     if max_sms is None:
-        return
+        return None
     if isinstance(max_sms, bool) or not isinstance(max_sms, int):
         raise TypeError(f"{OP}: max_sms: expected None or an int, got {type(max_sms).__name__}")
     if max_sms < 1:
         raise ValueError(f"{OP}: max_sms: expected an int >= 1, got {max_sms}")
+    return max_sms
 
 
 def _check(src, dst, src_pages, dst_pages, sname, dname):
@@ -347,7 +388,7 @@ def cpu_spec() -> JitSpec:
 
 def cuda_spec(arch: str) -> JitSpec:
     """The CUDA module: the SM copy kernel for 16-, 4- and 1-byte vectors, the binding choosing per call."""
-    return JitSpec("transfer_cuda", ("transfer/transfer_pages_cuda.cu",), target=arch, exports=(OP, PAIR))
+    return JitSpec("transfer_cuda", ("transfer/transfer_pages_cuda.cu",), target=arch, exports=(OP, PAIR, HOST_IDS))
 
 
 def copy_engine_spec(arch: str) -> JitSpec:
@@ -355,7 +396,8 @@ def copy_engine_spec(arch: str) -> JitSpec:
     return JitSpec("transfer_ce", ("transfer/transfer_pages_ce.cu",), target=arch, exports=(CE, CE_CHECK))
 
 
-CE, CE_CHECK, PAIR = "transfer_pages_ce", "transfer_pages_check", "transfer_pages_pair"
+CE, CE_CHECK = "transfer_pages_ce", "transfer_pages_check"
+PAIR, HOST_IDS = "transfer_pages_pair", "transfer_pages_host_ids"
 
 
 def specs(target: str) -> list[JitSpec]:
@@ -382,8 +424,10 @@ def _jit(device, variant):
     def run_cuda(src, dst, src_pages, dst_pages, max_sms):
         fn(src, dst, src_pages, dst_pages, 0 if max_sms is None else max_sms)  # 0: the binding's default
 
-    run_cuda.pair = get_function(spec, PAIR)  # a (K, V) tuple in one launch (_run_pair)
-    return TRANSFER_PAGES.with_debug_checks(device, run_cuda), {"mechanism": "SM copy kernel", **info}
+    run_cuda.pair = get_function(spec, PAIR)  # a (K, V) tuple in one launch (_run_pair; not under JITKV_DEBUG)
+    run = TRANSFER_PAGES.with_debug_checks(device, run_cuda)
+    run.host_ids = get_function(spec, HOST_IDS)  # host ids for the SM kernel: the binding range checks them
+    return run, {"mechanism": "SM copy kernel", **info}
 
 
 # Pages of at least this many bytes go to the copy engines when the ids are on the host; smaller ones
@@ -394,30 +438,44 @@ _CE: dict[int, tuple | None] = {}
 _CE_MISSING: dict[int, str] = {}
 
 
+HOST_IDS_CE = "page ids on the host: the copy engines"
+HOST_IDS_SM = "page ids on the host: the SM kernel, the pairs in its parameter block"
+
+
 def _host_ids_with_gpu(src, dst, src_pages, dst_pages, max_sms):
-    """Ids on the host, a pool on a GPU: the copy engines (pages of CE_MIN_PAGE_BYTES or more, or a
-    stream being captured, where the ids cannot be moved), else the SM kernel with the ids moved to
-    the GPU after they are range checked on the host (IndexError, nothing copied)."""
+    """Ids on the host, a pool on a GPU: the copy engines where they take the pages (_copy_engines_take);
+    else the SM kernel, the pairs checked and resolved on the host and passed in the launch's parameter
+    block (the binding: IndexError before anything is copied). Without the CUDA module: the copy
+    engines while a stream is captured, else the ids range checked, moved to the GPU, and the GPU's
+    backend copies."""
     device, index = _gpu_of((src, dst))
     ce = _copy_engine(device, index)
-    if ce is not None and _copy_engines_take(src):
-        _note(index, "page ids on the host: the copy engines", "copy engine", ce[2])
-        ce[0](src, dst, src_pages, dst_pages, index)
+    if ce is not None and _copy_engines_take(math.prod(src.shape[2:]) * src.element_size()):
+        ce[0](src, dst, src, dst, src_pages, dst_pages, 1, index)
+        _note(index, HOST_IDS_CE, "copy engine", ce[2])
+        return
+    host_ids = getattr(TRANSFER_PAGES.cuda_runner(index, None, ()), "host_ids", None)
+    if host_ids is not None:
+        host_ids(src, dst, src, dst, src_pages, dst_pages, 1, 0 if max_sms is None else max_sms)
+        _note(index, HOST_IDS_SM, "SM copy kernel", {})
+        return
+    if ce is not None and torch.cuda.is_current_stream_capturing():  # the ids cannot be moved now
+        ce[0](src, dst, src, dst, src_pages, dst_pages, 1, index)
+        _note(index, HOST_IDS_CE, "copy engine", ce[2])
         return
     if ce is None:  # the reference's range check takes checked arguments; the C++ one checks them itself
         check(src, dst, src_pages, dst_pages, max_sms)
     _check_host_ids(ce, index, ((src, dst),), src_pages, dst_pages)
-    why = "page ids on the host, pages under CE_MIN_PAGE_BYTES: the SM kernel" if ce else _CE_MISSING[index]
-    _note(index, why, "SM copy kernel", {})
+    _note(index, _CE_MISSING.get(index, "page ids on the host, no CUDA module: moved to the GPU"), "SM copy kernel", {})
     ids = _ids_on(device, src_pages, dst_pages)
-    TRANSFER_PAGES.run((src, dst, ids[0], ids[1], max_sms), None)  # the GPU's own choice (jit, else torch)
+    TRANSFER_PAGES.run((src, dst, ids[0], ids[1], max_sms), None)  # the GPU's own choice (torch, the module missing)
 
 
-def _copy_engines_take(pool) -> bool:
-    """Whether host ids of ``pool``'s pages go to the copy engines: pages of CE_MIN_PAGE_BYTES or more,
-    or any page while the stream is captured (the ids cannot be moved to the GPU then)."""
-    page_bytes = math.prod(pool.shape[2:]) * pool.element_size()
-    return page_bytes >= CE_MIN_PAGE_BYTES or torch.cuda.is_current_stream_capturing()
+def _copy_engines_take(page_bytes) -> bool:
+    """Whether host ids of pages of ``page_bytes`` go to the copy engines: CE_MIN_PAGE_BYTES or more,
+    and no graph being captured (a captured batch is one memcpy node per run, which replays at half the
+    SM kernel's rate: docs/performance.md "Host ids in the parameter block")."""
+    return page_bytes >= CE_MIN_PAGE_BYTES and not torch.cuda.is_current_stream_capturing()
 
 
 def _gpu_of(pools):
@@ -460,10 +518,21 @@ def _copy_engine(device, index):
     return _CE[index]
 
 
+_DEVICES: dict[int, torch.device] = {}
+
+
+def _device(index) -> torch.device:
+    """torch.device("cuda", index), made once per index (a host-ids call needs it twice)."""
+    device = _DEVICES.get(index)
+    if device is None:
+        device = _DEVICES[index] = torch.device("cuda", index)
+    return device
+
+
 def _note(index, reason, mechanism, info):
     """backend_info of GPU ``index``: the path this host-ids call took (the runner of GPU ids records its
-    own when it is made)."""
-    TRANSFER_PAGES.note(torch.device("cuda", index), "jit", reason, {"mechanism": mechanism, **info})
+    own when it is made); recorded when it differs from what backend_info holds (every call reads it)."""
+    TRANSFER_PAGES.note(_device(index), "jit", reason, {"mechanism": mechanism, **info})
 
 
 # ------------------------------------------------------------------------------ sample and bench
@@ -575,12 +644,13 @@ def _transfer_rows(h, case, t, n, pools, to_dev):
     graphed = [
         ("torch contiguous pinned copy_, graph", lambda i: flat_dst.copy_(flat_src, non_blocking=True)),
         (f"jitkv, GPU ids (SM kernel, {LINK_SMS} SMs), graph", lambda i: transfer_pages(src, dst, sp_d, dp_d)),
+        ("jitkv, host ids, graph", lambda i: transfer_pages(src, dst, sp_h, dp_h)),
     ]
     if ce is not None:
         cases.append(
             (
                 "jitkv copy engines forced, host ids",
-                lambda i: [ce(a, b, sp_h, dp_h, device.index) for a, b in zip(src, dst)],
+                lambda i: ce(src[0], dst[0], src[-1], dst[-1], sp_h, dp_h, len(src), device.index),
             )
         )
     if n * dev_pools[0].shape[0] * len(pools) <= _LOOP_MAX_RUNS:

@@ -21,6 +21,8 @@
 // Vectors of kVec bytes (16, 4 or 1), chosen on the host: 16 when every base, stride and page_bytes is
 // a multiple of 16, else 4 when they are of 4, else 1 (odd page widths).
 //
+// Ids: from the id tensors in device memory, or (kInline > 0: ids that were on the host, resolved
+// there) from the launch's parameter block, params.h InlineIds.
 // Ids (docs/design.md §3): a pair with a negative id, or an id >= its pool's page count, is skipped
 // (no host sync; JITKV_DEBUG=1 raises on the host first). Pairs naming one destination page race:
 // the page gets bytes of their source pages in unspecified vectors (docs/design.md §2). Resolving
@@ -44,10 +46,28 @@ constexpr int kCtasPerSm = 3;  // CTAs per SM of the max_sms the grid may use (8
 constexpr int kUnroll = 4;     // vectors per lane of a chunk
 constexpr int kChunk = 32 * kUnroll;
 constexpr int kLinkSms = codes::Transfer::kLinkSms;  // the default SM bound of a copy with a host pool
+// Host ids: the pairs a launch's parameter block holds (codes.Transfer): 512 bytes, 8 KiB, 31.25 KiB.
+constexpr int kInlineSmall = codes::Transfer::kInlinePairsSmall;
+constexpr int kInlineMid = codes::Transfer::kInlinePairsMid;
+constexpr int kInlinePairs = codes::Transfer::kInlinePairs;
 
 __device__ __forceinline__ int64_t load_id(const void* p, int64_t i, bool i64) {
   return i64 ? cuda::load(static_cast<const int64_t*>(p) + i)
              : static_cast<int64_t>(cuda::load(static_cast<const int32_t*>(p) + i));
+}
+
+// Pair i's page ids: from the launch's own parameter block (kInline > 0: ids that were on the host,
+// resolved there) or from the id tensors in device memory.
+template <int kInline>
+__device__ __forceinline__ void pair_ids(const TransferParams& p, const InlineIds<kInline>& ids, uint32_t i, int64_t& s,
+                                         int64_t& d) {
+  if constexpr (kInline > 0) {
+    s = ids.src[i];
+    d = ids.dst[i];
+  } else {
+    s = load_id(p.src_pages, i, p.src_i64);
+    d = load_id(p.dst_pages, i, p.dst_i64);
+  }
 }
 
 // One chunk of a warp: where its vectors come from and go, and how many of them this lane moves.
@@ -62,9 +82,9 @@ struct Chunk {
 // Chunk c (32-bit: the binding refuses calls of 2^31 chunks or more, whose division would cost a
 // 64-bit divide routine and its spills per chunk). Runs are numbered pair by pair, each pair's pools,
 // each pool's layers.
-template <typename V>
-__device__ __forceinline__ Chunk<V> locate(const TransferParams& p, uint32_t c, uint32_t chunks, uint32_t per_run,
-                                           uint32_t layers, int vectors, int lane) {
+template <typename V, int kInline>
+__device__ __forceinline__ Chunk<V> locate(const TransferParams& p, const InlineIds<kInline>& ids, uint32_t c,
+                                           uint32_t chunks, uint32_t per_run, uint32_t layers, int vectors, int lane) {
   Chunk<V> k{nullptr, nullptr, 0, 0};
   if (c >= chunks) return k;
   const uint32_t run = c / per_run;
@@ -73,8 +93,8 @@ __device__ __forceinline__ Chunk<V> locate(const TransferParams& p, uint32_t c, 
   const bool second = p.num_pools == 2 && (pair_pool & 1u);
   const Pool& from = second ? p.src2 : p.src;
   const Pool& to = second ? p.dst2 : p.dst;
-  const int64_t s = load_id(p.src_pages, i, p.src_i64);
-  const int64_t d = load_id(p.dst_pages, i, p.dst_i64);
+  int64_t s, d;
+  pair_ids(p, ids, i, s, d);
   if (s < 0 || d < 0 || s >= from.num_pages || d >= to.num_pages) return k;
   k.from = reinterpret_cast<const V*>(from.at(layer, s));
   k.to = reinterpret_cast<V*>(to.at(layer, d));
@@ -84,9 +104,9 @@ __device__ __forceinline__ Chunk<V> locate(const TransferParams& p, uint32_t c, 
 }
 
 // kCtasPerSm CTAs fit on one SM at once (the launch bound caps the registers at 85 per thread).
-template <int kVec>
+template <int kVec, int kInline>
 __global__ void __launch_bounds__(kWarps * 32, kCtasPerSm)
-    transfer_pages_kernel(const __grid_constant__ TransferParams p) {
+    transfer_pages_kernel(const __grid_constant__ TransferParams p, const __grid_constant__ InlineIds<kInline> ids) {
   static_assert(kVec == 16 || kVec == 4 || kVec == 1, "vectors of 16, 4 or 1 bytes");
   using V = typename cuda::VecOf<kVec>::T;
   // The ids and the source pages may come from the previous kernel (a page just written, offloaded).
@@ -100,8 +120,8 @@ __global__ void __launch_bounds__(kWarps * 32, kCtasPerSm)
   const uint32_t chunks = static_cast<uint32_t>(p.n * p.num_pools) * layers * per_run;
   const uint32_t warps = gridDim.x * kWarps;
   for (uint32_t c = blockIdx.x * kWarps + (threadIdx.x >> 5); c < chunks; c += 2 * warps) {
-    const Chunk<V> a = locate<V>(p, c, chunks, per_run, layers, vectors, lane);
-    const Chunk<V> b = locate<V>(p, c + warps, chunks, per_run, layers, vectors, lane);
+    const Chunk<V> a = locate<V>(p, ids, c, chunks, per_run, layers, vectors, lane);
+    const Chunk<V> b = locate<V>(p, ids, c + warps, chunks, per_run, layers, vectors, lane);
     V va[kUnroll], vb[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {

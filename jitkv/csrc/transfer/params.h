@@ -39,4 +39,18 @@ struct TransferParams {
   bool src_i64, dst_i64;
 };
 
+// Page ids carried in a launch's parameter block: pairs of ids that were on the host (an engine's
+// CPU-side plan), resolved there, kInline pairs at most per launch, so that nothing is staged or
+// copied to the GPU before the kernel and a captured graph keeps the ids it was captured with. int32:
+// the binding refuses pools of 2^31 pages or more on this path. kInline 0: the ids are tensors in
+// device memory (TransferParams::src_pages, dst_pages).
+template <int kInline>
+struct InlineIds {
+  int32_t src[kInline];
+  int32_t dst[kInline];
+};
+
+template <>
+struct InlineIds<0> {};
+
 }  // namespace jitkv::transfer

@@ -111,4 +111,27 @@ inline DLDevice cuda_device(const char* op, const TensorView& src, const TensorV
   return dev;
 }
 
+// The device rule of host ids beside a GPU (the copy-engine path, and the SM kernel with the ids in its
+// parameter block): the ids on the host; not both pools on the host; the CUDA pools on one GPU, which
+// the call returns (the first CUDA pool's), the others host pools.
+inline DLDevice host_ids_device(const char* op, const TensorView& src, const TensorView& dst,
+                                const TensorView& src_pages, const TensorView& dst_pages, const char* sname = "src",
+                                const char* dname = "dst") {
+  if (!is_host(src_pages)) {
+    TVM_FFI_THROW(ValueError) << op << ": src_pages: expected a CPU tensor (host ids), got one on "
+                              << device_str(src_pages.device());
+  }
+  if (!is_host(dst_pages)) {
+    TVM_FFI_THROW(ValueError) << op << ": dst_pages: expected a CPU tensor like src_pages, got one on "
+                              << device_str(dst_pages.device());
+  }
+  if (is_host(src) && is_host(dst)) {
+    TVM_FFI_THROW(ValueError) << op << ": " << sname << ": expected a pool on a GPU beside the host pool " << dname
+                              << ", got both on the host";
+  }
+  const DLDevice dev = is_host(src) ? dst.device() : src.device();
+  if (!is_host(dst)) check_device(op, dname, dst, dev, sname);
+  return dev;
+}
+
 }  // namespace jitkv::transfer

@@ -50,8 +50,9 @@ struct Runs {
   }
 };
 
-Runs plan_runs(const TransferParams& p, const std::vector<PagePair>& pairs) {
-  Runs runs;
+// The runs of one pool pair, added to `runs`.
+void plan_runs(const TransferParams& p, const std::vector<PagePair>& pairs, Runs& runs) {
+  if (p.num_layers == 0 || p.page_bytes == 0) return;
   const size_t n = static_cast<size_t>(p.page_bytes);
   auto run = [&](const PagePair& pair, int64_t layer) {
     runs.add(p.dst.at(layer, pair.dst), p.src.at(layer, pair.src), n);
@@ -64,7 +65,6 @@ Runs plan_runs(const TransferParams& p, const std::vector<PagePair>& pairs) {
     for (int64_t l = 0; l < p.num_layers; ++l)
       for (const PagePair& pair : pairs) run(pair, l);
   }
-  return runs;
 }
 
 void throw_cuda(const char* what, cudaError_t err) {
@@ -99,31 +99,15 @@ void submit(Runs& runs, cudaStream_t stream) {
   }
 }
 
-// The device rule of this path: the ids on the host; every CUDA pool on one GPU (`device`, the GPU the
-// caller's stream belongs to), the others pinned host pools; not both pools on the host.
-void check_devices(const TensorView& src, const TensorView& dst, const TensorView& src_pages,
-                   const TensorView& dst_pages, DLDevice dev) {
-  if (!is_host(src_pages)) {
-    TVM_FFI_THROW(ValueError) << kOp << ": src_pages: expected a CPU tensor for the copy-engine path, got one on "
-                              << jitkv::device_str(src_pages.device());
-  }
-  if (!is_host(dst_pages)) {
-    TVM_FFI_THROW(ValueError) << kOp << ": dst_pages: expected a CPU tensor like src_pages, got one on "
-                              << jitkv::device_str(dst_pages.device());
-  }
-  if (is_host(src) && is_host(dst)) {
-    TVM_FFI_THROW(ValueError) << kOp << ": src: the copy-engine path moves pages to or from a GPU; src and dst are "
-                              << "both on the host";
-  }
-  if (!is_host(src)) jitkv::check_device(kOp, "src", src, dev, "dst");
-  if (!is_host(dst)) jitkv::check_device(kOp, "dst", dst, dev, "src");
-}
-
 // The arguments parsed and checked (devices, pinned host pools) and the pairs resolved: IndexError for
 // an id past its pool, before anything is copied.
 std::vector<PagePair> checked_pairs(const TensorView& src, const TensorView& dst, const TensorView& src_pages,
                                     const TensorView& dst_pages, DLDevice dev, TransferParams* p) {
-  check_devices(src, dst, src_pages, dst_pages, dev);
+  const DLDevice pools = host_ids_device(kOp, src, dst, src_pages, dst_pages);
+  if (!jitkv::same_device(pools, dev)) {
+    TVM_FFI_THROW(ValueError) << kOp << ": src: expected the pools of a copy on " << jitkv::device_str(dev)
+                              << ", got one on " << jitkv::device_str(pools);
+  }
   *p = parse_params(kOp, src, dst, src_pages, dst_pages);
   std::vector<PagePair> pairs = resolve_pairs(kOp, *p);
   check_host_pool(kOp, "src", src, dev, false);
@@ -131,13 +115,20 @@ std::vector<PagePair> checked_pairs(const TensorView& src, const TensorView& dst
   return pairs;
 }
 
-void transfer_pages_ce(TensorView src, TensorView dst, TensorView src_pages, TensorView dst_pages, int64_t device) {
+// One pool pair (num_pools 1: src2 and dst2 are not read) or a (K, V) tuple (num_pools 2, any page
+// sizes): every pair checked and resolved before anything is queued, then all runs in one batch.
+void transfer_pages_ce(TensorView src, TensorView dst, TensorView src2, TensorView dst2, TensorView src_pages,
+                       TensorView dst_pages, int64_t num_pools, int64_t device) {
   const DLDevice dev{kDLCUDA, static_cast<int32_t>(device)};
   jitkv::cuda::DeviceGuard guard(dev.device_id);
-  TransferParams p;
+  TransferParams p, q;
   const std::vector<PagePair> pairs = checked_pairs(src, dst, src_pages, dst_pages, dev, &p);
-  if (pairs.empty() || p.num_layers == 0 || p.page_bytes == 0) return;
-  Runs runs = plan_runs(p, pairs);
+  std::vector<PagePair> pairs2;
+  if (num_pools == 2) pairs2 = checked_pairs(src2, dst2, src_pages, dst_pages, dev, &q);
+  Runs runs;
+  plan_runs(p, pairs, runs);
+  if (num_pools == 2) plan_runs(q, pairs2, runs);
+  if (runs.dst.empty()) return;
   submit(runs, static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id)));
 }
 

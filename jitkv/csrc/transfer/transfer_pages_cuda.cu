@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <vector>
 
 #include "jitkv/check.h"
 #include "jitkv/cuda/launch.cuh"
@@ -30,6 +31,7 @@
 #include "transfer/kernels.cuh"
 #include "transfer/params.h"
 #include "transfer/parse.h"
+#include "transfer/plan.h"
 
 namespace {
 
@@ -50,9 +52,10 @@ int vector_bytes(const TransferParams& p) {
   return bits % 16 == 0 ? 16 : bits % 4 == 0 ? 4 : 1;
 }
 
-// The grid (module comment) and the launch on the caller's current stream of `dev`.
-template <int kVec>
-void launch_vec(const TransferParams& p, DLDevice dev, bool with_host, int64_t max_sms) {
+// The grid (module comment) and the launch on the caller's current stream of `dev`; `ids` holds the
+// pairs when kInline > 0 (p.n of them), else the kernel reads p's id tensors.
+template <int kVec, int kInline>
+void launch_vec(const TransferParams& p, const InlineIds<kInline>& ids, DLDevice dev, bool with_host, int64_t max_sms) {
   const int64_t runs = p.n * p.num_layers * p.num_pools;
   const int64_t chunks = runs * ((p.page_bytes / kVec + kChunk - 1) / kChunk);
   if (chunks >= (int64_t{1} << 31) || p.page_bytes / kVec >= (int64_t{1} << 31)) {
@@ -66,22 +69,36 @@ void launch_vec(const TransferParams& p, DLDevice dev, bool with_host, int64_t m
   const int64_t sms = std::min<int64_t>(max_sms > 0 ? max_sms : (with_host ? kLinkSms : all), all);
   const int64_t blocks = std::min<int64_t>(sms * kCtasPerSm, ((chunks + 1) / 2 + kWarps - 1) / kWarps);
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id));
-  const cudaError_t err = jitkv::cuda::launch(transfer_pages_kernel<kVec>, dim3(static_cast<unsigned>(blocks)),
-                                              dim3(kWarps * 32), stream, info.pdl(), p);
+  const cudaError_t err = jitkv::cuda::launch(transfer_pages_kernel<kVec, kInline>, dim3(static_cast<unsigned>(blocks)),
+                                              dim3(kWarps * 32), stream, info.pdl(), p, ids);
   jitkv::cuda::check_launch(kOp, err);
 }
 
-void launch(const TransferParams& p, DLDevice dev, bool with_host, int64_t max_sms) {
+template <int kInline>
+void launch(const TransferParams& p, const InlineIds<kInline>& ids, DLDevice dev, bool with_host, int64_t max_sms) {
   if (max_sms < 0) {
     TVM_FFI_THROW(ValueError) << kOp << ": max_sms: expected an int >= 1 (or 0: the default), got " << max_sms;
   }
   switch (vector_bytes(p)) {
     case 16:
-      return launch_vec<16>(p, dev, with_host, max_sms);
+      return launch_vec<16>(p, ids, dev, with_host, max_sms);
     case 4:
-      return launch_vec<4>(p, dev, with_host, max_sms);
+      return launch_vec<4>(p, ids, dev, with_host, max_sms);
     default:
-      return launch_vec<1>(p, dev, with_host, max_sms);
+      return launch_vec<1>(p, ids, dev, with_host, max_sms);
+  }
+}
+
+void launch(const TransferParams& p, DLDevice dev, bool with_host, int64_t max_sms) {
+  launch(p, InlineIds<0>{}, dev, with_host, max_sms);
+}
+
+// A (K, V) tuple's second pool pair moves in the first's launch: one page size and layer count.
+void check_same_geometry(const TransferParams& p, const TransferParams& q) {
+  if (q.page_bytes != p.page_bytes || q.num_layers != p.num_layers) {
+    TVM_FFI_THROW(ValueError) << kOp << ": src[1]: expected " << p.num_layers << " layers of " << p.page_bytes
+                              << "-byte pages like src[0] (one launch moves both), got " << q.num_layers << " of "
+                              << q.page_bytes;
   }
 }
 
@@ -102,11 +119,7 @@ void transfer_pages_pair(TensorView src, TensorView dst, TensorView src2, Tensor
   cuda_device(kOp, src2, dst2, src_pages, dst_pages, "src[1]", "dst[1]");
   TransferParams p = parse_params(kOp, src, dst, src_pages, dst_pages, "src[0]", "dst[0]");
   const TransferParams q = parse_params(kOp, src2, dst2, src_pages, dst_pages, "src[1]", "dst[1]");
-  if (q.page_bytes != p.page_bytes || q.num_layers != p.num_layers) {
-    TVM_FFI_THROW(ValueError) << kOp << ": src[1]: expected " << p.num_layers << " layers of " << p.page_bytes
-                              << "-byte pages like src[0] (one launch moves both), got " << q.num_layers << " of "
-                              << q.page_bytes;
-  }
+  check_same_geometry(p, q);
   p.src2 = q.src;
   p.dst2 = q.dst;
   p.num_pools = 2;
@@ -118,7 +131,81 @@ void transfer_pages_pair(TensorView src, TensorView dst, TensorView src2, Tensor
   launch(p, dev, is_host(src) || is_host(dst) || is_host(src2) || is_host(dst2), max_sms);
 }
 
+// `count` resolved pairs from `first` in one launch whose parameter block holds kInline of them.
+template <int kInline>
+void launch_pairs(TransferParams p, const std::vector<PagePair>& pairs, size_t first, size_t count, DLDevice dev,
+                  bool with_host, int64_t max_sms) {
+  InlineIds<kInline> ids;
+  for (size_t k = 0; k < count; ++k) {
+    ids.src[k] = static_cast<int32_t>(pairs[first + k].src);
+    ids.dst[k] = static_cast<int32_t>(pairs[first + k].dst);
+  }
+  p.n = static_cast<int64_t>(count);
+  launch(p, ids, dev, with_host, max_sms);
+}
+
+// The smallest parameter block that holds the pairs (the host copies the whole block per launch: a
+// 31.25 KiB one costs it microseconds more than a 512-byte one); more than kInlinePairs, launches of
+// kInlinePairs, each waiting for the one before it to end (about 2 µs of the link idle between them
+// on an H200: docs/performance.md "Host ids in the parameter block").
+void launch_inline(const TransferParams& p, const std::vector<PagePair>& pairs, DLDevice dev, bool with_host,
+                   int64_t max_sms) {
+  const size_t n = pairs.size();
+  if (n <= static_cast<size_t>(kInlineSmall))
+    return launch_pairs<kInlineSmall>(p, pairs, 0, n, dev, with_host, max_sms);
+  if (n <= static_cast<size_t>(kInlineMid)) return launch_pairs<kInlineMid>(p, pairs, 0, n, dev, with_host, max_sms);
+  for (size_t first = 0; first < n; first += kInlinePairs) {
+    const size_t count = std::min(n - first, static_cast<size_t>(kInlinePairs));
+    launch_pairs<kInlinePairs>(p, pairs, first, count, dev, with_host, max_sms);
+  }
+}
+
+// Ids on the host (an engine's CPU-side plan, as vLLM's block_mapping) for one pool pair (num_pools 1:
+// src2 and dst2 are not read) or a (K, V) tuple of one page size and layer count (num_pools 2): every
+// argument checked and the pairs resolved as the copy-engine path resolves them (plan.h: padding
+// skipped, IndexError for an id past its pool before anything is copied, the last pair of a
+// destination page wins), then the SM kernel with the pairs in its parameter block (launch_inline): no
+// id is staged or copied, and a captured graph keeps the pairs of the capture.
+void transfer_pages_host_ids(TensorView src, TensorView dst, TensorView src2, TensorView dst2, TensorView src_pages,
+                             TensorView dst_pages, int64_t num_pools, int64_t max_sms) {
+  const bool two = num_pools == 2;
+  const char* sname = two ? "src[0]" : "src";
+  const char* dname = two ? "dst[0]" : "dst";
+  const DLDevice dev = host_ids_device(kOp, src, dst, src_pages, dst_pages, sname, dname);
+  TransferParams p = parse_params(kOp, src, dst, src_pages, dst_pages, sname, dname);
+  TransferParams q = p;
+  if (two) {
+    host_ids_device(kOp, src2, dst2, src_pages, dst_pages, "src[1]", "dst[1]");
+    if (!is_host(src2)) jitkv::check_device(kOp, "src[1]", src2, dev, sname);
+    if (!is_host(dst2)) jitkv::check_device(kOp, "dst[1]", dst2, dev, sname);
+    q = parse_params(kOp, src2, dst2, src_pages, dst_pages, "src[1]", "dst[1]");
+    check_same_geometry(p, q);
+  }
+  for (const TransferParams* t : {&p, &q}) {
+    if (t->src.num_pages > INT32_MAX || t->dst.num_pages > INT32_MAX) {
+      TVM_FFI_THROW(ValueError) << kOp << ": src_pages: ids on the host take pools of fewer than 2^31 pages, got "
+                                << t->src.num_pages << " and " << t->dst.num_pages << "; pass the ids on the GPU";
+    }
+  }
+  // Every id is in range of the smaller pools of each side once both plans pass; the pairs are p's.
+  if (two) resolve_pairs(kOp, q);
+  const std::vector<PagePair> pairs = resolve_pairs(kOp, p);
+  jitkv::cuda::DeviceGuard guard(dev.device_id);
+  check_host_pool(kOp, sname, src, dev, true);
+  check_host_pool(kOp, dname, dst, dev, true);
+  if (two) {
+    check_host_pool(kOp, "src[1]", src2, dev, true);
+    check_host_pool(kOp, "dst[1]", dst2, dev, true);
+    p.src2 = q.src;
+    p.dst2 = q.dst;
+    p.num_pools = 2;
+  }
+  const bool with_host = is_host(src) || is_host(dst) || (two && (is_host(src2) || is_host(dst2)));
+  launch_inline(p, pairs, dev, with_host, max_sms);
+}
+
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(transfer_pages, transfer_pages);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(transfer_pages_pair, transfer_pages_pair);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(transfer_pages_host_ids, transfer_pages_host_ids);

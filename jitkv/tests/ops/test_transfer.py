@@ -639,24 +639,32 @@ def test_kv_tuple_unpinned_second_pool_copies_nothing_gpu():
 @pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("page", [(64, 1152), (64, 8, 128)], ids=["72KiB", "128KiB"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_host_ids_copy_engines_gpu(direction, page, layout):
-    """Ids on the host with a GPU pool: the copy engines (pages of CE_MIN_PAGE_BYTES or more), adjacent
-    runs merged (consecutive ids, and a page-first pool's layers), duplicates resolved on the host (the
-    last valid pair wins), padding skipped; the whole destination bitwise against the rule by hand, and
-    backend_info names the copy engine."""
+@pytest.mark.parametrize("kv", [False, True], ids=["one-pool", "kv-tuple"])
+def test_host_ids_copy_engines_gpu(direction, page, layout, kv):
+    """Ids on the host with a GPU pool: the copy engines (pages of CE_MIN_PAGE_BYTES or more; a (K, V)
+    tuple in one batch), adjacent runs merged (consecutive ids, and a page-first pool's layers),
+    duplicates resolved on the host (the last valid pair wins), padding skipped; the whole destination
+    bitwise against the rule by hand, and backend_info names the copy engine."""
     dtype = torch.uint8 if len(page) == 2 else torch.bfloat16
-    src, dst = _pools_for(direction, 3, 12, page, dtype)
-    if layout == "page_first" and direction == "d2d":
-        src = _pool("page_first", 3, 12, page, dtype, "cuda")
-        dst = _pool("page_first", 3, 12, page, dtype, "cuda")
+    pools = []
+    for _ in range(2 if kv else 1):
+        src, dst = _pools_for(direction, 3, 12, page, dtype)
+        if layout == "page_first" and direction == "d2d":
+            src = _pool("page_first", 3, 12, page, dtype, "cuda")
+            dst = _pool("page_first", 3, 12, page, dtype, "cuda")
+        pools.append((src, dst))
     assert math.prod(page) * dst.element_size() >= transfer_ops.CE_MIN_PAGE_BYTES
     sp = _ids([1, 2, 3, 4, 5, 6, 7, -1, 9, 10], torch.int64, "cpu")
     dp = _ids([7, 8, 9, 0, 7, 1, 2, 3, -1, 4], torch.int32, "cpu")
-    want = _by_hand(src, dst, sp, dp)
+    want = [_by_hand(s, d, sp, dp) for s, d in pools]
     jitkv.ops.reset()
-    jitkv.transfer_pages(src, dst, sp, dp)
+    if kv:
+        jitkv.transfer_pages(tuple(s for s, _ in pools), tuple(d for _, d in pools), sp, dp)
+    else:
+        jitkv.transfer_pages(src, dst, sp, dp)
     torch.cuda.synchronize()
-    assert_bitwise(dst.cpu(), want)
+    for (_, d), w in zip(pools, want):
+        assert_bitwise(d.cpu(), w)
     info = jitkv.backend_info(OP)["cuda:0"]
     assert info["mechanism"] == "copy engine" and info["reason"] == "page ids on the host: the copy engines"
 
@@ -664,29 +672,81 @@ def test_host_ids_copy_engines_gpu(direction, page, layout):
 @gpu
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_host_ids_small_pages_take_the_sm_kernel_gpu(direction):
-    """Ids on the host, pages under CE_MIN_PAGE_BYTES: the ids are moved and the SM kernel copies; an
-    id past its pool raises IndexError before anything is copied (host ids: no sync to check them)."""
+    """Ids on the host, pages under CE_MIN_PAGE_BYTES: the SM kernel with the pairs resolved on the host
+    (padding skipped, the last valid pair of a destination page wins: pages 1 and 2 are named twice);
+    an id past its pool raises IndexError before anything is copied (host ids: no sync to check them)."""
     src, dst = _pools_for(direction, 2, 9, (1, 576), torch.bfloat16)
-    sp, dp = _ids([8, 0, 3, -1], torch.int64, "cpu"), _ids([1, 2, 8, 5], torch.int64, "cpu")
+    sp, dp = _ids([8, 0, 3, -1, 6, 4, 7], torch.int64, "cpu"), _ids([1, 2, 8, 5, 2, 1, -1], torch.int32, "cpu")
     want = _by_hand(src, dst, sp, dp)
     jitkv.ops.reset()
     jitkv.transfer_pages(src, dst, sp, dp)
     torch.cuda.synchronize()
     assert_bitwise(dst.cpu(), want)
-    assert jitkv.backend_info(OP)["cuda:0"]["mechanism"] == "SM copy kernel"
+    info = jitkv.backend_info(OP)["cuda:0"]
+    assert info["mechanism"] == "SM copy kernel" and info["reason"] == transfer_ops.HOST_IDS_SM
     before = dst.cpu().clone()
     with pytest.raises(IndexError, match=rf"^{OP}: dst_pages: position 1 has page 9, out of range"):
-        jitkv.transfer_pages(src, dst, sp, _ids([1, 9, 8, 5], torch.int64, "cpu"))
+        jitkv.transfer_pages(src, dst, sp, _ids([1, 9, 8, 5, 0, 0, 0], torch.int64, "cpu"))
     torch.cuda.synchronize()
     assert_bitwise(dst.cpu(), before)
 
 
 @gpu
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
-def test_host_ids_copy_engines_under_graph_capture_gpu(direction):
-    """A stream being captured gets one memcpy node per merged run (the batch API cannot be captured):
-    replays copy the pages the ids named at capture."""
-    src, dst = _pools_for(direction, 2, 8, (16, 1152), torch.uint8)
+@pytest.mark.parametrize("kv", [False, True], ids=["one-pool", "kv-tuple"])
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
+@pytest.mark.parametrize("n", [300, 9000], ids=["mid-block", "three-launches"])
+def test_host_ids_parameter_blocks_gpu(direction, kv, captured, n):
+    """Host pairs past the small parameter block: 300 (the mid block) and 9,000 (launches of at most
+    INLINE_PAIRS) over a pool of n + 1,000 one-token pages, with padding and destination pages named
+    twice far apart (in different launches), eager and replayed from a graph: the last valid pair wins
+    and every other page is left as it was, exactly."""
+    T = jitkv.codes.Transfer
+    assert T.INLINE_PAIRS_SMALL < 300 <= T.INLINE_PAIRS_MID and 9000 > 2 * T.INLINE_PAIRS
+    pages = n + 1000
+    pools = [_pools_for(direction, 2, pages, (37,), torch.uint8) for _ in range(2 if kv else 1)]
+    g = torch.Generator().manual_seed(3)
+    sp = torch.randint(-1, pages, (n,), generator=g)
+    dp = torch.randperm(pages, generator=g)[:n]
+    dp[n - 100 :] = dp[:100]  # named again far later: these pairs win
+    sp[n // 2] = -1
+    want = [_by_hand(s, d, sp, dp) for s, d in pools]
+    src = tuple(s for s, _ in pools) if kv else pools[0][0]
+    dst = tuple(d for _, d in pools) if kv else pools[0][1]
+    if captured:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            jitkv.transfer_pages(src, dst, sp, dp.to(torch.int32))
+        graph.replay()
+    else:
+        jitkv.transfer_pages(src, dst, sp, dp.to(torch.int32))
+    torch.cuda.synchronize()
+    for (_, d), w in zip(pools, want):
+        assert_bitwise(d.cpu(), w)
+
+
+@gpu
+def test_host_ids_refuse_pools_of_2_31_pages_gpu():
+    """Host ids travel as int32 in the launch: a pool of 2^31 pages (a stride-0 view here) is refused,
+    naming the way out, before anything is copied."""
+    src = torch.zeros((1, 1, 4), dtype=torch.uint8).pin_memory().expand(1, 2**31, 4)
+    dst = _pool("layer_first", 1, 4, (4,), torch.uint8, "cuda")
+    before = dst.cpu().clone()
+    ids = _ids([0, 1], torch.int64, "cpu")
+    with pytest.raises(ValueError, match=rf"^{OP}: src_pages: ids on the host take pools of fewer than 2\^31 pages"):
+        jitkv.transfer_pages(src, dst, ids, ids)
+    torch.cuda.synchronize()
+    assert_bitwise(dst.cpu(), before)
+
+
+@gpu
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("page", [(16, 1152), (64, 1152)], ids=["18KiB", "72KiB-copy-engines-eager"])
+def test_host_ids_under_graph_capture_gpu(direction, page):
+    """Host ids while a stream is captured: a kernel node holding the pairs, pages the copy engines take
+    eagerly included (a captured batch would be a memcpy node per run); replays copy the pages the
+    ids named at capture, even after the id tensors change."""
+    src, dst = _pools_for(direction, 2, 8, page, torch.uint8)
     sp, dp = _ids([1, 2, 5], torch.int64, "cpu"), _ids([0, 1, 6], torch.int64, "cpu")
     jitkv.transfer_pages(src, dst, sp, dp)
     torch.cuda.synchronize()
@@ -695,6 +755,8 @@ def test_host_ids_copy_engines_under_graph_capture_gpu(direction):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         jitkv.transfer_pages(src, dst, sp, dp)
+    assert jitkv.backend_info(OP)["cuda:0"]["mechanism"] == "SM copy kernel"
+    sp.fill_(7)
     graph.replay()
     torch.cuda.synchronize()
     assert_bitwise(dst.cpu(), want)
@@ -703,10 +765,11 @@ def test_host_ids_copy_engines_under_graph_capture_gpu(direction):
 @gpu
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_host_ids_kv_tuple_small_pages_gpu(direction):
-    """A (K, V) tuple with host ids and small pages: range checked on the host, the ids moved once,
-    one launch of the SM kernel; both pools bitwise."""
+    """A (K, V) tuple with host ids and small pages: checked and resolved on the host, one launch of the
+    SM kernel (destination page 1 named twice: the last pair wins); both pools bitwise; an id past
+    its pool, and a pageable V host pool, raise before anything is copied, naming the argument."""
     (k, hk), (v, hv) = (_pools_for(direction, 2, 9, (16, 2, 64), torch.bfloat16) for _ in range(2))
-    sp, dp = _ids([8, 0, -1, 3], torch.int32, "cpu"), _ids([1, 2, 8, 5], torch.int64, "cpu")
+    sp, dp = _ids([8, 0, -1, 3, 6], torch.int32, "cpu"), _ids([1, 2, 8, 5, 1], torch.int64, "cpu")
     want = [_by_hand(k, hk, sp, dp), _by_hand(v, hv, sp, dp)]
     jitkv.transfer_pages((k, v), (hk, hv), sp, dp)
     torch.cuda.synchronize()
@@ -714,6 +777,18 @@ def test_host_ids_kv_tuple_small_pages_gpu(direction):
     assert_bitwise(hv.cpu(), want[1])
     with pytest.raises(IndexError, match=rf"^{OP}: src_pages: position 0 has page 9, out of range"):
         jitkv.transfer_pages((k, v), (hk, hv), _ids([9], torch.int64, "cpu"), _ids([0], torch.int64, "cpu"))
+    if direction == "d2d":
+        return
+    name = "dst" if direction == "d2h" else "src"
+    src, dst = [k, v], [hk, hv]
+    host = dst if direction == "d2h" else src
+    host[1] = host[1].clone()  # pageable
+    before = [t.cpu().clone() for t in (*src, *dst)]
+    with pytest.raises(ValueError, match=rf"^{OP}: {name}\[1\]: expected a pinned CPU tensor"):
+        jitkv.transfer_pages(tuple(src), tuple(dst), sp, dp)
+    torch.cuda.synchronize()
+    for t, b in zip((*src, *dst), before):
+        assert_bitwise(t.cpu(), b)
 
 
 @gpu
