@@ -6,12 +6,14 @@
 // past its pool raises IndexError before anything is queued, the last pair of a destination page
 // wins), then one run of page_bytes per (pair, layer), a run merged into the one before it when both
 // its source and destination follow on (adjacent pages, or a page-first pool's layers), layer by
-// layer unless both pools are page-first. The runs go to cudaMemcpyBatchAsync in one call (stream
-// ordered; PreferOverlapWithCompute asks for the copy engines); a stream being captured into a graph,
-// or a driver without the batch API, gets one cudaMemcpyAsync per run (memcpy nodes under capture),
-// all on the caller's current stream (the batch on the per-thread default stream in place of the
-// legacy one, which the batch API refuses: ordered the same, see submit). The batch API copies its
-// descriptors before it returns, so the host vectors here may go.
+// layer unless both pools are page-first; a (K, V) tuple's two pool pairs both checked first, their
+// runs in one list. The runs go to cudaMemcpyBatchAsync in one call (stream ordered;
+// PreferOverlapWithCompute asks for the copy engines); a stream being captured into a graph (host ids
+// take the SM kernel then, unless its module is missing), or a driver without the batch API, gets one
+// cudaMemcpyAsync per run (memcpy nodes under capture), all on the caller's current stream (the batch
+// on the per-thread default stream in place of the legacy one, which the batch API refuses: ordered
+// the same, see submit). The batch API copies its descriptors before it returns, so the host vectors
+// here may go.
 #include <cuda_runtime.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>

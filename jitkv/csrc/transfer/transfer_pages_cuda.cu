@@ -2,11 +2,14 @@
 // cuda_device's device rule), checks every host pool is pinned and mapped at its own address (UVA),
 // checks the views against the module's vector width, and launches the SM copy kernel (kernels.cuh) on
 // the caller's current stream of the ids' device (jitkv/cuda/launch.cuh: device guard, and PDL from
-// sm_90 as every jitkv kernel: the kernel waits for the previous grid before its first access).
+// sm_90 as every jitkv kernel: the kernel waits for the previous grid before its first access). Ids on
+// the GPU: transfer_pages, transfer_pages_pair (a (K, V) tuple in one launch); ids on the host:
+// transfer_pages_host_ids, the pairs resolved on the host and passed in the launch's parameter block.
 //
 // The kernel's vectors: 16 bytes when every data pointer, layer and page stride and the page bytes
 // are multiples of 16, else 4 when they are of 4, else 1 (vector_bytes); all three instantiations
-// live in this one module, so the host chooses per call at the cost of an OR, not a module per width.
+// (for GPU ids and each of the three parameter blocks of host ids) live in this one module, so the
+// host chooses per call at the cost of an OR, not a module per width.
 //
 // The grid is bounded: max_sms (at most the device's SMs; 0: kLinkSms for a copy with a host pool,
 // every SM for one inside the GPU) x kCtasPerSm CTAs of kWarps warps, fewer when there are fewer
