@@ -252,7 +252,8 @@ def swap_blocks(src, dst, block_size_in_bytes, block_mapping):
             stride, the same address for the dense caches vLLM allocates).
         block_mapping: ``[N, 2]`` int64 (vLLM's) or int32 pairs (src block, dst block), on the CPU as
             vLLM keeps it (then blocks of 64 KiB or more go to the copy engines, no SM, as vLLM's
-            own cudaMemcpyAsync per block; see ``transfer_pages``), or on the CUDA cache's device.
+            own cudaMemcpyAsync per block, and smaller ones to jitkv's SM kernel with the pairs in its
+            launch; see ``transfer_pages``), or on the CUDA cache's device.
 
     Where vLLM and jitkv differ, jitkv's contract (docs/design.md §3) applies: a pair with a negative
     block is skipped (vLLM has no padding value and never sends one); a block past its cache raises
