@@ -68,7 +68,8 @@ def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=None, backend=None
         neither None nor an int.
         ValueError: src and dst of different dtypes or page shapes (naming both) or layer counts, a
         page part that is not dense, a pool of fewer than 2 dims, ids not 1-D or dense or of different
-        lengths, a device rule above broken, tuples of different lengths, max_sms < 1.
+        lengths, a device rule above broken, tuples of different lengths, max_sms < 1, host ids
+        beside a GPU with a pool of 2^31 pages or more (their pairs travel as int32; pass GPU ids).
         IndexError: an id past its pool (host ids; GPU ids under JITKV_DEBUG=1), before anything is
         copied.
 
