@@ -436,7 +436,6 @@ def _jit(device, variant):
 # pages do not amortize. docs/performance.md "CE_MIN_PAGE_BYTES" has the measurement and its command.
 CE_MIN_PAGE_BYTES = 64 << 10
 _CE: dict[int, tuple | None] = {}
-_CE_MISSING: dict[int, str] = {}
 
 
 HOST_IDS_CE = "page ids on the host: the copy engines"
@@ -448,9 +447,12 @@ def _host_ids_with_gpu(src, dst, src_pages, dst_pages, max_sms):
     else the SM kernel, the pairs checked and resolved on the host and passed in the launch's parameter
     block (the binding: IndexError before anything is copied). Without the CUDA module: the copy
     engines while a stream is captured, else the ids range checked, moved to the GPU, and the GPU's
-    backend copies."""
-    device, index = _gpu_of((src, dst))
-    ce = _copy_engine(device, index)
+    backend copies (its runner records itself in backend_info).
+
+    An engine's per-layer call: each pool's device read once (get_device, no torch.device made) and
+    the runners found in dicts."""
+    index = max(src.get_device(), dst.get_device())
+    ce = _copy_engine(_device(index), index)
     if ce is not None and _copy_engines_take(math.prod(src.shape[2:]) * src.element_size()):
         ce[0](src, dst, src, dst, src_pages, dst_pages, 1, index)
         _note(index, HOST_IDS_CE, "copy engine", ce[2])
@@ -467,8 +469,7 @@ def _host_ids_with_gpu(src, dst, src_pages, dst_pages, max_sms):
     if ce is None:  # the reference's range check takes checked arguments; the C++ one checks them itself
         check(src, dst, src_pages, dst_pages, max_sms)
     _check_host_ids(ce, index, ((src, dst),), src_pages, dst_pages)
-    _note(index, _CE_MISSING.get(index, "page ids on the host, no CUDA module: moved to the GPU"), "SM copy kernel", {})
-    ids = _ids_on(device, src_pages, dst_pages)
+    ids = _ids_on(_device(index), src_pages, dst_pages)
     TRANSFER_PAGES.run((src, dst, ids[0], ids[1], max_sms), None)  # the GPU's own choice (torch, the module missing)
 
 
@@ -514,8 +515,8 @@ def _copy_engine(device, index):
             spec = copy_engine_spec(cuda_arch(device))
             copy, info = jit_function(spec, CE)
             _CE[index] = (copy, get_function(spec, CE_CHECK), info)
-        except JitUnavailable as e:
-            _CE[index], _CE_MISSING[index] = None, f"page ids on the host, copy engines unavailable: {e.reason}"
+        except JitUnavailable:
+            _CE[index] = None
     return _CE[index]
 
 
@@ -530,10 +531,17 @@ def _device(index) -> torch.device:
     return device
 
 
+_NOTES: dict[tuple, tuple] = {}
+
+
 def _note(index, reason, mechanism, info):
     """backend_info of GPU ``index``: the path this host-ids call took (the runner of GPU ids records its
-    own when it is made); recorded when it differs from what backend_info holds (every call reads it)."""
-    TRANSFER_PAGES.note(_device(index), "jit", reason, {"mechanism": mechanism, **info})
+    own when it is made); recorded when it differs from what backend_info holds (every call reads it).
+    The record's arguments are made once per GPU and path."""
+    args = _NOTES.get((index, reason))
+    if args is None:
+        args = _NOTES[(index, reason)] = (_device(index), "jit", reason, {"mechanism": mechanism, **info})
+    TRANSFER_PAGES.note(*args)
 
 
 # ------------------------------------------------------------------------------ sample and bench

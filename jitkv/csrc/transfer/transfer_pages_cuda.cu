@@ -190,9 +190,10 @@ void transfer_pages_host_ids(TensorView src, TensorView dst, TensorView src2, Te
                                 << t->src.num_pages << " and " << t->dst.num_pages << "; pass the ids on the GPU";
     }
   }
-  // Every id is in range of the smaller pools of each side once both plans pass; the pairs are p's.
-  if (two) resolve_pairs(kOp, q);
+  // The pairs are p's; q's plan only range checks the ids against the second pools, so it runs only
+  // where one of them has fewer pages than its counterpart in p (else p's plan has checked them).
   const std::vector<PagePair> pairs = resolve_pairs(kOp, p);
+  if (two && (q.src.num_pages < p.src.num_pages || q.dst.num_pages < p.dst.num_pages)) resolve_pairs(kOp, q);
   jitkv::cuda::DeviceGuard guard(dev.device_id);
   check_host_pool(kOp, sname, src, dev, true);
   check_host_pool(kOp, dname, dst, dev, true);

@@ -792,6 +792,42 @@ def test_host_ids_kv_tuple_small_pages_gpu(direction):
 
 
 @gpu
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("smaller", ["src", "dst"])
+def test_host_ids_kv_tuple_smaller_second_pools_gpu(direction, smaller):
+    """A (K, V) tuple with host ids and small pages whose V pool has fewer pages than K's: an id in
+    range of K's pool but past V's raises IndexError before either pool is written; ids in range of
+    both copy both pools bitwise (V's pool larger than K's: K's range check covers it)."""
+    (k, hk), (v, hv) = (_pools_for(direction, 2, 9, (16, 2, 64), torch.bfloat16) for _ in range(2))
+    small = _pools_for(direction, 2, 5, (16, 2, 64), torch.bfloat16)[0 if smaller == "src" else 1]
+    src, dst = (k, small if smaller == "src" else v), (hk, small if smaller == "dst" else hv)
+    before = [t.cpu().clone() for t in (*src, *dst)]
+    sp, dp = _ids([1, 6], torch.int64, "cpu"), _ids([2, 3], torch.int32, "cpu")
+    if smaller == "dst":
+        sp, dp = dp.to(torch.int64), sp.to(torch.int32)
+    message = rf"^{OP}: {smaller}_pages: position 1 has page 6, out of range for a pool of 5"
+    with pytest.raises(IndexError, match=message):
+        jitkv.transfer_pages(src, dst, sp, dp)
+    torch.cuda.synchronize()
+    for t, b in zip((*src, *dst), before):
+        assert_bitwise(t.cpu(), b)
+    sp, dp = _ids([4, 0, 3], torch.int64, "cpu"), _ids([1, 4, -1], torch.int32, "cpu")
+    want = [_by_hand(s, d, sp, dp) for s, d in zip(src, dst)]
+    jitkv.transfer_pages(src, dst, sp, dp)
+    torch.cuda.synchronize()
+    for d, w in zip(dst, want):
+        assert_bitwise(d.cpu(), w)
+    src, dst = src[::-1], dst[::-1]  # the smaller pool first: its range check covers the other's
+    for t in src:
+        t.copy_(torch.randn(t.shape).to(t.dtype))
+    want = [_by_hand(s, d, sp, dp) for s, d in zip(src, dst)]
+    jitkv.transfer_pages(src, dst, sp, dp)
+    torch.cuda.synchronize()
+    for d, w in zip(dst, want):
+        assert_bitwise(d.cpu(), w)
+
+
+@gpu
 def test_host_ids_unpinned_refused():
     """Host ids with an unpinned host pool: ValueError naming it, nothing copied."""
     src = _pool("layer_first", 2, 4, (16, 1152), torch.uint8)
