@@ -297,11 +297,12 @@ class Op:
             entry["forced"] = True
         per_device[str(device)] = entry
 
-    def note(self, device: torch.device, name: str, reason: str, info: dict) -> None:
+    def note(self, device: torch.device, name: str, reason: str, info: dict, key: str | None = None) -> None:
         """Record for backend_info a path a runner chose inside its backend (transfer_pages' copy
         engines under its CPU-homed runner), as ``_resolve`` records a backend. A call per op call:
-        nothing is written when backend_info already holds this backend and reason."""
-        entry = _INFO.get(self.name, {}).get(str(device))
+        nothing is written when backend_info already holds this backend and reason; ``key``:
+        ``str(device)`` made once by the caller."""
+        entry = _INFO.get(self.name, {}).get(key or str(device))
         if entry is not None and entry["reason"] == reason and entry["backend"] == name:
             return
         with _LOCK:

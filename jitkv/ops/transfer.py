@@ -88,7 +88,10 @@ def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=None, backend=None
     block, up to 4,000 a launch (``codes.Transfer``). The torch reference (gather, then
     ``index_copy_`` of byte views) is the fallback; it reads the plan on the host for host pools.
     """
-    if isinstance(src, (tuple, list)) or isinstance(dst, (tuple, list)):
+    # type() first: an engine's per-layer call passes plain tensors, and isinstance on a tensor costs more.
+    if (type(src) is not torch.Tensor or type(dst) is not torch.Tensor) and (
+        isinstance(src, (tuple, list)) or isinstance(dst, (tuple, list))
+    ):
         _transfer_tuples(src, dst, src_pages, dst_pages, max_sms, backend)
         return
     TRANSFER_PAGES.run((src, dst, src_pages, dst_pages, max_sms), backend)
@@ -187,7 +190,7 @@ def _run_pair(src, dst, src_pages, dst_pages, max_sms, backend) -> bool:
         host = getattr(TRANSFER_PAGES.cuda_runner(index, backend, ()), "host_ids", None)
         if host is None or not one_launch:
             return False
-        host(s0, d0, s1, d1, src_pages, dst_pages, 2, ms)
+        host(s0, d0, s1, d1, src_pages, dst_pages, ms)
         _note(index, HOST_IDS_SM, "SM copy kernel", {})
         return True
     pair = getattr(TRANSFER_PAGES.cuda_runner(index, backend, ()), "pair", None)
@@ -459,7 +462,7 @@ def _host_ids_with_gpu(src, dst, src_pages, dst_pages, max_sms):
         return
     host_ids = getattr(TRANSFER_PAGES.cuda_runner(index, None, ()), "host_ids", None)
     if host_ids is not None:
-        host_ids(src, dst, src, dst, src_pages, dst_pages, 1, 0 if max_sms is None else max_sms)
+        host_ids(src, dst, None, None, src_pages, dst_pages, 0 if max_sms is None else max_sms)
         _note(index, HOST_IDS_SM, "SM copy kernel", {})
         return
     if ce is not None and torch.cuda.is_current_stream_capturing():  # the ids cannot be moved now
@@ -540,7 +543,8 @@ def _note(index, reason, mechanism, info):
     The record's arguments are made once per GPU and path."""
     args = _NOTES.get((index, reason))
     if args is None:
-        args = _NOTES[(index, reason)] = (_device(index), "jit", reason, {"mechanism": mechanism, **info})
+        device = _device(index)
+        args = _NOTES[(index, reason)] = (device, "jit", reason, {"mechanism": mechanism, **info}, str(device))
     TRANSFER_PAGES.note(*args)
 
 

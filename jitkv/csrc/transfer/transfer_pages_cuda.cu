@@ -39,6 +39,7 @@
 namespace {
 
 using namespace jitkv::transfer;
+using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
 
 constexpr const char* kOp = "transfer_pages";
@@ -163,25 +164,31 @@ void launch_inline(const TransferParams& p, const std::vector<PagePair>& pairs, 
   }
 }
 
-// Ids on the host (an engine's CPU-side plan, as vLLM's block_mapping) for one pool pair (num_pools 1:
-// src2 and dst2 are not read) or a (K, V) tuple of one page size and layer count (num_pools 2): every
-// argument checked and the pairs resolved as the copy-engine path resolves them (plan.h: padding
-// skipped, IndexError for an id past its pool before anything is copied, the last pair of a
-// destination page wins), then the SM kernel with the pairs in its parameter block (launch_inline): no
-// id is staged or copied, and a captured graph keeps the pairs of the capture.
-void transfer_pages_host_ids(TensorView src, TensorView dst, TensorView src2, TensorView dst2, TensorView src_pages,
-                             TensorView dst_pages, int64_t num_pools, int64_t max_sms) {
-  const bool two = num_pools == 2;
+// Ids on the host (an engine's CPU-side plan, as vLLM's block_mapping) for one pool pair (src2 and dst2
+// None: two tensors fewer for tvm-ffi to convert on the engine's per-layer call) or a (K, V) tuple of
+// one page size and layer count: every argument checked and the pairs resolved as the copy-engine
+// path resolves them (plan.h: padding skipped, IndexError for an id past its pool before anything is
+// copied, the last pair of a destination page wins), then the SM kernel with the pairs in its
+// parameter block (launch_inline): no id is staged or copied, and a captured graph keeps the pairs of
+// the capture.
+void transfer_pages_host_ids(TensorView src, TensorView dst, Optional<TensorView> src2, Optional<TensorView> dst2,
+                             TensorView src_pages, TensorView dst_pages, int64_t max_sms) {
+  const bool two = src2.has_value() || dst2.has_value();
   const char* sname = two ? "src[0]" : "src";
   const char* dname = two ? "dst[0]" : "dst";
   const DLDevice dev = host_ids_device(kOp, src, dst, src_pages, dst_pages, sname, dname);
   TransferParams p = parse_params(kOp, src, dst, src_pages, dst_pages, sname, dname);
   TransferParams q = p;
   if (two) {
-    host_ids_device(kOp, src2, dst2, src_pages, dst_pages, "src[1]", "dst[1]");
-    if (!is_host(src2)) jitkv::check_device(kOp, "src[1]", src2, dev, sname);
-    if (!is_host(dst2)) jitkv::check_device(kOp, "dst[1]", dst2, dev, sname);
-    q = parse_params(kOp, src2, dst2, src_pages, dst_pages, "src[1]", "dst[1]");
+    if (!src2.has_value() || !dst2.has_value()) {
+      TVM_FFI_THROW(ValueError) << kOp << ": " << (src2.has_value() ? "dst[1]" : "src[1]") << ": expected a pool like "
+                                << (src2.has_value() ? "src[1]" : "dst[1]") << ", got None";
+    }
+    const TensorView s2 = src2.value(), d2 = dst2.value();
+    host_ids_device(kOp, s2, d2, src_pages, dst_pages, "src[1]", "dst[1]");
+    if (!is_host(s2)) jitkv::check_device(kOp, "src[1]", s2, dev, sname);
+    if (!is_host(d2)) jitkv::check_device(kOp, "dst[1]", d2, dev, sname);
+    q = parse_params(kOp, s2, d2, src_pages, dst_pages, "src[1]", "dst[1]");
     check_same_geometry(p, q);
   }
   for (const TransferParams* t : {&p, &q}) {
@@ -197,14 +204,15 @@ void transfer_pages_host_ids(TensorView src, TensorView dst, TensorView src2, Te
   jitkv::cuda::DeviceGuard guard(dev.device_id);
   check_host_pool(kOp, sname, src, dev, true);
   check_host_pool(kOp, dname, dst, dev, true);
+  bool with_host = is_host(src) || is_host(dst);
   if (two) {
-    check_host_pool(kOp, "src[1]", src2, dev, true);
-    check_host_pool(kOp, "dst[1]", dst2, dev, true);
+    check_host_pool(kOp, "src[1]", src2.value(), dev, true);
+    check_host_pool(kOp, "dst[1]", dst2.value(), dev, true);
+    with_host = with_host || is_host(src2.value()) || is_host(dst2.value());
     p.src2 = q.src;
     p.dst2 = q.dst;
     p.num_pools = 2;
   }
-  const bool with_host = is_host(src) || is_host(dst) || (two && (is_host(src2) || is_host(dst2)));
   launch_inline(p, pairs, dev, with_host, max_sms);
 }
 
