@@ -828,6 +828,28 @@ def test_host_ids_kv_tuple_smaller_second_pools_gpu(direction, smaller):
 
 
 @gpu
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_host_ids_without_the_cuda_modules_gpu(direction, monkeypatch):
+    """Host ids where neither CUDA module is available (a failed build): the ids range checked on the
+    host (IndexError before anything is copied), moved to the GPU, and the GPU's runner copies; the
+    same bytes, padding and the last pair of a destination page as everywhere."""
+    src, dst = _pools_for(direction, 2, 9, (1, 576), torch.bfloat16)
+    sp, dp = _ids([8, 0, 3, -1, 6], torch.int64, "cpu"), _ids([1, 2, 8, 5, 1], torch.int32, "cpu")
+    want = _by_hand(src, dst, sp, dp)
+    torch_runner = transfer_ops.TRANSFER_PAGES.runner(torch.device("cuda", 0), "torch")
+    monkeypatch.setattr(transfer_ops, "_copy_engine", lambda device, index: None)
+    monkeypatch.setattr(transfer_ops.TRANSFER_PAGES, "cuda_runner", lambda index, backend, key: torch_runner)
+    jitkv.transfer_pages(src, dst, sp, dp)
+    torch.cuda.synchronize()
+    assert_bitwise(dst.cpu(), want)
+    before = dst.cpu().clone()
+    with pytest.raises(IndexError, match=rf"^{OP}: src_pages: position 0 has page 9, out of range"):
+        jitkv.transfer_pages(src, dst, _ids([9], torch.int64, "cpu"), _ids([0], torch.int64, "cpu"))
+    torch.cuda.synchronize()
+    assert_bitwise(dst.cpu(), before)
+
+
+@gpu
 def test_host_ids_unpinned_refused():
     """Host ids with an unpinned host pool: ValueError naming it, nothing copied."""
     src = _pool("layer_first", 2, 4, (16, 1152), torch.uint8)
