@@ -527,7 +527,7 @@ _DEVICES: dict[int, torch.device] = {}
 
 
 def _device(index) -> torch.device:
-    """torch.device("cuda", index), made once per index (a host-ids call needs it twice)."""
+    """torch.device("cuda", index), made once per index (a host-ids call needs one on every call)."""
     device = _DEVICES.get(index)
     if device is None:
         device = _DEVICES[index] = torch.device("cuda", index)

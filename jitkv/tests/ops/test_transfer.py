@@ -830,9 +830,11 @@ def test_host_ids_kv_tuple_smaller_second_pools_gpu(direction, smaller):
 @gpu
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
 def test_host_ids_without_the_cuda_modules_gpu(direction, monkeypatch):
-    """Host ids where neither CUDA module is available (a failed build): the ids range checked on the
-    host (IndexError before anything is copied), moved to the GPU, and the GPU's runner copies; the
-    same bytes, padding and the last pair of a destination page as everywhere."""
+    """Host ids where neither CUDA module is available (a failed build), simulated: no copy-engine
+    module, and a GPU runner without the host-ids binding. The ids are range checked on the host
+    (IndexError before anything is copied), moved to the GPU, and the GPU's own runner copies (here the
+    jit one this process has); the same bytes, padding and the last pair of a destination page as
+    everywhere."""
     src, dst = _pools_for(direction, 2, 9, (1, 576), torch.bfloat16)
     sp, dp = _ids([8, 0, 3, -1, 6], torch.int64, "cpu"), _ids([1, 2, 8, 5, 1], torch.int32, "cpu")
     want = _by_hand(src, dst, sp, dp)
