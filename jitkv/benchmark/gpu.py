@@ -82,7 +82,13 @@ def latency_floor_spec(arch: str):
         "latency_floor_cuda",
         ("benchmark/latency_floor_cuda.cu",),
         target=arch,
-        exports=("latency_floor", "latency_floor_e4m3", "latency_floor_ds_mla", "latency_floor_rope"),
+        exports=(
+            "latency_floor",
+            "latency_floor_e4m3",
+            "latency_floor_ds_mla",
+            "latency_floor_rope",
+            "latency_floor_rope_rows",
+        ),
     )
 
 

@@ -18,6 +18,15 @@
 //    next kernel launch, clamps the position into the table, loads that position's 4 cos and 4 sin
 //    float32 values (a second, dependent round trip a plain write does not have), rotates the 4 GPT-J
 //    pairs (each product rounded, as docs/design.md §9), rounds to bf16 and stores 16 bytes at the slot.
+//  - latency_floor_rope_rows: the fused prologue's least at n tokens, for the bytes it moves: token t's
+//    q, k and v bytes read (one source row, contiguous) and its q bytes stored contiguous, its k and v
+//    bytes in row slot[t] of k_cache and v_cache; one 16-byte source vector per thread, CTAs of
+//    `threads` over a token's vectors. Every thread waits (PDL), loads its token's position (k and v
+//    threads also its slot) with its 16 bytes, lets the next kernel launch; a q or k thread then loads
+//    16 bytes of that position's cos/sin row, which its store depends on (the dependent round trip).
+//    Stores of 16 bytes, or for fp8 outputs (destinations half the source's width) the high byte of
+//    each bf16 value, less than any conversion. No rotation, no quantization: less than
+//    rope_store_cache moves and computes at any n.
 // Each floor does no more than the contract demands of its write, so a jitkv kernel cannot run below
 // it, and a target under it is beyond the hardware.
 #include <cuda_bf16.h>
@@ -148,6 +157,55 @@ __global__ void latency_floor_rope_kernel(const int64_t* loc, const int64_t* pos
   }
 }
 
+// A 16-byte vector's bits, made to depend on `c` (zero is 0 at run time: the compiler cannot drop c).
+__device__ __forceinline__ uint4 depend_on(uint4 v, const uint4& c, uint32_t zero) {
+  v.x ^= c.x & zero;
+  v.y ^= c.y & zero;
+  v.z ^= c.z & zero;
+  v.w ^= c.w & zero;
+  return v;
+}
+
+struct RopeRows {
+  const int64_t *positions, *slots;
+  const uint4 *src, *cos_sin;
+  char *q_dst, *k_cache, *v_cache;
+  int64_t cs_vecs, max_pos, num_slots, in_vecs, q_vecs, kv_vecs;
+  uint32_t zero;
+};
+
+template <bool kHalf>
+__global__ void latency_floor_rope_rows_kernel(const __grid_constant__ RopeRows p) {
+  const int64_t t = blockIdx.x;
+  const int64_t i = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (i >= p.in_vecs) return;
+  const bool is_q = i < p.q_vecs, is_v = i >= p.q_vecs + p.kv_vecs;
+  jitkv::cuda::pdl_wait();
+  const int64_t pos = load(p.positions + t);
+  const int64_t slot = is_q ? 0 : load(p.slots + t);
+  uint4 v = load(p.src + t * p.in_vecs + i);
+  jitkv::cuda::pdl_launch_dependents();
+  if (!is_v) {
+    const int64_t row = pos < 0 ? 0 : pos >= p.max_pos ? p.max_pos - 1 : pos;
+    v = depend_on(v, load(p.cos_sin + row * p.cs_vecs + i % p.cs_vecs), p.zero);
+  }
+  char* dst;
+  int64_t at;  // the vector's index in its destination row
+  if (is_q) {
+    dst = p.q_dst + t * p.q_vecs * (kHalf ? 8 : 16);
+    at = i;
+  } else {
+    if (slot < 0 || slot >= p.num_slots) return;
+    dst = (is_v ? p.v_cache : p.k_cache) + slot * p.kv_vecs * (kHalf ? 8 : 16);
+    at = i - p.q_vecs - (is_v ? p.kv_vecs : 0);
+  }
+  if constexpr (kHalf) {
+    reinterpret_cast<uint2*>(dst)[at] = make_uint2(__byte_perm(v.x, v.y, 0x7531), __byte_perm(v.z, v.w, 0x7531));
+  } else {
+    reinterpret_cast<uint4*>(dst)[at] = v;
+  }
+}
+
 bool on_cuda(const TensorView& t) { return t.device().device_type == kDLCUDA; }
 int64_t nbytes(const TensorView& t) { return t.numel() * jitkv::elem_bytes(t.dtype()); }
 
@@ -230,9 +288,69 @@ void latency_floor_rope(TensorView dst, TensorView loc, TensorView src, TensorVi
                row_bytes, dst.size(0));
 }
 
+bool dense_bytes(const TensorView& t, int64_t rows, int64_t width) {
+  return on_cuda(t) && t.ndim() == 2 && (rows < 0 || t.size(0) == rows) && t.size(1) == width &&
+         t.dtype().code == kDLUInt && t.dtype().bits == 8 && t.stride(1) == 1 && t.stride(0) == width &&
+         jitkv::aligned16(data_ptr(t));
+}
+
+// src uint8 [n, q_bytes + 2 * kv_bytes] (q, k, v), q_dst uint8 [n, q_bytes * r], k_cache and v_cache
+// uint8 [num_slots, kv_bytes * r] (r = 1, or 1/2 for fp8 outputs; every width a multiple of 16, every
+// tensor contiguous and 16-byte aligned), slots and positions int64 [n], cos_sin_cache float32
+// [max_pos, width] contiguous (width a multiple of 4), threads in 32..1024.
+void latency_floor_rope_rows(TensorView q_dst, TensorView k_cache, TensorView v_cache, TensorView slots, TensorView src,
+                             TensorView positions, TensorView cos_sin_cache, int64_t q_bytes, int64_t threads) {
+  const int64_t n = positions.numel();
+  const TensorView& cs = cos_sin_cache;
+  const int64_t in_bytes = src.ndim() == 2 ? src.size(1) : 0, kv_bytes = (in_bytes - q_bytes) / 2;
+  const bool half = q_dst.ndim() == 2 && 2 * q_dst.size(1) == q_bytes;
+  const int64_t r = half ? 2 : 1;
+  const auto index_ok = [n](const TensorView& t) {
+    return on_cuda(t) && t.dtype().code == kDLInt && t.dtype().bits == 64 && t.ndim() == 1 && t.size(0) == n;
+  };
+  const bool cs_ok = on_cuda(cs) && cs.dtype().code == kDLFloat && cs.dtype().bits == 32 && cs.ndim() == 2 &&
+                     cs.size(1) % 4 == 0 && cs.stride(1) == 1 && cs.stride(0) == cs.size(1) &&
+                     jitkv::aligned16(data_ptr(cs));
+  const bool widths_ok =
+      q_bytes > 0 && q_bytes % 32 == 0 && kv_bytes > 0 && kv_bytes % 32 == 0 && in_bytes == q_bytes + 2 * kv_bytes;
+  if (n < 1 || !index_ok(positions) || !index_ok(slots) || !cs_ok || !widths_ok || !dense_bytes(src, n, in_bytes) ||
+      !dense_bytes(q_dst, n, q_bytes / r) || !dense_bytes(k_cache, -1, kv_bytes / r) ||
+      !dense_bytes(v_cache, k_cache.size(0), kv_bytes / r) || threads < 32 || threads > 1024) {
+    TVM_FFI_THROW(ValueError) << "latency_floor_rope_rows: expected CUDA positions and slots int64 [n >= 1], src "
+                              << "uint8 [n, q_bytes + 2 kv_bytes], q_dst uint8 [n, q_bytes or q_bytes / 2], k_cache "
+                              << "and v_cache uint8 [num_slots, kv_bytes or kv_bytes / 2] (contiguous, widths "
+                              << "multiples of 32 in the source), a contiguous float32 cos_sin_cache [max_pos, 4k], "
+                              << "threads in 32..1024";
+  }
+  RopeRows p{ptr_of<int64_t>(positions),
+             ptr_of<int64_t>(slots),
+             ptr_of<uint4>(src),
+             ptr_of<uint4>(cs),
+             static_cast<char*>(data_ptr(q_dst)),
+             static_cast<char*>(data_ptr(k_cache)),
+             static_cast<char*>(data_ptr(v_cache)),
+             cs.size(1) / 4,
+             cs.size(0),
+             k_cache.size(0),
+             in_bytes / 16,
+             q_bytes / 16,
+             kv_bytes / 16,
+             0u};
+  const int device = q_dst.device().device_id;
+  const jitkv::cuda::DeviceInfo info = jitkv::cuda::device_info(device);
+  jitkv::cuda::DeviceGuard guard(device);
+  const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
+  const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>((p.in_vecs + threads - 1) / threads));
+  jitkv::cuda::check_launch(
+      "latency_floor_rope_rows",
+      jitkv::cuda::launch(half ? latency_floor_rope_rows_kernel<true> : latency_floor_rope_rows_kernel<false>, grid,
+                          dim3(static_cast<unsigned>(threads)), stream, info.pdl(), p));
+}
+
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(latency_floor, latency_floor);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(latency_floor_rope_rows, latency_floor_rope_rows);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(latency_floor_rope, latency_floor_rope);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(latency_floor_e4m3, latency_floor_e4m3);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(latency_floor_ds_mla, latency_floor_ds_mla);

@@ -1,6 +1,8 @@
 """The benchmark's latency-floor kernels write their bytes at loc[0] and nothing else (GPU only): the
 copy floor 16 source bytes, the e4m3 floor 8 values divided by the scale, the fp8_ds_mla floor two
-128-value tiles and their scales, the rope floor 4 rotated pairs. Their exact modes write torch's bytes."""
+128-value tiles and their scales, the rope floor 4 rotated pairs; the rope rows floor each token's q bytes
+contiguous and its k and v bytes at its slot (their high bytes for fp8 widths). Their exact modes write
+torch's bytes."""
 
 from __future__ import annotations
 
@@ -101,6 +103,27 @@ def test_rope_floor_writes_the_rotated_pairs_at_the_slot_only(slot, position):
 
 
 @gpu
+@pytest.mark.parametrize("half", [False, True])
+def test_rope_rows_floor_stores_q_contiguous_and_k_v_at_the_slots_only(half):
+    """3 tokens of 64 q, 32 k and 32 v bf16 values: q's bytes in q_dst's row, k's and v's in the slot's
+    rows (slots -1 and 9 past the 8-row caches write nothing), every byte (or high byte) unchanged."""
+    fn = _floor_fn("latency_floor_rope_rows")
+    n, qb, kvb, r = 3, 128, 64, 2 if half else 1
+    src = rand((n, qb + 2 * kvb), torch.uint8, "cuda")
+    q_dst = rand((n, qb // r), torch.uint8, "cuda")
+    caches = [rand((8, kvb // r), torch.uint8, "cuda") for _ in "kv"]
+    slots = torch.tensor([5, -1, 9], device="cuda")
+    expected = [q_dst.clone(), *(c.clone() for c in caches)]
+    fn(q_dst, *caches, slots, src, torch.tensor([2, 7, -4], device="cuda"), torch.randn(6, 16, device="cuda"), qb, 64)
+    torch.cuda.synchronize()
+    out = src[:, 1::2] if half else src  # the high byte of each bf16 value
+    expected[0].copy_(out[:, : qb // r])
+    expected[1][5], expected[2][5] = out[0, qb // r : (qb + kvb) // r], out[0, (qb + kvb) // r :]
+    for got, want in zip((q_dst, *caches), expected):
+        assert_bitwise(got, want)
+
+
+@gpu
 def test_bad_input():
     fn = _floor_fn()
     dst = torch.empty(64, 576, dtype=torch.bfloat16, device="cuda")
@@ -112,3 +135,6 @@ def test_bad_input():
         _floor_fn("latency_floor_e4m3")(dst, loc, src, torch.ones(1, dtype=torch.float64, device="cuda"), True)
     with pytest.raises(ValueError, match="latency_floor_ds_mla: expected a scale_offset"):
         _floor_fn("latency_floor_ds_mla")(torch.empty(64, 656, dtype=torch.uint8, device="cuda"), loc, src, 100, True)
+    rows = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in ((1, 64), (8, 32), (8, 32), (1, 96))]
+    with pytest.raises(ValueError, match="latency_floor_rope_rows: expected CUDA positions and slots int64"):
+        _floor_fn("latency_floor_rope_rows")(*rows[:3], loc, rows[3], loc, torch.empty(6, 16, device="cuda"), 64, 64)
