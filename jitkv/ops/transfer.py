@@ -184,7 +184,7 @@ def _run_pair(src, dst, src_pages, dst_pages, max_sms, backend) -> bool:
             ce = _copy_engine(_device(index), index)
             if ce is None:
                 return False
-            ce[0](s0, d0, s1, d1, src_pages, dst_pages, 2, index)
+            ce[0](s0, d0, s1, d1, src_pages, dst_pages, index)
             _note(index, HOST_IDS_CE, "copy engine", ce[2])
             return True
         host = getattr(TRANSFER_PAGES.cuda_runner(index, backend, ()), "host_ids", None)
@@ -457,7 +457,7 @@ def _host_ids_with_gpu(src, dst, src_pages, dst_pages, max_sms):
     index = max(src.get_device(), dst.get_device())
     ce = _copy_engine(_device(index), index)
     if ce is not None and _copy_engines_take(math.prod(src.shape[2:]) * src.element_size()):
-        ce[0](src, dst, src, dst, src_pages, dst_pages, 1, index)
+        ce[0](src, dst, None, None, src_pages, dst_pages, index)
         _note(index, HOST_IDS_CE, "copy engine", ce[2])
         return
     host_ids = getattr(TRANSFER_PAGES.cuda_runner(index, None, ()), "host_ids", None)
@@ -466,7 +466,7 @@ def _host_ids_with_gpu(src, dst, src_pages, dst_pages, max_sms):
         _note(index, HOST_IDS_SM, "SM copy kernel", {})
         return
     if ce is not None and torch.cuda.is_current_stream_capturing():  # the ids cannot be moved now
-        ce[0](src, dst, src, dst, src_pages, dst_pages, 1, index)
+        ce[0](src, dst, None, None, src_pages, dst_pages, index)
         _note(index, HOST_IDS_CE, "copy engine", ce[2])
         return
     if ce is None:  # the reference's range check takes checked arguments; the C++ one checks them itself
@@ -663,7 +663,9 @@ def _transfer_rows(h, case, t, n, pools, to_dev):
         cases.append(
             (
                 "jitkv copy engines forced, host ids",
-                lambda i: ce(src[0], dst[0], src[-1], dst[-1], sp_h, dp_h, len(src), device.index),
+                lambda i: ce(
+                    src[0], dst[0], *((src[1], dst[1]) if len(src) > 1 else (None, None)), sp_h, dp_h, device.index
+                ),
             )
         )
     if n * dev_pools[0].shape[0] * len(pools) <= _LOOP_MAX_RUNS:

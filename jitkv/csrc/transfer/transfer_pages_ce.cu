@@ -31,6 +31,7 @@
 namespace {
 
 using namespace jitkv::transfer;
+using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
 
 constexpr const char* kOp = "transfer_pages";
@@ -102,34 +103,42 @@ void submit(Runs& runs, cudaStream_t stream) {
 }
 
 // The arguments parsed and checked (devices, pinned host pools) and the pairs resolved: IndexError for
-// an id past its pool, before anything is copied.
+// an id past its pool, before anything is copied. sname, dname: the pools' names in messages.
 std::vector<PagePair> checked_pairs(const TensorView& src, const TensorView& dst, const TensorView& src_pages,
-                                    const TensorView& dst_pages, DLDevice dev, TransferParams* p) {
-  const DLDevice pools = host_ids_device(kOp, src, dst, src_pages, dst_pages);
+                                    const TensorView& dst_pages, DLDevice dev, TransferParams* p,
+                                    const char* sname = "src", const char* dname = "dst") {
+  const DLDevice pools = host_ids_device(kOp, src, dst, src_pages, dst_pages, sname, dname);
   if (!jitkv::same_device(pools, dev)) {
-    TVM_FFI_THROW(ValueError) << kOp << ": src: expected the pools of a copy on " << jitkv::device_str(dev)
+    TVM_FFI_THROW(ValueError) << kOp << ": " << sname << ": expected the pools of a copy on " << jitkv::device_str(dev)
                               << ", got one on " << jitkv::device_str(pools);
   }
-  *p = parse_params(kOp, src, dst, src_pages, dst_pages);
+  *p = parse_params(kOp, src, dst, src_pages, dst_pages, sname, dname);
   std::vector<PagePair> pairs = resolve_pairs(kOp, *p);
-  check_host_pool(kOp, "src", src, dev, false);
-  check_host_pool(kOp, "dst", dst, dev, false);
+  check_host_pool(kOp, sname, src, dev, false);
+  check_host_pool(kOp, dname, dst, dev, false);
   return pairs;
 }
 
-// One pool pair (num_pools 1: src2 and dst2 are not read) or a (K, V) tuple (num_pools 2, any page
-// sizes): every pair checked and resolved before anything is queued, then all runs in one batch.
-void transfer_pages_ce(TensorView src, TensorView dst, TensorView src2, TensorView dst2, TensorView src_pages,
-                       TensorView dst_pages, int64_t num_pools, int64_t device) {
+// One pool pair (src2 and dst2 None: two tensors fewer for tvm-ffi to convert on the engine's
+// per-layer call, as transfer_pages_host_ids) or a (K, V) tuple (any page sizes): every pair checked
+// and resolved before anything is queued, then all runs in one batch.
+void transfer_pages_ce(TensorView src, TensorView dst, Optional<TensorView> src2, Optional<TensorView> dst2,
+                       TensorView src_pages, TensorView dst_pages, int64_t device) {
   const DLDevice dev{kDLCUDA, static_cast<int32_t>(device)};
   jitkv::cuda::DeviceGuard guard(dev.device_id);
+  const bool two = src2.has_value() || dst2.has_value();
+  if (two && (!src2.has_value() || !dst2.has_value())) {
+    TVM_FFI_THROW(ValueError) << kOp << ": " << (src2.has_value() ? "dst[1]" : "src[1]") << ": expected a pool like "
+                              << (src2.has_value() ? "src[1]" : "dst[1]") << ", got None";
+  }
   TransferParams p, q;
-  const std::vector<PagePair> pairs = checked_pairs(src, dst, src_pages, dst_pages, dev, &p);
+  const std::vector<PagePair> pairs =
+      checked_pairs(src, dst, src_pages, dst_pages, dev, &p, two ? "src[0]" : "src", two ? "dst[0]" : "dst");
   std::vector<PagePair> pairs2;
-  if (num_pools == 2) pairs2 = checked_pairs(src2, dst2, src_pages, dst_pages, dev, &q);
+  if (two) pairs2 = checked_pairs(src2.value(), dst2.value(), src_pages, dst_pages, dev, &q, "src[1]", "dst[1]");
   Runs runs;
   plan_runs(p, pairs, runs);
-  if (num_pools == 2) plan_runs(q, pairs2, runs);
+  if (two) plan_runs(q, pairs2, runs);
   if (runs.dst.empty()) return;
   submit(runs, static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id)));
 }
