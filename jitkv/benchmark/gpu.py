@@ -262,6 +262,29 @@ class Harness:
         return cases
 
 
+def rope_rows_floor(layers_args: list) -> list:
+    """The fused prologue's floor at n tokens (csrc/benchmark/latency_floor_cuda.cu
+    ``latency_floor_rope_rows``) beside a rope_store_cache case, one call per layer on that layer's
+    slot_mapping, positions, cos/sin table and caches (viewed as byte rows): its q, k and v bytes read
+    from a fresh source row per token, q's stored contiguous at q_out's width, k's and v's at their slots
+    at the caches' width, every q and k store behind its cos/sin load. It does less than the op, so its
+    row is what the op's row cannot beat (docs/performance.md "rope's floor at n tokens")."""
+    fn = jitkv.jit.get_function(
+        latency_floor_spec(jitkv.jit.cuda_arch(torch.device("cuda"))), "latency_floor_rope_rows"
+    )
+    calls = []
+    for a in layers_args:
+        q, k = a["q"], a["k"]
+        n, q_bytes, kv_bytes = q.shape[0], q[0].numel() * q.element_size(), k[0].numel() * k.element_size()
+        src = torch.empty(n, q_bytes + 2 * kv_bytes, dtype=torch.uint8, device="cuda").random_()
+        q_dst = torch.empty(
+            n, q_bytes * a["q_out"].element_size() // q.element_size(), dtype=torch.uint8, device="cuda"
+        )
+        caches = [c.view(torch.uint8).view(c.shape[0], -1) for c in (a["k_cache"], a["v_cache"])]
+        calls.append((q_dst, *caches, a["slot_mapping"], src, a["positions"], a["cos_sin_cache"], q_bytes, 128))
+    return [("fused-prologue floor at this n (latency_floor_rope_rows)", lambda i: fn(*calls[i]))]
+
+
 def host_overhead_rows(ops, calls=1000, rounds=25) -> list[Row]:
     """Eager host cost per call of each op's sample call: the public function, and its resolved runner
     called directly (no public function, no dispatch: the argument encoding and the binding), each

@@ -1257,9 +1257,12 @@ ROPE_CEILING_NS = (128, 512)  # where the rows also get a graph-timed contiguous
 def _bench_gpu(h, ns=ROPE_NS) -> list:
     """The CPU cases on CUDA under graph replay, per layer its own caches (2^16 slots) and sources: the
     unfused composition (torch RoPE, then jitkv's writer), jitkv's writer alone (no RoPE), then the op
-    on its CUDA kernel and on Triton; "x floor" is over the fused-prologue floor of the same run. At
-    ROPE_CEILING_NS also a contiguous copy of the bytes the op moves (read = write = half), under graph
-    replay like the rows: what no kernel moving those bytes beats by much."""
+    on its CUDA kernel and on Triton; "x floor" is over the fused-prologue floor of the same run (n = 1).
+    Beside rope_store_cache at every n the fused-prologue floor at that n (its bytes, RoPE's dependent
+    load, k and v at their slots: benchmark.gpu.rope_rows_floor), and at ROPE_CEILING_NS a contiguous
+    copy of the bytes the op moves (read = write = half), under graph replay like the rows."""
+    from ..benchmark.gpu import rope_rows_floor
+
     rows, slots_per_layer = [], 1 << 16
     for case, hq, hk, d, norm in MHA_MODELS:
         for kv in ("auto", "fp8_e4m3"):
@@ -1279,6 +1282,7 @@ def _bench_gpu(h, ns=ROPE_NS) -> list:
                     for b in ROPE_STORE_CACHE.order["cuda"]
                     if b != "torch"
                 ]
+                cases += rope_rows_floor(args)
                 if n in ROPE_CEILING_NS:
                     cases += h.contiguous_copies(_mha_bytes(args[0]))
                 rows += h.rows(

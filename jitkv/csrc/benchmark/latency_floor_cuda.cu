@@ -24,8 +24,8 @@
 //    `threads` over a token's vectors. Every thread waits (PDL), loads its token's position (k and v
 //    threads also its slot) with its 16 bytes, lets the next kernel launch; a q or k thread then loads
 //    16 bytes of that position's cos/sin row, which its store depends on (the dependent round trip).
-//    Stores of 16 bytes, or for fp8 outputs (destinations half the source's width) the high byte of
-//    each bf16 value, less than any conversion. No rotation, no quantization: less than
+//    Stores of 16 bytes, or for an fp8 destination (q_dst or the caches half the source's width) the
+//    high byte of each bf16 value, less than any conversion. No rotation, no quantization: less than
 //    rope_store_cache moves and computes at any n.
 // Each floor does no more than the contract demands of its write, so a jitkv kernel cannot run below
 // it, and a target under it is beyond the hardware.
@@ -166,6 +166,16 @@ __device__ __forceinline__ uint4 depend_on(uint4 v, const uint4& c, uint32_t zer
   return v;
 }
 
+// Vector `at` of a destination row: 16 bytes, or (kHalf) the high byte of each of its 8 bf16 values.
+template <bool kHalf>
+__device__ __forceinline__ void store_vec(char* row, int64_t at, const uint4& v) {
+  if constexpr (kHalf) {
+    reinterpret_cast<uint2*>(row)[at] = make_uint2(__byte_perm(v.x, v.y, 0x7531), __byte_perm(v.z, v.w, 0x7531));
+  } else {
+    reinterpret_cast<uint4*>(row)[at] = v;
+  }
+}
+
 struct RopeRows {
   const int64_t *positions, *slots;
   const uint4 *src, *cos_sin;
@@ -174,7 +184,7 @@ struct RopeRows {
   uint32_t zero;
 };
 
-template <bool kHalf>
+template <bool kHalfQ, bool kHalfKv>
 __global__ void latency_floor_rope_rows_kernel(const __grid_constant__ RopeRows p) {
   const int64_t t = blockIdx.x;
   const int64_t i = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
@@ -189,21 +199,13 @@ __global__ void latency_floor_rope_rows_kernel(const __grid_constant__ RopeRows 
     const int64_t row = pos < 0 ? 0 : pos >= p.max_pos ? p.max_pos - 1 : pos;
     v = depend_on(v, load(p.cos_sin + row * p.cs_vecs + i % p.cs_vecs), p.zero);
   }
-  char* dst;
-  int64_t at;  // the vector's index in its destination row
   if (is_q) {
-    dst = p.q_dst + t * p.q_vecs * (kHalf ? 8 : 16);
-    at = i;
-  } else {
-    if (slot < 0 || slot >= p.num_slots) return;
-    dst = (is_v ? p.v_cache : p.k_cache) + slot * p.kv_vecs * (kHalf ? 8 : 16);
-    at = i - p.q_vecs - (is_v ? p.kv_vecs : 0);
+    store_vec<kHalfQ>(p.q_dst + t * p.q_vecs * (kHalfQ ? 8 : 16), i, v);
+    return;
   }
-  if constexpr (kHalf) {
-    reinterpret_cast<uint2*>(dst)[at] = make_uint2(__byte_perm(v.x, v.y, 0x7531), __byte_perm(v.z, v.w, 0x7531));
-  } else {
-    reinterpret_cast<uint4*>(dst)[at] = v;
-  }
+  if (slot < 0 || slot >= p.num_slots) return;
+  char* row = (is_v ? p.v_cache : p.k_cache) + slot * p.kv_vecs * (kHalfKv ? 8 : 16);
+  store_vec<kHalfKv>(row, i - p.q_vecs - (is_v ? p.kv_vecs : 0), v);
 }
 
 bool on_cuda(const TensorView& t) { return t.device().device_type == kDLCUDA; }
@@ -294,17 +296,18 @@ bool dense_bytes(const TensorView& t, int64_t rows, int64_t width) {
          jitkv::aligned16(data_ptr(t));
 }
 
-// src uint8 [n, q_bytes + 2 * kv_bytes] (q, k, v), q_dst uint8 [n, q_bytes * r], k_cache and v_cache
-// uint8 [num_slots, kv_bytes * r] (r = 1, or 1/2 for fp8 outputs; every width a multiple of 16, every
-// tensor contiguous and 16-byte aligned), slots and positions int64 [n], cos_sin_cache float32
-// [max_pos, width] contiguous (width a multiple of 4), threads in 32..1024.
+// src uint8 [n, q_bytes + 2 * kv_bytes] (q, k, v), q_dst uint8 [n, q_bytes or q_bytes / 2], k_cache
+// and v_cache uint8 [num_slots, kv_bytes or kv_bytes / 2] (a half: an fp8 destination; every width a
+// multiple of 16, every tensor contiguous and 16-byte aligned), slots and positions int64 [n],
+// cos_sin_cache float32 [max_pos, width] contiguous (width a multiple of 4), threads in 32..1024.
 void latency_floor_rope_rows(TensorView q_dst, TensorView k_cache, TensorView v_cache, TensorView slots, TensorView src,
                              TensorView positions, TensorView cos_sin_cache, int64_t q_bytes, int64_t threads) {
   const int64_t n = positions.numel();
   const TensorView& cs = cos_sin_cache;
   const int64_t in_bytes = src.ndim() == 2 ? src.size(1) : 0, kv_bytes = (in_bytes - q_bytes) / 2;
-  const bool half = q_dst.ndim() == 2 && 2 * q_dst.size(1) == q_bytes;
-  const int64_t r = half ? 2 : 1;
+  const bool half_q = q_dst.ndim() == 2 && 2 * q_dst.size(1) == q_bytes;
+  const bool half_kv = k_cache.ndim() == 2 && 2 * k_cache.size(1) == kv_bytes;
+  const int64_t rq = half_q ? 2 : 1, rkv = half_kv ? 2 : 1;
   const auto index_ok = [n](const TensorView& t) {
     return on_cuda(t) && t.dtype().code == kDLInt && t.dtype().bits == 64 && t.ndim() == 1 && t.size(0) == n;
   };
@@ -314,8 +317,8 @@ void latency_floor_rope_rows(TensorView q_dst, TensorView k_cache, TensorView v_
   const bool widths_ok =
       q_bytes > 0 && q_bytes % 32 == 0 && kv_bytes > 0 && kv_bytes % 32 == 0 && in_bytes == q_bytes + 2 * kv_bytes;
   if (n < 1 || !index_ok(positions) || !index_ok(slots) || !cs_ok || !widths_ok || !dense_bytes(src, n, in_bytes) ||
-      !dense_bytes(q_dst, n, q_bytes / r) || !dense_bytes(k_cache, -1, kv_bytes / r) ||
-      !dense_bytes(v_cache, k_cache.size(0), kv_bytes / r) || threads < 32 || threads > 1024) {
+      !dense_bytes(q_dst, n, q_bytes / rq) || !dense_bytes(k_cache, -1, kv_bytes / rkv) ||
+      !dense_bytes(v_cache, k_cache.size(0), kv_bytes / rkv) || threads < 32 || threads > 1024) {
     TVM_FFI_THROW(ValueError) << "latency_floor_rope_rows: expected CUDA positions and slots int64 [n >= 1], src "
                               << "uint8 [n, q_bytes + 2 kv_bytes], q_dst uint8 [n, q_bytes or q_bytes / 2], k_cache "
                               << "and v_cache uint8 [num_slots, kv_bytes or kv_bytes / 2] (contiguous, widths "
@@ -341,10 +344,12 @@ void latency_floor_rope_rows(TensorView q_dst, TensorView k_cache, TensorView v_
   jitkv::cuda::DeviceGuard guard(device);
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
   const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>((p.in_vecs + threads - 1) / threads));
+  auto* kernel =
+      half_q ? (half_kv ? latency_floor_rope_rows_kernel<true, true> : latency_floor_rope_rows_kernel<true, false>)
+             : (half_kv ? latency_floor_rope_rows_kernel<false, true> : latency_floor_rope_rows_kernel<false, false>);
   jitkv::cuda::check_launch(
       "latency_floor_rope_rows",
-      jitkv::cuda::launch(half ? latency_floor_rope_rows_kernel<true> : latency_floor_rope_rows_kernel<false>, grid,
-                          dim3(static_cast<unsigned>(threads)), stream, info.pdl(), p));
+      jitkv::cuda::launch(kernel, grid, dim3(static_cast<unsigned>(threads)), stream, info.pdl(), p));
 }
 
 }  // namespace

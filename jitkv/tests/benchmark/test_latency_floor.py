@@ -103,22 +103,28 @@ def test_rope_floor_writes_the_rotated_pairs_at_the_slot_only(slot, position):
 
 
 @gpu
-@pytest.mark.parametrize("half", [False, True])
-def test_rope_rows_floor_stores_q_contiguous_and_k_v_at_the_slots_only(half):
+@pytest.mark.parametrize("half_q", [False, True])
+@pytest.mark.parametrize("half_kv", [False, True])
+def test_rope_rows_floor_stores_q_contiguous_and_k_v_at_the_slots_only(half_q, half_kv):
     """3 tokens of 64 q, 32 k and 32 v bf16 values: q's bytes in q_dst's row, k's and v's in the slot's
-    rows (slots -1 and 9 past the 8-row caches write nothing), every byte (or high byte) unchanged."""
+    rows (slots -1 and 9 past the 8-row caches write nothing), every byte (or, at half width, every
+    high byte) unchanged."""
     fn = _floor_fn("latency_floor_rope_rows")
-    n, qb, kvb, r = 3, 128, 64, 2 if half else 1
+    n, qb, kvb = 3, 128, 64
     src = rand((n, qb + 2 * kvb), torch.uint8, "cuda")
-    q_dst = rand((n, qb // r), torch.uint8, "cuda")
-    caches = [rand((8, kvb // r), torch.uint8, "cuda") for _ in "kv"]
+    q_dst = rand((n, qb // (2 if half_q else 1)), torch.uint8, "cuda")
+    caches = [rand((8, kvb // (2 if half_kv else 1)), torch.uint8, "cuda") for _ in "kv"]
     slots = torch.tensor([5, -1, 9], device="cuda")
     expected = [q_dst.clone(), *(c.clone() for c in caches)]
     fn(q_dst, *caches, slots, src, torch.tensor([2, 7, -4], device="cuda"), torch.randn(6, 16, device="cuda"), qb, 64)
     torch.cuda.synchronize()
-    out = src[:, 1::2] if half else src  # the high byte of each bf16 value
-    expected[0].copy_(out[:, : qb // r])
-    expected[1][5], expected[2][5] = out[0, qb // r : (qb + kvb) // r], out[0, (qb + kvb) // r :]
+
+    def stored(part, half):  # the bytes a destination gets of a source part
+        return part[..., 1::2] if half else part  # the high byte of each bf16 value
+
+    expected[0].copy_(stored(src[:, :qb], half_q))
+    expected[1][5] = stored(src[0, qb : qb + kvb], half_kv)
+    expected[2][5] = stored(src[0, qb + kvb :], half_kv)
     for got, want in zip((q_dst, *caches), expected):
         assert_bitwise(got, want)
 
