@@ -227,14 +227,20 @@ int64_t check_floor_args(const char* name, const TensorView& dst, const TensorVi
   return row_bytes;
 }
 
-// Launches kernel<<<1, 32>>>(args...) on dst's device and the caller's stream, with PDL from sm_90.
+// Launches kernel<<<grid, block>>>(args...) on dst's device and the caller's stream, with PDL from sm_90.
 template <typename... KArgs, typename... Args>
-void launch_floor(const char* name, const TensorView& dst, void (*kernel)(KArgs...), Args... args) {
+void launch_on(const char* name, const TensorView& dst, dim3 grid, dim3 block, void (*kernel)(KArgs...), Args... args) {
   const int device = dst.device().device_id;
   const jitkv::cuda::DeviceInfo info = jitkv::cuda::device_info(device);
   jitkv::cuda::DeviceGuard guard(device);
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
-  jitkv::cuda::check_launch(name, jitkv::cuda::launch(kernel, dim3(1), dim3(32), stream, info.pdl(), args...));
+  jitkv::cuda::check_launch(name, jitkv::cuda::launch(kernel, grid, block, stream, info.pdl(), args...));
+}
+
+// The one-thread floors: kernel<<<1, 32>>>(args...).
+template <typename... KArgs, typename... Args>
+void launch_floor(const char* name, const TensorView& dst, void (*kernel)(KArgs...), Args... args) {
+  launch_on(name, dst, dim3(1), dim3(32), kernel, args...);
 }
 
 template <typename T>
@@ -339,17 +345,11 @@ void latency_floor_rope_rows(TensorView q_dst, TensorView k_cache, TensorView v_
              q_bytes / 16,
              kv_bytes / 16,
              0u};
-  const int device = q_dst.device().device_id;
-  const jitkv::cuda::DeviceInfo info = jitkv::cuda::device_info(device);
-  jitkv::cuda::DeviceGuard guard(device);
-  const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
   const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>((p.in_vecs + threads - 1) / threads));
   auto* kernel =
       half_q ? (half_kv ? latency_floor_rope_rows_kernel<true, true> : latency_floor_rope_rows_kernel<true, false>)
              : (half_kv ? latency_floor_rope_rows_kernel<false, true> : latency_floor_rope_rows_kernel<false, false>);
-  jitkv::cuda::check_launch(
-      "latency_floor_rope_rows",
-      jitkv::cuda::launch(kernel, grid, dim3(static_cast<unsigned>(threads)), stream, info.pdl(), p));
+  launch_on("latency_floor_rope_rows", q_dst, grid, dim3(static_cast<unsigned>(threads)), kernel, p);
 }
 
 }  // namespace
