@@ -195,16 +195,17 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
     if constexpr (kNorm) rms_norm<R, S::kD, S::kG>(y, w, p.eps, j, mask);
     rotate<R, S::kG>(y, j, c, s, mask);
     if (!inside) continue;
-    const cuda::Divider div(scale[u]);
     const int h = h0 + u;
-    if constexpr (kIsK) {
-      if (p.k_out != nullptr) {
-        store_floats_lane<S::kSrc, KvFormat::kCopy, R>(p.k_out + t * p.k_out_token + h * p.k_out_head, j, y, div);
+    cuda::with_divider(scale[u], [&](const auto& div) {
+      if constexpr (kIsK) {
+        if (p.k_out != nullptr) {
+          store_floats_lane<S::kSrc, KvFormat::kCopy, R>(p.k_out + t * p.k_out_token + h * p.k_out_head, j, y, div);
+        }
+        if (k_row != nullptr) store_floats_lane<S::kSrc, kOut, R>(k_row + u * p.k_head, j, y, div);
+      } else {
+        store_floats_lane<S::kSrc, kOut, R>(p.q_dst + t * p.q_dst_token + h * p.q_dst_head, j, y, div);
       }
-      if (k_row != nullptr) store_floats_lane<S::kSrc, kOut, R>(k_row + u * p.k_head, j, y, div);
-    } else {
-      store_floats_lane<S::kSrc, kOut, R>(p.q_dst + t * p.q_dst_token + h * p.q_dst_head, j, y, div);
-    }
+    });
   }
 }
 
@@ -231,8 +232,9 @@ __device__ __forceinline__ void store_v(const StoreArgs& p, int64_t t, int h0, i
   char* row = p.v_cache + slot * p.v_token + blk * p.v_block_adj + h0 * p.v_head;
 #pragma unroll
   for (int u = 0; u < kHpt; ++u) {
-    store_source<S::kSrc, S::kFmt>(row + u * p.v_head + c * dst_lane_bytes<S::kSrc, S::kFmt>(), v[u],
-                                   cuda::Divider(scale[u]));
+    cuda::with_divider(scale[u], [&](const auto& div) {
+      store_source<S::kSrc, S::kFmt>(row + u * p.v_head + c * dst_lane_bytes<S::kSrc, S::kFmt>(), v[u], div);
+    });
   }
 }
 
@@ -335,7 +337,9 @@ __device__ __forceinline__ void store_kv_c(const MlaArgs& p, int64_t t, int c) {
     store_source<S::kSrc, KvFormat::kE4M3>(row + c * 8, v, cuda::Divider(scale));
     if (c % 16 == 0) *reinterpret_cast<float*>(row + DsMla::kScaleOffset + 4 * (c / 16)) = scale;
   } else {
-    store_source<S::kSrc, S::kFmt>(row + c * dst_lane_bytes<S::kSrc, S::kFmt>(), v, cuda::Divider(scale));
+    cuda::with_divider(scale, [&](const auto& div) {
+      store_source<S::kSrc, S::kFmt>(row + c * dst_lane_bytes<S::kSrc, S::kFmt>(), v, div);
+    });
   }
 }
 
@@ -363,15 +367,17 @@ __device__ __forceinline__ void rope_k_pe(const MlaArgs& p, int64_t t, int j) {
   to_floats<S::kSrc>(v, y);
   rotate<R, S::kG>(y, j, c, s, mask);
   if (!inside) return;
-  const cuda::Divider div(scale);
+  const cuda::Divider copy(1.0f);  // unused by a copy's stores
   if (p.k_pe_out != nullptr)
-    store_floats_lane<S::kSrc, KvFormat::kCopy, R>(p.k_pe_out + t * p.k_pe_out_stride, j, y, div);
+    store_floats_lane<S::kSrc, KvFormat::kCopy, R>(p.k_pe_out + t * p.k_pe_out_stride, j, y, copy);
   if (slot < 0) return;
   char* row = p.dst + slot * p.dst_stride;
   if constexpr (S::kDs) {
-    store_floats_lane<S::kSrc, KvFormat::kCopy, R>(row + DsMla::kRopeOffset, j, y, div);
+    store_floats_lane<S::kSrc, KvFormat::kCopy, R>(row + DsMla::kRopeOffset, j, y, copy);
   } else {
-    store_floats_lane<S::kSrc, S::kFmt, R>(row + S::kNopeLanes * dst_lane_bytes<S::kSrc, S::kFmt>(), j, y, div);
+    cuda::with_divider(scale, [&](const auto& div) {
+      store_floats_lane<S::kSrc, S::kFmt, R>(row + S::kNopeLanes * dst_lane_bytes<S::kSrc, S::kFmt>(), j, y, div);
+    });
   }
 }
 
@@ -390,10 +396,11 @@ __device__ __forceinline__ void store_q_nope(const MlaArgs& p, int64_t t, int h0
   if constexpr (kOut != KvFormat::kCopy) scale = load_scale(p.q_scale_ptr, 0, p.q_scale);
   cuda::pdl_launch_dependents();
   if (!inside) return;
-  const cuda::Divider div(scale);
   char* row = p.q_dst + t * p.q_dst_token + h0 * p.q_dst_head + c * dst_lane_bytes<S::kSrc, kOut>();
+  cuda::with_divider(scale, [&](const auto& div) {
 #pragma unroll
-  for (int u = 0; u < kHpt; ++u) store_source<S::kSrc, kOut>(row + u * p.q_dst_head, v[u], div);
+    for (int u = 0; u < kHpt; ++u) store_source<S::kSrc, kOut>(row + u * p.q_dst_head, v[u], div);
+  });
 }
 
 // Lane j of the kHpt query heads h0, h0 + 1, ...'s q_pe: rotated (one cos/sin row for all), in place or
@@ -419,14 +426,16 @@ __device__ __forceinline__ void rope_q_pe(const MlaArgs& p, int64_t t, int h0, i
   const int64_t pos = clamp_position(pos_in.value(), p.max_pos);
   float c[R::kCs] = {}, s[R::kCs] = {};
   load_cos_sin<R, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
-  const cuda::Divider div(scale);
   char* row = p.q_dst + t * p.q_dst_token + h0 * p.q_dst_head + int64_t{p.nope_q_lanes} * kLane;
 #pragma unroll
   for (int u = 0; u < kHpt; ++u) {
     float y[kV];
     to_floats<S::kSrc>(v[u], y);
     rotate<R, S::kG>(y, j, c, s, mask);
-    if (inside) store_floats_lane<S::kSrc, kOut, R>(row + u * p.q_dst_head, j, y, div);
+    if (inside) {
+      cuda::with_divider(
+          scale, [&](const auto& div) { store_floats_lane<S::kSrc, kOut, R>(row + u * p.q_dst_head, j, y, div); });
+    }
   }
 }
 

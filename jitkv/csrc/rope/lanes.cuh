@@ -341,9 +341,10 @@ __device__ __forceinline__ cuda::Pack<kV * elem_bytes_of<kDst>()> round_to(const
   return out;
 }
 
-// kV float32 values as fp8 bytes of kFmt: fp8(div(y)), the quotient correctly rounded (cuda::Divider).
-template <KvFormat kFmt, int kV>
-__device__ __forceinline__ cuda::Pack<kV> quantize_floats(const float (&y)[kV], const cuda::Divider& div) {
+// kV float32 values as fp8 bytes of kFmt: fp8(div(y)), the quotient correctly rounded (cuda::Divider,
+// or cuda::Pow2Divider for a power-of-two scale: cuda::with_divider).
+template <KvFormat kFmt, int kV, class Div>
+__device__ __forceinline__ cuda::Pack<kV> quantize_floats(const float (&y)[kV], const Div& div) {
   float q[kV];
 #pragma unroll
   for (int i = 0; i < kV; ++i) q[i] = div(y[i]);
@@ -354,17 +355,16 @@ __device__ __forceinline__ cuda::Pack<kV> quantize_floats(const float (&y)[kV], 
 }
 
 // 16 source bytes as fp8 bytes of kFmt (what store_cache and set_mla_kv_buffer write from a source).
-template <SrcDtype kSrc, KvFormat kFmt>
-__device__ __forceinline__ cuda::Pack<lane_values<kSrc>()> quantize_source(const cuda::Pack<16>& v,
-                                                                           const cuda::Divider& div) {
+template <SrcDtype kSrc, KvFormat kFmt, class Div>
+__device__ __forceinline__ cuda::Pack<lane_values<kSrc>()> quantize_source(const cuda::Pack<16>& v, const Div& div) {
   cuda::Pack<lane_values<kSrc>()> out;
   cuda::quantize<kSrc, kFmt, lane_values<kSrc>(), cuda::QuantizeOrder::kValuesThenConvert>(v.w, out.w, div);
   return out;
 }
 
 // Stores lane j's float32 values into a row at base of format kFmt, through the lane layout R.
-template <SrcDtype kSrc, KvFormat kFmt, class R, int kV>
-__device__ __forceinline__ void store_floats_lane(char* base, int j, const float (&y)[kV], const cuda::Divider& div) {
+template <SrcDtype kSrc, KvFormat kFmt, class R, int kV, class Div>
+__device__ __forceinline__ void store_floats_lane(char* base, int j, const float (&y)[kV], const Div& div) {
   if constexpr (kFmt == KvFormat::kCopy) {
     store_lane<R, elem_bytes_of<kSrc>()>(base, j, round_to<kSrc, kV>(y));
   } else {
@@ -373,8 +373,8 @@ __device__ __forceinline__ void store_floats_lane(char* base, int j, const float
 }
 
 // Stores a lane's 16 source bytes into a destination of format kFmt (kCopy: the bytes themselves).
-template <SrcDtype kSrc, KvFormat kFmt>
-__device__ __forceinline__ void store_source(char* dst, const cuda::Pack<16>& v, const cuda::Divider& div) {
+template <SrcDtype kSrc, KvFormat kFmt, class Div>
+__device__ __forceinline__ void store_source(char* dst, const cuda::Pack<16>& v, const Div& div) {
   if constexpr (kFmt == KvFormat::kCopy) {
     cuda::store_pack<16>(dst, v);
   } else {
