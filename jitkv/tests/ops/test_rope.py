@@ -175,6 +175,33 @@ def test_norm_over_the_float32_range(device, backend, src, d, eps):
     _run_mha(backend, kw)
 
 
+# Scales the CUDA kernels divide by with one multiply (fp8.cuh with_divider: a power of two whose
+# reciprocal is a normal float), the edges either side of that range, and scales that are not powers of two.
+FP8_SCALES = [1.0, 0.5, 2.0**-126, 2.0**126, 2.0**127, 2.0**-127, 2.0**-149, 0.375]
+
+
+@pytest.mark.parametrize("device,backend", DEV_BACKENDS)
+@pytest.mark.parametrize("kv,q_out", [("fp8_e4m3", E4M3), ("fp8_e5m2", E5M2)])
+@pytest.mark.parametrize("scale", FP8_SCALES)
+def test_fp8_scales_powers_of_two_and_the_edges(device, backend, kv, q_out, scale):
+    """One scale for q_out, K and V (a Python float, a 1-element tensor), the source scaled by it so that
+    its quotients land in the fp8 range (at most by 2^120: no bf16 source overflows, the largest scales'
+    quotients land in fp8's subnormals); then per-head scales mixing every kind: the reference's bytes."""
+    factor = min(64 * scale, 2.0**120)
+    kw = _mha(device, n=40, hq=8, hk=len(FP8_SCALES), kv=kv, q_out=q_out, norm=False)
+    for name in ("q", "k", "v"):
+        kw[name].copy_((kw[name].double() * factor).to(kw[name].dtype))
+    kw.update(q_scale=scale, k_scale=scale, v_scale=torch.tensor([scale], device=device))
+    _run_mha(backend, kw)
+    kw.update(k_scale=torch.tensor(FP8_SCALES, device=device), v_scale=torch.tensor(FP8_SCALES[::-1], device=device))
+    _run_mha(backend, kw)
+    mla = _mla(device, n=20, kv=kv, q=q_out)
+    for name in ("kv_c", "k_pe", "q_nope", "q_pe"):
+        mla[name].copy_((mla[name].double() * factor).to(mla[name].dtype))
+    mla.update(scale=scale, q_scale=torch.tensor([scale], device=device))
+    _run_mla(backend, mla)
+
+
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
 @pytest.mark.parametrize("hq,hk", [(1, 1), (3, 1), (5, 3), (8, 4)])
 @pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (64, 128), (256, 256)])
