@@ -267,8 +267,10 @@ def rope_rows_floor(layers_args: list) -> list:
     ``latency_floor_rope_rows``) beside a rope_store_cache case, one call per layer on that layer's
     slot_mapping, positions, cos/sin table and caches (viewed as byte rows): its q, k and v bytes read
     from a fresh source row per token, q's stored contiguous at q_out's width, k's and v's at their slots
-    at the caches' width, every q and k store behind its cos/sin load. It does less than the op, so its
-    row is what the op's row cannot beat (docs/performance.md "rope's floor at n tokens")."""
+    at the caches' width, every q and k store behind its cos/sin load. It does less than the op, so where
+    latency bounds both (small n) its row is what the op's row cannot beat (docs/performance.md "rope's
+    floor at n tokens"); at large n its one 16-byte piece per thread is not the fastest way to move the
+    bytes, and the contiguous copy is the bound."""
     fn = jitkv.jit.get_function(
         latency_floor_spec(jitkv.jit.cuda_arch(torch.device("cuda"))), "latency_floor_rope_rows"
     )
