@@ -188,23 +188,32 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
     const int64_t blk = int64_t(cuda::block_of(slot, p.k_magic, p.k_shift));
     k_row = p.k_cache + slot * p.k_token + blk * p.k_block_adj + h0 * p.k_head;
   }
+  // Rotated heads, each handed to store(u, y) where it is inside the head.
+  const auto heads = [&](const auto& store) {
 #pragma unroll
-  for (int u = 0; u < kHpt; ++u) {
-    float y[kV];
-    to_floats<S::kSrc>(v[u], y);
-    if constexpr (kNorm) rms_norm<R, S::kD, S::kG>(y, w, p.eps, j, mask);
-    rotate<R, S::kG>(y, j, c, s, mask);
-    if (!inside) continue;
-    const int h = h0 + u;
-    cuda::with_divider(scale[u], [&](const auto& div) {
-      if constexpr (kIsK) {
+    for (int u = 0; u < kHpt; ++u) {
+      float y[kV];
+      to_floats<S::kSrc>(v[u], y);
+      if constexpr (kNorm) rms_norm<R, S::kD, S::kG>(y, w, p.eps, j, mask);
+      rotate<R, S::kG>(y, j, c, s, mask);
+      if (inside) store(u, y);
+    }
+  };
+  if constexpr (kIsK) {  // a scale per head: a divider branch per head
+    heads([&](int u, const float (&y)[kV]) {
+      cuda::with_divider(scale[u], [&](const auto& div) {
         if (p.k_out != nullptr) {
-          store_floats_lane<S::kSrc, KvFormat::kCopy, R>(p.k_out + t * p.k_out_token + h * p.k_out_head, j, y, div);
+          store_floats_lane<S::kSrc, KvFormat::kCopy, R>(p.k_out + t * p.k_out_token + (h0 + u) * p.k_out_head, j, y,
+                                                         div);
         }
         if (k_row != nullptr) store_floats_lane<S::kSrc, kOut, R>(k_row + u * p.k_head, j, y, div);
-      } else {
-        store_floats_lane<S::kSrc, kOut, R>(p.q_dst + t * p.q_dst_token + h * p.q_dst_head, j, y, div);
-      }
+      });
+    });
+  } else {  // one q_scale: one branch around every head, so the unrolled heads stay one block
+    cuda::with_divider(scale[0], [&](const auto& div) {
+      heads([&](int u, const float (&y)[kV]) {
+        store_floats_lane<S::kSrc, kOut, R>(p.q_dst + t * p.q_dst_token + (h0 + u) * p.q_dst_head, j, y, div);
+      });
     });
   }
 }
@@ -427,16 +436,15 @@ __device__ __forceinline__ void rope_q_pe(const MlaArgs& p, int64_t t, int h0, i
   float c[R::kCs] = {}, s[R::kCs] = {};
   load_cos_sin<R, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
   char* row = p.q_dst + t * p.q_dst_token + h0 * p.q_dst_head + int64_t{p.nope_q_lanes} * kLane;
+  cuda::with_divider(scale, [&](const auto& div) {  // one branch around every head (rope_heads)
 #pragma unroll
-  for (int u = 0; u < kHpt; ++u) {
-    float y[kV];
-    to_floats<S::kSrc>(v[u], y);
-    rotate<R, S::kG>(y, j, c, s, mask);
-    if (inside) {
-      cuda::with_divider(
-          scale, [&](const auto& div) { store_floats_lane<S::kSrc, kOut, R>(row + u * p.q_dst_head, j, y, div); });
+    for (int u = 0; u < kHpt; ++u) {
+      float y[kV];
+      to_floats<S::kSrc>(v[u], y);
+      rotate<R, S::kG>(y, j, c, s, mask);
+      if (inside) store_floats_lane<S::kSrc, kOut, R>(row + u * p.q_dst_head, j, y, div);
     }
-  }
+  });
 }
 
 // kHpt, kNeox, kCs: as rope_store_cache_kernel's.
