@@ -12,6 +12,7 @@ from jitkv.benchmark import __main__ as bench_main
 from jitkv.benchmark import cpu, plot
 from jitkv.benchmark.common import Row
 from jitkv.ops import OPS
+from jitkv.tests.conftest import gpu
 
 NS = (1, 4, 16, 64, 256, 2048, 16384, 262144)
 BW, FLOOR = 3000.0, 2.1
@@ -149,6 +150,21 @@ def test_missing_matplotlib_fails_before_benchmarking(monkeypatch, capsys):
         bench_main.main(["--device", "cpu", "--op", "set_mla_kv_buffer", "--plot", "x.png"])
     assert e.value.code == 2
     assert "pip install 'jitkv[plot]'" in capsys.readouterr().err
+
+
+@gpu
+@pytest.mark.parametrize("op", ["rope_store_cache", "transfer_pages"])
+def test_gpu_run_quick(tmp_path, op):
+    """The GPU benchmark of one op through the CLI, cut to its smallest cases: every row timed something,
+    and each rope_store_cache case has the fused-prologue floor beside its CUDA kernel's row."""
+    js = tmp_path / "gpu.json"
+    assert bench_main.main(["--device", "cuda", "--quick", "--op", op, "--json", str(js)]) == 0
+    rows = [r for r in json.loads(js.read_text())["rows"] if r["op"] == op]
+    assert rows and all(r["us"] > 0 for r in rows)
+    if op == "rope_store_cache":
+        cases = {r["case"] for r in rows if r["backend"] == "jitkv jit" and "eager" not in r["case"]}
+        floors = {r["case"] for r in rows if r["backend"].startswith("fused-prologue floor")}
+        assert cases and floors == cases
 
 
 @pytest.mark.parametrize("op", [op for op in OPS.values() if op.bench_cpu], ids=lambda op: op.name)
