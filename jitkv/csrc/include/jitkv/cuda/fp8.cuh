@@ -6,7 +6,8 @@
 //    - Divider: exact and branch-free, for a lone warp's short chain (the latency kernels);
 //    - RnDivider: __fdiv_rn, a range check and a branch per value, fewer registers (the bulk kernels);
 //    - Pow2Divider: x * 2^-e, exact, for the power-of-two (ue8m0) scales of the DeepSeek-V4 and indexer
-//      records (ue8m0_inverse, ue8m0_scale, ue8m0_ceil);
+//      records (ue8m0_inverse, ue8m0_scale, ue8m0_ceil), and a power-of-two scale in the rope kernels
+//      (with_divider: Pow2Divider or Divider by the scale's bits);
 //  - fp8x2 / fp8x4 / fp8_byte: the conversion; quantize / quantize8: N source values (cuda/src.cuh) ->
 //    N bytes, in the order (QuantizeOrder) each writer was tuned with;
 //  - vec_amax_no_nan: a 16-byte vector's largest 16-bit magnitude, NaN left out; amax_scale: a tile's
