@@ -172,8 +172,10 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
   for (int u = 0; u < kHpt; ++u) {
     scale[u] = 1.0f;
     if constexpr (kOut != KvFormat::kCopy) {
-      scale[u] = kIsK ? load_scale(p.k_scale_ptr, int64_t{h0 + u} * p.k_scale_stride, p.k_scale)
-                      : load_scale(p.q_scale_ptr, 0, p.q_scale);
+      // q: one q_scale, loaded once (the scale loads are volatile: the compiler keeps each)
+      scale[u] = kIsK     ? load_scale(p.k_scale_ptr, int64_t{h0 + u} * p.k_scale_stride, p.k_scale)
+                 : u == 0 ? load_scale(p.q_scale_ptr, 0, p.q_scale)
+                          : scale[0];
     }
   }
   cuda::pdl_launch_dependents();  // before the loaded values are used (kernel comment)

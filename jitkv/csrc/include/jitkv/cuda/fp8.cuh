@@ -86,21 +86,6 @@ struct Pow2Divider {
   __device__ __forceinline__ float operator()(float x) const { return __fmul_rn(x, inv); }
 };
 
-// f(div) with div dividing by `scale`: a Pow2Divider where the scale is a power of two whose reciprocal
-// is a normal float (2^-126 <= scale <= 2^126; x * 2^-e gives x / 2^e's fp8 byte, see Pow2Divider),
-// else a Divider. One multiply per value instead of Divider's five; for a per-tensor scale the branch
-// goes the same way in every thread, and f's code is there twice.
-template <class F>
-__device__ __forceinline__ void with_divider(float scale, F&& f) {
-  const uint32_t b = __float_as_uint(scale);
-  const uint32_t e = b >> 23;  // the exponent field (a negative scale: >= 256)
-  if ((b & 0x7FFFFFu) == 0 && e >= 1 && e <= 253) {
-    f(Pow2Divider{__uint_as_float((254u << 23) - b)});
-  } else {
-    f(Divider(scale));
-  }
-}
-
 // UE8M0 scales: a byte b is the scale 2^(b - 127) (b = 0: the denormal 2^-127; 255: inf).
 __device__ __forceinline__ float ue8m0_scale(uint32_t b) { return __uint_as_float(b ? b << 23 : 0x00400000u); }
 
@@ -112,6 +97,21 @@ __device__ __forceinline__ float ue8m0_inverse(uint32_t b) {
 // The smallest power of two >= a finite s > 0 (exponent + 1 when the mantissa is not zero), exact.
 __device__ __forceinline__ float ue8m0_ceil(float s) {
   return __uint_as_float((__float_as_uint(s) + 0x7FFFFFu) & 0x7F800000u);
+}
+
+// f(div) with div dividing by `scale`: a Pow2Divider where the scale is a power of two whose reciprocal
+// is a normal float (2^-126 <= scale <= 2^126; x * 2^-e gives x / 2^e's fp8 byte, see Pow2Divider),
+// else a Divider. One multiply per value instead of Divider's five; for a per-tensor scale the branch
+// goes the same way in every thread, and f's code is there twice.
+template <class F>
+__device__ __forceinline__ void with_divider(float scale, F&& f) {
+  const uint32_t b = __float_as_uint(scale);
+  const uint32_t e = b >> 23;  // the exponent field (a negative scale: >= 256)
+  if ((b & 0x7FFFFFu) == 0 && e >= 1 && e <= 253) {
+    f(Pow2Divider{ue8m0_inverse(e)});
+  } else {
+    f(Divider(scale));
+  }
 }
 
 // The interpretation a cache format stores (fp8_ds_mla: e4m3).
