@@ -179,12 +179,14 @@ void transfer_pages_host_ids(TensorView src, TensorView dst, Optional<TensorView
   const DLDevice dev = host_ids_device(kOp, src, dst, src_pages, dst_pages, sname, dname);
   TransferParams p = parse_params(kOp, src, dst, src_pages, dst_pages, sname, dname);
   TransferParams q = p;
+  TensorView s2 = src, d2 = dst;  // the second pool pair where two
   if (two) {
     if (!src2.has_value() || !dst2.has_value()) {
       TVM_FFI_THROW(ValueError) << kOp << ": " << (src2.has_value() ? "dst[1]" : "src[1]") << ": expected a pool like "
                                 << (src2.has_value() ? "src[1]" : "dst[1]") << ", got None";
     }
-    const TensorView s2 = src2.value(), d2 = dst2.value();
+    s2 = src2.value();
+    d2 = dst2.value();
     host_ids_device(kOp, s2, d2, src_pages, dst_pages, "src[1]", "dst[1]");
     if (!is_host(s2)) jitkv::check_device(kOp, "src[1]", s2, dev, sname);
     if (!is_host(d2)) jitkv::check_device(kOp, "dst[1]", d2, dev, sname);
@@ -206,9 +208,9 @@ void transfer_pages_host_ids(TensorView src, TensorView dst, Optional<TensorView
   check_host_pool(kOp, dname, dst, dev, true);
   bool with_host = is_host(src) || is_host(dst);
   if (two) {
-    check_host_pool(kOp, "src[1]", src2.value(), dev, true);
-    check_host_pool(kOp, "dst[1]", dst2.value(), dev, true);
-    with_host = with_host || is_host(src2.value()) || is_host(dst2.value());
+    check_host_pool(kOp, "src[1]", s2, dev, true);
+    check_host_pool(kOp, "dst[1]", d2, dev, true);
+    with_host = with_host || is_host(s2) || is_host(d2);
     p.src2 = q.src;
     p.dst2 = q.dst;
     p.num_pools = 2;
