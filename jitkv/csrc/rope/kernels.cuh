@@ -36,15 +36,17 @@ using codes::RopeNorm;
 
 constexpr int kBlockThreads = 128;  // threads per block (a token's threads span grid.y blocks)
 
-// Heads per thread: one while a thread per head lane fills the GPU less than once (latency: the most
-// threads, the shortest chain each), kBulkHpt beyond where it divides the head counts (each thread
-// then has kBulkHpt loads in flight and reads the cos/sin row once for them). threads_at_one: the
-// launch's threads at one head per thread. Re-measure: docs/performance.md "rope heads per thread".
+// Heads per thread: one while a thread per head lane fills the GPU less than threads_per_sm times
+// (latency: the most threads, the shortest chain each), kBulkHpt beyond where it divides the head
+// counts (each thread then has kBulkHpt loads in flight and reads the cos/sin row once for them).
+// threads_at_one: the launch's threads at one head per thread. The thresholds per op (MLA's q_pe
+// threads hold one 16-byte lane each and a cos/sin load, so they gain from sharing it far sooner).
+// Re-measure: docs/performance.md "rope heads per thread".
 constexpr int kBulkHpt = 4;
+constexpr int64_t kMhaThreadsPerSm = 2048, kMlaThreadsPerSm = 128;
 
-inline int heads_per_thread(bool divides, int64_t threads_at_one, int sms) {
-  constexpr int64_t kThreadsPerSm = 2048;
-  return divides && threads_at_one >= kThreadsPerSm * (sms > 1 ? sms : 1) ? kBulkHpt : 1;
+inline int heads_per_thread(bool divides, int64_t threads_at_one, int sms, int64_t threads_per_sm) {
+  return divides && threads_at_one >= threads_per_sm * (sms > 1 ? sms : 1) ? kBulkHpt : 1;
 }
 
 template <bool kNeox>

@@ -122,8 +122,9 @@ int64_t rope_set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView 
   const int device = p.kv.device.device_id;
   const jitkv::cuda::DeviceInfo info = jitkv::cuda::device_info(device);
   const int nope_q_lanes = static_cast<int>(p.nope_q / Shape::kV);
-  const int hpt = heads_per_thread(p.q.heads % kBulkHpt == 0,  // query heads per thread (kernels.cuh)
-                                   p.kv.n * Shape::token_threads(p.q.heads, nope_q_lanes, 1), info.sms);
+  const int hpt =
+      heads_per_thread(p.q.heads % kBulkHpt == 0,  // query heads per thread (kernels.cuh)
+                       p.kv.n * Shape::token_threads(p.q.heads, nope_q_lanes, 1), info.sms, kMlaThreadsPerSm);
   const int64_t threads = Shape::token_threads(p.q.heads, nope_q_lanes, hpt);
   if (p.kv.n > INT32_MAX || threads > int64_t(kBlockThreads) * 65535) {
     TVM_FFI_THROW(ValueError) << kOp << ": q_pe: " << p.kv.n << " tokens of " << p.q.heads
