@@ -3,6 +3,8 @@
 // jitkv/ops/transfer.py's check does, and the call's parameter block (params.h).
 #pragma once
 
+#include <tvm/ffi/optional.h>
+
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -114,6 +116,16 @@ inline DLDevice cuda_device(const char* op, const TensorView& src, const TensorV
 // The device rule of host ids beside a GPU (the copy-engine path, and the SM kernel with the ids in its
 // parameter block): the ids on the host; not both pools on the host; the CUDA pools on one GPU, which
 // the call returns (the first CUDA pool's), the others host pools.
+// A (K, V) tuple's second pool pair: src[1] and dst[1] both given, or neither (one pool pair).
+inline bool second_pool_pair(const char* op, const tvm::ffi::Optional<TensorView>& src2,
+                             const tvm::ffi::Optional<TensorView>& dst2) {
+  if (src2.has_value() != dst2.has_value()) {
+    TVM_FFI_THROW(ValueError) << op << ": " << (src2.has_value() ? "dst[1]" : "src[1]") << ": expected a pool like "
+                              << (src2.has_value() ? "src[1]" : "dst[1]") << ", got None";
+  }
+  return src2.has_value();
+}
+
 inline DLDevice host_ids_device(const char* op, const TensorView& src, const TensorView& dst,
                                 const TensorView& src_pages, const TensorView& dst_pages, const char* sname = "src",
                                 const char* dname = "dst") {

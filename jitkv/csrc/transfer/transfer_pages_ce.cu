@@ -126,11 +126,7 @@ void transfer_pages_ce(TensorView src, TensorView dst, Optional<TensorView> src2
                        TensorView src_pages, TensorView dst_pages, int64_t device) {
   const DLDevice dev{kDLCUDA, static_cast<int32_t>(device)};
   jitkv::cuda::DeviceGuard guard(dev.device_id);
-  const bool two = src2.has_value() || dst2.has_value();
-  if (two && (!src2.has_value() || !dst2.has_value())) {
-    TVM_FFI_THROW(ValueError) << kOp << ": " << (src2.has_value() ? "dst[1]" : "src[1]") << ": expected a pool like "
-                              << (src2.has_value() ? "src[1]" : "dst[1]") << ", got None";
-  }
+  const bool two = second_pool_pair(kOp, src2, dst2);
   TransferParams p, q;
   const std::vector<PagePair> pairs =
       checked_pairs(src, dst, src_pages, dst_pages, dev, &p, two ? "src[0]" : "src", two ? "dst[0]" : "dst");

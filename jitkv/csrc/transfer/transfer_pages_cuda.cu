@@ -173,7 +173,7 @@ void launch_inline(const TransferParams& p, const std::vector<PagePair>& pairs, 
 // the capture.
 void transfer_pages_host_ids(TensorView src, TensorView dst, Optional<TensorView> src2, Optional<TensorView> dst2,
                              TensorView src_pages, TensorView dst_pages, int64_t max_sms) {
-  const bool two = src2.has_value() || dst2.has_value();
+  const bool two = second_pool_pair(kOp, src2, dst2);
   const char* sname = two ? "src[0]" : "src";
   const char* dname = two ? "dst[0]" : "dst";
   const DLDevice dev = host_ids_device(kOp, src, dst, src_pages, dst_pages, sname, dname);
@@ -181,10 +181,6 @@ void transfer_pages_host_ids(TensorView src, TensorView dst, Optional<TensorView
   TransferParams q = p;
   TensorView s2 = src, d2 = dst;  // the second pool pair where two
   if (two) {
-    if (!src2.has_value() || !dst2.has_value()) {
-      TVM_FFI_THROW(ValueError) << kOp << ": " << (src2.has_value() ? "dst[1]" : "src[1]") << ": expected a pool like "
-                                << (src2.has_value() ? "src[1]" : "dst[1]") << ", got None";
-    }
     s2 = src2.value();
     d2 = dst2.value();
     host_ids_device(kOp, s2, d2, src_pages, dst_pages, "src[1]", "dst[1]");
