@@ -34,7 +34,20 @@ namespace jitkv::rope {
 using codes::DsMla;
 using codes::RopeNorm;
 
-constexpr int kBlockThreads = 128;  // threads per block (a token's threads span grid.y blocks)
+// Threads per block (a token's threads span grid.y blocks): kBlockThreads, and kWideBlockThreads
+// for rope_store_cache where no head is normed and one head per thread falls under 768 threads per SM
+// (measured faster there on an H200; no faster with the QK-norm or for MLA). Each kernel is built for
+// the block it is launched with (block_bounds), so the others keep their registers. Re-measure:
+// docs/performance.md "rope threads per block".
+constexpr int kBlockThreads = 128, kWideBlockThreads = 256;
+
+constexpr int block_bounds(bool normed, int hpt) { return !normed && hpt == 1 ? kWideBlockThreads : kBlockThreads; }
+
+// threads: the launch's threads in all.
+inline int block_threads(bool normed, int hpt, int64_t threads, int sms) {
+  constexpr int64_t kThreadsPerSm = 768;
+  return threads < kThreadsPerSm * (sms > 1 ? sms : 1) ? block_bounds(normed, hpt) : kBlockThreads;
+}
 
 // Heads per thread: one while a thread per head lane fills the GPU less than threads_per_sm times
 // (latency: the most threads, the shortest chain each), kBulkHpt beyond where it divides the head
@@ -255,7 +268,8 @@ __device__ __forceinline__ void store_v(const StoreArgs& p, int64_t t, int h0, i
 // flight and reads the cos/sin row once for them; the binding picks it, heads_per_thread). kNeox, kCs:
 // the rotation and the cos/sin table's dtype (with_rotation).
 template <class S, int kHpt, bool kNeox, SrcDtype kCs>
-__global__ void __launch_bounds__(kBlockThreads) rope_store_cache_kernel(const __grid_constant__ StoreArgs p) {
+__global__ void __launch_bounds__(block_bounds(S::kNorms != 0, kHpt))
+    rope_store_cache_kernel(const __grid_constant__ StoreArgs p) {
   cuda::warm_params(p, p.n);
   const int64_t t = blockIdx.x;
   const int r = int(blockIdx.y * blockDim.x + threadIdx.x);

@@ -161,7 +161,8 @@ int64_t rope_store_cache(TensorView q, TensorView k, TensorView v, TensorView k_
     TVM_FFI_THROW(ValueError) << kOp << ": q: " << p.kv.n << " tokens of " << p.q.heads << " + 2 x " << p.kv.num_heads
                               << " heads are too many for the CUDA kernel";
   }
-  const int block = static_cast<int>(threads < kBlockThreads ? threads : kBlockThreads);
+  const int most = block_threads(Shape::kNorms != 0, hpt, p.kv.n * threads, info.sms);
+  const int block = static_cast<int>(threads < most ? threads : most);
   const dim3 grid(static_cast<unsigned>(p.kv.n), static_cast<unsigned>((threads + block - 1) / block));
   jitkv::cuda::DeviceGuard guard(device);
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
