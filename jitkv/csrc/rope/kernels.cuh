@@ -34,19 +34,21 @@ namespace jitkv::rope {
 using codes::DsMla;
 using codes::RopeNorm;
 
-// Threads per block (a token's threads span grid.y blocks): kBlockThreads, and kWideBlockThreads
-// for rope_store_cache where no head is normed and one head per thread falls under 768 threads per SM
-// (measured faster there on an H200; no faster with the QK-norm or for MLA). Each kernel is built for
-// the block it is launched with (block_bounds), so the others keep their registers. Re-measure:
-// docs/performance.md "rope threads per block".
-constexpr int kBlockThreads = 128, kWideBlockThreads = 256;
+// Threads per block (a token's threads span grid.y blocks): kBlockThreads, except for rope_store_cache's
+// kernels without the norm at one head per thread, which run faster on an H200 in fewer, larger blocks
+// while the launch leaves the SMs room: 256 threads under one 128-thread block's worth per SM, 384 under
+// 1536 threads per SM (the normed kernels and MLA's measured no faster). Each kernel is built for the
+// largest block it is launched with (block_bounds), so that the others keep their registers.
+// Re-measure: docs/performance.md "rope threads per block".
+constexpr int kBlockThreads = 128, kWideBlockThreads = 384;
 
 constexpr int block_bounds(bool normed, int hpt) { return !normed && hpt == 1 ? kWideBlockThreads : kBlockThreads; }
 
 // threads: the launch's threads in all.
 inline int block_threads(bool normed, int hpt, int64_t threads, int sms) {
-  constexpr int64_t kThreadsPerSm = 768;
-  return threads < kThreadsPerSm * (sms > 1 ? sms : 1) ? block_bounds(normed, hpt) : kBlockThreads;
+  const int64_t per_sm = threads / (sms > 1 ? sms : 1);
+  if (block_bounds(normed, hpt) == kBlockThreads || per_sm >= 1536) return kBlockThreads;
+  return per_sm < kBlockThreads ? 256 : kWideBlockThreads;
 }
 
 // Heads per thread: one while a thread per head lane fills the GPU less than threads_per_sm times

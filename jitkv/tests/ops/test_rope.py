@@ -53,6 +53,7 @@ def _mha(
     layout="flat3d",
     k_out=True,
     idx=torch.int64,
+    num_slots=NUM_SLOTS,
 ):
     """Keyword arguments of one rope_store_cache call on fresh random data; positions span the table."""
     dv = dv or d
@@ -61,9 +62,9 @@ def _mha(
         q=rand((n + extra, hq, d), src, device),
         k=rand((n + extra, hk, d), src, device),
         v=rand((n + extra, hk, dv), src, device),
-        k_cache=_cache(layout, NUM_SLOTS, hk, d, cache_dtype, device),
-        v_cache=_cache(layout, NUM_SLOTS, hk, dv, cache_dtype, device),
-        slot_mapping=slots(NUM_SLOTS, n, idx, device),
+        k_cache=_cache(layout, num_slots, hk, d, cache_dtype, device),
+        v_cache=_cache(layout, num_slots, hk, dv, cache_dtype, device),
+        slot_mapping=slots(num_slots, n, idx, device),
         positions=torch.randint(0, MAX_POS, (n + extra,), dtype=idx).to(device),
         cos_sin_cache=cos_sin_table(MAX_POS, rot or d, dtype=cs_dtype, device=device),
         is_neox=True,
@@ -213,6 +214,20 @@ def test_head_counts(device, backend, hq, hk, d, dv):
         kw = _mha(device, n=n, hq=hq, hk=hk, d=d, dv=dv, q_out=BF16, norm=True)
         kw["slot_mapping"][::3] = -1
         _run_mha(backend, kw)
+
+
+@gpu
+@pytest.mark.parametrize("per_sm", [1, 100, 200, 1400, 1700, 2100])
+@pytest.mark.parametrize("kv,q_out", [("auto", None), ("fp8_e4m3", E4M3)])
+def test_launch_geometries(per_sm, kv, q_out):
+    """The CUDA kernel's block sizes and heads per thread (rope/kernels.cuh block_threads,
+    heads_per_thread): Llama-3-8B's 32 + 8 heads of 128 without the norm (768 threads a token) at as
+    many tokens as fill this GPU to about per_sm threads per SM, on either side of each threshold."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    n = max(1, per_sm * sms // 768)
+    kw = _mha("cuda", n=n, hq=32, hk=8, d=128, kv=kv, q_out=q_out, num_slots=2 * n + 64)
+    kw["slot_mapping"][::5] = -1
+    _run_mha("jit", kw)
 
 
 @pytest.mark.parametrize("device,backend", DEV_BACKENDS)
