@@ -113,9 +113,6 @@ inline DLDevice cuda_device(const char* op, const TensorView& src, const TensorV
   return dev;
 }
 
-// The device rule of host ids beside a GPU (the copy-engine path, and the SM kernel with the ids in its
-// parameter block): the ids on the host; not both pools on the host; the CUDA pools on one GPU, which
-// the call returns (the first CUDA pool's), the others host pools.
 // A (K, V) tuple's second pool pair: src[1] and dst[1] both given, or neither (one pool pair).
 inline bool second_pool_pair(const char* op, const tvm::ffi::Optional<TensorView>& src2,
                              const tvm::ffi::Optional<TensorView>& dst2) {
@@ -126,6 +123,9 @@ inline bool second_pool_pair(const char* op, const tvm::ffi::Optional<TensorView
   return src2.has_value();
 }
 
+// The device rule of host ids beside a GPU (the copy-engine path, and the SM kernel with the ids in its
+// parameter block): the ids on the host; not both pools on the host; the CUDA pools on one GPU, which
+// the call returns (the first CUDA pool's), the others host pools.
 inline DLDevice host_ids_device(const char* op, const TensorView& src, const TensorView& dst,
                                 const TensorView& src_pages, const TensorView& dst_pages, const char* sname = "src",
                                 const char* dname = "dst") {
