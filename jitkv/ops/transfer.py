@@ -3,6 +3,7 @@ unpack_pages, a request's pages in one buffer for a handoff to another GPU (docs
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -17,6 +18,8 @@ __all__ = ["pack_pages", "transfer_pages", "unpack_pages"]
 
 OP = "transfer_pages"
 LINK_SMS = codes.Transfer.LINK_SMS  # the kernel's default SM bound for a copy with a host pool
+# The bindings' answers (codes.Status) as plain ints: an enum member's lookup costs a per-call call more.
+_DONE, _COPY_ENGINES, _PER_POOL = int(codes.Status.DONE), int(codes.Status.COPY_ENGINES), int(codes.Status.PER_POOL)
 
 
 def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=None, backend=None):
@@ -155,14 +158,14 @@ def _checked_by_the_copy_engines(src, dst, src_pages, dst_pages, max_sms) -> boo
 
 
 def _run_pair(src, dst, src_pages, dst_pages, max_sms, backend) -> bool:
-    """A (K, V) tuple in one call, the jit backend running: host ids of pages the copy engines take
-    (_copy_engines_take) in one batch of theirs; else (GPU ids, or host ids of smaller pages or while a
-    graph is captured) one launch of the SM kernel, both pool pairs of one page size and layer count.
-    Every argument is checked by the binding before anything is copied. False where the per-pool path
-    must run instead.
+    """A (K, V) tuple in one call, the jit backend running: host ids through the SM binding's route
+    (_sm_route: the copy engines in one batch where they take the pages), GPU ids in one launch
+    of the SM kernel. Every argument is checked by the binding before anything is copied. False where
+    the per-pool path must run instead: the bindings missing, or pools of two page sizes or layer counts
+    that the copy engines do not take (Status.PER_POOL).
 
     This is the engines' per-layer call, so it reads each argument once and finds the launcher in
-    the op's runner cache without a lock; the binding picks the vector width."""
+    the op's runner cache without a lock; the bindings read the shapes and pick the vector width."""
     if backend not in (None, "jit"):
         return False
     try:
@@ -173,31 +176,16 @@ def _run_pair(src, dst, src_pages, dst_pages, max_sms, backend) -> bool:
             index = max(s0.get_device(), d0.get_device())
             if index < 0:
                 return False
-        shape0, shape1 = s0.shape, s1.shape
-        page0, page1 = math.prod(shape0[2:]) * s0.element_size(), math.prod(shape1[2:]) * s1.element_size()
-        one_launch = len(shape0) >= 2 and shape0[0] == shape1[0] and page0 == page1
     except (AttributeError, TypeError, ValueError):
         return False  # the per-pool path names the bad argument
-    ms = 0 if max_sms is None else _max_sms(max_sms)
+    runner = TRANSFER_PAGES.cuda_runner(index, backend, ())
     if host_ids:
-        if _copy_engines_take(min(page0, page1)):
-            ce = _copy_engine(_device(index), index)
-            if ce is None:
-                return False
-            ce[0](s0, d0, s1, d1, src_pages, dst_pages, index)
-            _note(index, HOST_IDS_CE, "copy engine", ce[2])
-            return True
-        host = getattr(TRANSFER_PAGES.cuda_runner(index, backend, ()), "host_ids", None)
-        if host is None or not one_launch:
-            return False
-        host(s0, d0, s1, d1, src_pages, dst_pages, ms)
-        _note(index, HOST_IDS_SM, "SM copy kernel", {})
-        return True
-    pair = getattr(TRANSFER_PAGES.cuda_runner(index, backend, ()), "pair", None)
-    if pair is None or not one_launch:
+        route = _sm_route(runner, index)
+        return route is not None and route(s0, d0, src_pages, dst_pages, max_sms, s1, d1) != _PER_POOL
+    pair = getattr(runner, "pair", None)
+    if pair is None:
         return False
-    pair(s0, d0, s1, d1, src_pages, dst_pages, ms)
-    return True
+    return pair(s0, d0, s1, d1, src_pages, dst_pages, 0 if max_sms is None else _max_sms(max_sms)) != _PER_POOL
 
 
 def pack_pages(src, src_pages, out, *, max_sms=None, backend=None):
@@ -413,12 +401,15 @@ def specs(target: str) -> list[JitSpec]:
 def _jit(device, variant):
     if device.type == "cpu":
         fn, info = jit_function(cpu_spec(), OP)
+        calls = {}  # GPU index -> its host-ids call (_host_ids_call), made once per runner
 
         def run_cpu(src, dst, src_pages, dst_pages, max_sms):
-            _max_sms(max_sms)  # ignored on CPU, but checked as on every backend
-            if src.is_cuda or dst.is_cuda:
-                _host_ids_with_gpu(src, dst, src_pages, dst_pages, max_sms)
+            if src.is_cuda or dst.is_cuda:  # host ids beside a GPU: each pool's device read once
+                index = max(src.get_device(), dst.get_device())
+                call = calls.get(index) or calls.setdefault(index, _host_ids_call(index))
+                call(src, dst, src_pages, dst_pages, max_sms)
             else:
+                _max_sms(max_sms)  # ignored on CPU, but checked as on every backend
                 fn(src, dst, src_pages, dst_pages)
 
         return run_cpu, info
@@ -445,25 +436,22 @@ HOST_IDS_CE = "page ids on the host: the copy engines"
 HOST_IDS_SM = "page ids on the host: the SM kernel, the pairs in its parameter block"
 
 
-def _host_ids_with_gpu(src, dst, src_pages, dst_pages, max_sms):
-    """Ids on the host, a pool on a GPU: the copy engines where they take the pages (_copy_engines_take);
-    else the SM kernel, the pairs checked and resolved on the host and passed in the launch's parameter
-    block (the binding: IndexError before anything is copied). Without the CUDA module: the copy
-    engines while a stream is captured, else the ids range checked, moved to the GPU, and the GPU's
-    backend copies (its runner records itself in backend_info).
+def _host_ids_call(index):
+    """How one pool's host ids beside GPU ``index`` are copied: the SM binding's route of the GPU's
+    runner (_sm_route), or, without the CUDA module, _host_ids_without_binding."""
+    route = _sm_route(TRANSFER_PAGES.cuda_runner(index, None, ()), index)
+    return route if route is not None else functools.partial(_host_ids_without_binding, index)
 
-    An engine's per-layer call: each pool's device read once (get_device, no torch.device made) and
-    the runners found in dicts."""
-    index = max(src.get_device(), dst.get_device())
+
+def _host_ids_without_binding(index, src, dst, src_pages, dst_pages, max_sms):
+    """Host ids beside GPU ``index`` without the CUDA module's SM binding: the copy engines where they
+    take the pages or while a stream is captured, else the ids range checked, moved to the GPU, and the
+    GPU's backend copies (its runner records itself in backend_info)."""
+    _max_sms(max_sms)
     ce = _copy_engine(_device(index), index)
     if ce is not None and _copy_engines_take(math.prod(src.shape[2:]) * src.element_size()):
         ce[0](src, dst, None, None, src_pages, dst_pages, index)
         _note(index, HOST_IDS_CE, "copy engine", ce[2])
-        return
-    host_ids = getattr(TRANSFER_PAGES.cuda_runner(index, None, ()), "host_ids", None)
-    if host_ids is not None:
-        host_ids(src, dst, None, None, src_pages, dst_pages, 0 if max_sms is None else max_sms)
-        _note(index, HOST_IDS_SM, "SM copy kernel", {})
         return
     if ce is not None and torch.cuda.is_current_stream_capturing():  # the ids cannot be moved now
         ce[0](src, dst, None, None, src_pages, dst_pages, index)
@@ -479,8 +467,44 @@ def _host_ids_with_gpu(src, dst, src_pages, dst_pages, max_sms):
 def _copy_engines_take(page_bytes) -> bool:
     """Whether host ids of pages of ``page_bytes`` go to the copy engines: CE_MIN_PAGE_BYTES or more,
     and no graph being captured (a captured batch is one memcpy node per run, which replays at half the
-    SM kernel's rate: docs/performance.md "Host ids in the parameter block")."""
+    SM kernel's rate: docs/performance.md "Host ids in the parameter block"). The SM binding applies
+    the same rule itself (_sm_route); this one serves the path without it."""
     return page_bytes >= CE_MIN_PAGE_BYTES and not torch.cuda.is_current_stream_capturing()
+
+
+# A page size no pool reaches: the SM binding's copy-engine threshold where the copy-engine module is missing.
+_NO_CE = 1 << 62
+
+
+def _sm_route(runner, index):
+    """Host ids beside GPU ``index`` through ``runner``'s SM binding, made once per runner (None when it
+    has no such binding): route(src, dst, src_pages, dst_pages, max_sms, src2=None, dst2=None) -> the
+    binding's Status. The binding checks every argument and copies with the pairs in its parameter block,
+    or, having copied nothing, hands back pages the copy engines take (Status.COPY_ENGINES: the route
+    then calls the copy-engine module, whose threshold it passed in) and a tuple one launch cannot move
+    (Status.PER_POOL). backend_info notes the mechanism that ran."""
+    route = getattr(runner, "sm_route", None)
+    if route is not None or not hasattr(runner, "host_ids"):
+        return route
+    host_ids = runner.host_ids
+    ce = _copy_engine(_device(index), index)
+    ce_min = _NO_CE if ce is None else CE_MIN_PAGE_BYTES
+    sm_note, ce_note = _note_args(index, HOST_IDS_SM, "SM copy kernel", {}), None
+    if ce is not None:
+        ce_note = _note_args(index, HOST_IDS_CE, "copy engine", ce[2])
+
+    def route(src, dst, src_pages, dst_pages, max_sms, src2=None, dst2=None):
+        ms = 0 if max_sms is None else _max_sms(max_sms)
+        status = host_ids(src, dst, src2, dst2, src_pages, dst_pages, ms, ce_min)
+        if status == _DONE:
+            TRANSFER_PAGES.note(*sm_note)
+        elif status == _COPY_ENGINES:
+            ce[0](src, dst, src2, dst2, src_pages, dst_pages, index)
+            TRANSFER_PAGES.note(*ce_note)
+        return status
+
+    runner.sm_route = route
+    return route
 
 
 def _gpu_of(pools):
@@ -534,18 +558,17 @@ def _device(index) -> torch.device:
     return device
 
 
-_NOTES: dict[tuple, tuple] = {}
+def _note_args(index, reason, mechanism, info) -> tuple:
+    """TRANSFER_PAGES.note's arguments for a host-ids path of GPU ``index``, made once per GPU and path
+    by its caller (the runner of GPU ids records its own when it is made)."""
+    device = _device(index)
+    return device, "jit", reason, {"mechanism": mechanism, **info}, str(device)
 
 
 def _note(index, reason, mechanism, info):
-    """backend_info of GPU ``index``: the path this host-ids call took (the runner of GPU ids records its
-    own when it is made); recorded when it differs from what backend_info holds (every call reads it).
-    The record's arguments are made once per GPU and path."""
-    args = _NOTES.get((index, reason))
-    if args is None:
-        device = _device(index)
-        args = _NOTES[(index, reason)] = (device, "jit", reason, {"mechanism": mechanism, **info}, str(device))
-    TRANSFER_PAGES.note(*args)
+    """backend_info of GPU ``index``: the path this host-ids call took, recorded when it differs from
+    what backend_info holds (the paths without the SM binding; its route keeps its own arguments)."""
+    TRANSFER_PAGES.note(*_note_args(index, reason, mechanism, info))
 
 
 # ------------------------------------------------------------------------------ sample and bench

@@ -5,6 +5,10 @@
 // sm_90 as every jitkv kernel: the kernel waits for the previous grid before its first access). Ids on
 // the GPU: transfer_pages, transfer_pages_pair (a (K, V) tuple in one launch); ids on the host:
 // transfer_pages_host_ids, the pairs resolved on the host and passed in the launch's parameter block.
+// The two tuple bindings and the host-ids one return a codes::Status: kDone, or, having copied
+// nothing, kPerPool for a tuple whose pools differ in page size or layer count (one launch cannot move
+// them) and kCopyEngines for host ids of pages the copy engines take (the Python side then calls the
+// copy-engine module): the engine's per-layer call decides with no Python reading a shape.
 //
 // The kernel's vectors: 16 bytes when every data pointer, layer and page stride and the page bytes
 // are multiples of 16, else 4 when they are of 4, else 1 (vector_bytes); all three instantiations
@@ -39,10 +43,13 @@
 namespace {
 
 using namespace jitkv::transfer;
+using jitkv::codes::Status;
 using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
 
 constexpr const char* kOp = "transfer_pages";
+
+int64_t status(Status s) { return static_cast<int64_t>(s); }
 
 uint64_t u(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr); }
 uint64_t u(int64_t x) { return static_cast<uint64_t>(x); }
@@ -97,13 +104,24 @@ void launch(const TransferParams& p, DLDevice dev, bool with_host, int64_t max_s
   launch(p, InlineIds<0>{}, dev, with_host, max_sms);
 }
 
-// A (K, V) tuple's second pool pair moves in the first's launch: one page size and layer count.
-void check_same_geometry(const TransferParams& p, const TransferParams& q) {
-  if (q.page_bytes != p.page_bytes || q.num_layers != p.num_layers) {
-    TVM_FFI_THROW(ValueError) << kOp << ": src[1]: expected " << p.num_layers << " layers of " << p.page_bytes
-                              << "-byte pages like src[0] (one launch moves both), got " << q.num_layers << " of "
-                              << q.page_bytes;
+// A (K, V) tuple's second pool pair moves in the first's launch only with its page size and layer count.
+bool same_geometry(const TransferParams& p, const TransferParams& q) {
+  return q.page_bytes == p.page_bytes && q.num_layers == p.num_layers;
+}
+
+// Whether host ids of pages of `page_bytes` go to the copy engines: ce_min_page_bytes or more (the
+// Python side's CE_MIN_PAGE_BYTES, or more than any page where the copy-engine module is missing), and
+// no graph being captured on `stream` (a captured batch is one memcpy node per run, which replays at
+// half the SM kernel's rate: docs/performance.md "Host ids in the parameter block").
+bool copy_engines_take(int64_t page_bytes, int64_t ce_min_page_bytes, cudaStream_t stream) {
+  if (page_bytes < ce_min_page_bytes) return false;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(stream, &capture);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear it: torch's next check would report it as its own
+    TVM_FFI_THROW(RuntimeError) << kOp << ": cudaStreamIsCapturing failed: " << cudaGetErrorString(err);
   }
+  return capture == cudaStreamCaptureStatusNone;
 }
 
 void transfer_pages(TensorView src, TensorView dst, TensorView src_pages, TensorView dst_pages, int64_t max_sms) {
@@ -115,15 +133,15 @@ void transfer_pages(TensorView src, TensorView dst, TensorView src_pages, Tensor
   launch(p, dev, is_host(src) || is_host(dst), max_sms);
 }
 
-// A (K, V) tuple in one launch: two pool pairs of one page size and layer count, every argument
-// checked before anything is copied.
-void transfer_pages_pair(TensorView src, TensorView dst, TensorView src2, TensorView dst2, TensorView src_pages,
-                         TensorView dst_pages, int64_t max_sms) {
+// A (K, V) tuple in one launch: two pool pairs of one page size and layer count (else kPerPool), every
+// argument checked before anything is copied.
+int64_t transfer_pages_pair(TensorView src, TensorView dst, TensorView src2, TensorView dst2, TensorView src_pages,
+                            TensorView dst_pages, int64_t max_sms) {
   const DLDevice dev = cuda_device(kOp, src, dst, src_pages, dst_pages, "src[0]", "dst[0]");
   cuda_device(kOp, src2, dst2, src_pages, dst_pages, "src[1]", "dst[1]");
   TransferParams p = parse_params(kOp, src, dst, src_pages, dst_pages, "src[0]", "dst[0]");
   const TransferParams q = parse_params(kOp, src2, dst2, src_pages, dst_pages, "src[1]", "dst[1]");
-  check_same_geometry(p, q);
+  if (!same_geometry(p, q)) return status(Status::kPerPool);
   p.src2 = q.src;
   p.dst2 = q.dst;
   p.num_pools = 2;
@@ -133,6 +151,7 @@ void transfer_pages_pair(TensorView src, TensorView dst, TensorView src2, Tensor
   check_host_pool(kOp, "src[1]", src2, dev, true);
   check_host_pool(kOp, "dst[1]", dst2, dev, true);
   launch(p, dev, is_host(src) || is_host(dst) || is_host(src2) || is_host(dst2), max_sms);
+  return status(Status::kDone);
 }
 
 // `count` resolved pairs from `first` in one launch whose parameter block holds kInline of them.
@@ -165,14 +184,16 @@ void launch_inline(const TransferParams& p, const std::vector<PagePair>& pairs, 
 }
 
 // Ids on the host (an engine's CPU-side plan, as vLLM's block_mapping) for one pool pair (src2 and dst2
-// None: two tensors fewer for tvm-ffi to convert on the engine's per-layer call) or a (K, V) tuple of
-// one page size and layer count: every argument checked and the pairs resolved as the copy-engine
-// path resolves them (plan.h: padding skipped, IndexError for an id past its pool before anything is
-// copied, the last pair of a destination page wins), then the SM kernel with the pairs in its
-// parameter block (launch_inline): no id is staged or copied, and a captured graph keeps the pairs of
-// the capture.
-void transfer_pages_host_ids(TensorView src, TensorView dst, Optional<TensorView> src2, Optional<TensorView> dst2,
-                             TensorView src_pages, TensorView dst_pages, int64_t max_sms) {
+// None: two tensors fewer for tvm-ffi to convert on the engine's per-layer call) or a (K, V) tuple:
+// every argument checked; pages the copy engines take (copy_engines_take, the smaller of a tuple's two
+// page sizes) kCopyEngines, a tuple of two page sizes or layer counts kPerPool, both before anything
+// is copied; else the pairs resolved as the copy-engine path resolves them (plan.h: padding skipped,
+// IndexError for an id past its pool before anything is copied, the last pair of a destination page
+// wins), then the SM kernel with the pairs in its parameter block (launch_inline): no id is staged or
+// copied, and a captured graph keeps the pairs of the capture.
+int64_t transfer_pages_host_ids(TensorView src, TensorView dst, Optional<TensorView> src2, Optional<TensorView> dst2,
+                                TensorView src_pages, TensorView dst_pages, int64_t max_sms,
+                                int64_t ce_min_page_bytes) {
   const bool two = second_pool_pair(kOp, src2, dst2);
   const char* sname = two ? "src[0]" : "src";
   const char* dname = two ? "dst[0]" : "dst";
@@ -187,8 +208,13 @@ void transfer_pages_host_ids(TensorView src, TensorView dst, Optional<TensorView
     if (!is_host(s2)) jitkv::check_device(kOp, "src[1]", s2, dev, sname);
     if (!is_host(d2)) jitkv::check_device(kOp, "dst[1]", d2, dev, sname);
     q = parse_params(kOp, s2, d2, src_pages, dst_pages, "src[1]", "dst[1]");
-    check_same_geometry(p, q);
   }
+  jitkv::cuda::DeviceGuard guard(dev.device_id);
+  const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id));
+  if (copy_engines_take(std::min(p.page_bytes, q.page_bytes), ce_min_page_bytes, stream)) {
+    return status(Status::kCopyEngines);
+  }
+  if (!same_geometry(p, q)) return status(Status::kPerPool);
   for (const TransferParams* t : {&p, &q}) {
     if (t->src.num_pages > INT32_MAX || t->dst.num_pages > INT32_MAX) {
       TVM_FFI_THROW(ValueError) << kOp << ": src_pages: ids on the host take pools of fewer than 2^31 pages, got "
@@ -199,7 +225,6 @@ void transfer_pages_host_ids(TensorView src, TensorView dst, Optional<TensorView
   // where one of them has fewer pages than its counterpart in p (else p's plan has checked them).
   const std::vector<PagePair> pairs = resolve_pairs(kOp, p);
   if (two && (q.src.num_pages < p.src.num_pages || q.dst.num_pages < p.dst.num_pages)) resolve_pairs(kOp, q);
-  jitkv::cuda::DeviceGuard guard(dev.device_id);
   check_host_pool(kOp, sname, src, dev, true);
   check_host_pool(kOp, dname, dst, dev, true);
   bool with_host = is_host(src) || is_host(dst);
@@ -212,6 +237,7 @@ void transfer_pages_host_ids(TensorView src, TensorView dst, Optional<TensorView
     p.num_pools = 2;
   }
   launch_inline(p, pairs, dev, with_host, max_sms);
+  return status(Status::kDone);
 }
 
 }  // namespace

@@ -829,11 +829,12 @@ def test_host_ids_kv_tuple_smaller_second_pools_gpu(direction, smaller):
 
 @gpu
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
-def test_host_ids_without_the_cuda_modules_gpu(direction, monkeypatch):
+def test_host_ids_without_the_cuda_modules_gpu(direction, monkeypatch, request):
     """Host ids where neither CUDA module is available (a failed build), simulated: no copy-engine
-    module, and a GPU runner without the host-ids binding. The ids are range checked on the host
-    (IndexError before anything is copied), moved to the GPU, and the GPU's own runner copies (here the
-    jit one this process has); the same bytes, padding and the last pair of a destination page as
+    module, and a GPU runner without the host-ids binding, from runners made after the failure (the
+    host-ids path is decided when the CPU runner first meets the GPU). The ids are range checked on the
+    host (IndexError before anything is copied), moved to the GPU, and the GPU's own runner copies (here
+    the jit one this process has); the same bytes, padding and the last pair of a destination page as
     everywhere."""
     src, dst = _pools_for(direction, 2, 9, (1, 576), torch.bfloat16)
     sp, dp = _ids([8, 0, 3, -1, 6], torch.int64, "cpu"), _ids([1, 2, 8, 5, 1], torch.int32, "cpu")
@@ -841,9 +842,12 @@ def test_host_ids_without_the_cuda_modules_gpu(direction, monkeypatch):
     torch_runner = transfer_ops.TRANSFER_PAGES.runner(torch.device("cuda", 0), "torch")
     monkeypatch.setattr(transfer_ops, "_copy_engine", lambda device, index: None)
     monkeypatch.setattr(transfer_ops.TRANSFER_PAGES, "cuda_runner", lambda index, backend, key: torch_runner)
+    request.addfinalizer(jitkv.ops.reset)  # the next test's runners are made without the patches
+    jitkv.ops.reset()
     jitkv.transfer_pages(src, dst, sp, dp)
     torch.cuda.synchronize()
     assert_bitwise(dst.cpu(), want)
+    assert jitkv.backend_info(OP)["cuda:0"]["reason"] not in (transfer_ops.HOST_IDS_SM, transfer_ops.HOST_IDS_CE)
     before = dst.cpu().clone()
     with pytest.raises(IndexError, match=rf"^{OP}: src_pages: position 0 has page 9, out of range"):
         jitkv.transfer_pages(src, dst, _ids([9], torch.int64, "cpu"), _ids([0], torch.int64, "cpu"))
