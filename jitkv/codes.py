@@ -45,16 +45,17 @@ class ScaleFmt(enum.IntEnum):
 
 class Status(enum.IntEnum):
     """What a binding returns. NEEDS_ANY_ALIGNMENT: a 16-byte build was given a view it cannot
-    address, and launched nothing (the op then runs the any-alignment build). COPY_ENGINES:
-    transfer_pages' SM binding was given host ids of pages the copy engines take, and copied nothing
-    (the op then runs the copy-engine binding). PER_POOL: a (K, V) tuple whose pools differ in page
-    size or layer count, which one launch cannot move; nothing copied (the op then moves each pool
-    alone)."""
+    address, and launched nothing (the op then runs the any-alignment build). COPY_ENGINES /
+    SM_KERNEL: transfer_pages' SM binding / copy-engine binding was given host ids of pages the other
+    mechanism takes, and copied nothing (the op then runs the other binding). PER_POOL: a (K, V) tuple
+    whose pools differ in page size or layer count, which one launch cannot move; nothing copied (the
+    op then moves each pool alone)."""
 
     DONE = 0
     NEEDS_ANY_ALIGNMENT = 1
     COPY_ENGINES = 2
     PER_POOL = 3
+    SM_KERNEL = 4
 
 
 class RopeQ(enum.IntEnum):

@@ -53,7 +53,7 @@ def gemm_slowdown_rows(pools, transfer_pages, copy_engine) -> list[Row]:
         mechanisms.append(
             (
                 "beside jitkv copy engines (host ids)",
-                lambda: ce(host[0], dev[0], host[1], dev[1], sp_h, dp_h, device.index),
+                lambda: ce(host[0], dev[0], host[1], dev[1], sp_h, dp_h, device.index, 0),
             )
         )
     a = torch.randn(GEMM, GEMM, device="cuda", dtype=torch.bfloat16)

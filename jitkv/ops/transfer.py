@@ -159,7 +159,7 @@ def _checked_by_the_copy_engines(src, dst, src_pages, dst_pages, max_sms) -> boo
 
 def _run_pair(src, dst, src_pages, dst_pages, max_sms, backend) -> bool:
     """A (K, V) tuple in one call, the jit backend running: host ids through the SM binding's route
-    (_sm_route: the copy engines in one batch where they take the pages), GPU ids in one launch
+    (_host_ids_route: the copy engines in one batch where they take the pages), GPU ids in one launch
     of the SM kernel. Every argument is checked by the binding before anything is copied. False where
     the per-pool path must run instead: the bindings missing, or pools of two page sizes or layer counts
     that the copy engines do not take (Status.PER_POOL).
@@ -180,7 +180,7 @@ def _run_pair(src, dst, src_pages, dst_pages, max_sms, backend) -> bool:
         return False  # the per-pool path names the bad argument
     runner = TRANSFER_PAGES.cuda_runner(index, backend, ())
     if host_ids:
-        route = _sm_route(runner, index)
+        route = _host_ids_route(runner, index)
         return route is not None and route(s0, d0, src_pages, dst_pages, max_sms, s1, d1) != _PER_POOL
     pair = getattr(runner, "pair", None)
     if pair is None:
@@ -438,8 +438,8 @@ HOST_IDS_SM = "page ids on the host: the SM kernel, the pairs in its parameter b
 
 def _host_ids_call(index):
     """How one pool's host ids beside GPU ``index`` are copied: the SM binding's route of the GPU's
-    runner (_sm_route), or, without the CUDA module, _host_ids_without_binding."""
-    route = _sm_route(TRANSFER_PAGES.cuda_runner(index, None, ()), index)
+    runner (_host_ids_route), or, without the CUDA module, _host_ids_without_binding."""
+    route = _host_ids_route(TRANSFER_PAGES.cuda_runner(index, None, ()), index)
     return route if route is not None else functools.partial(_host_ids_without_binding, index)
 
 
@@ -450,11 +450,11 @@ def _host_ids_without_binding(index, src, dst, src_pages, dst_pages, max_sms):
     _max_sms(max_sms)
     ce = _copy_engine(_device(index), index)
     if ce is not None and _copy_engines_take(math.prod(src.shape[2:]) * src.element_size()):
-        ce[0](src, dst, None, None, src_pages, dst_pages, index)
+        ce[0](src, dst, None, None, src_pages, dst_pages, index, 0)
         _note(index, HOST_IDS_CE, "copy engine", ce[2])
         return
     if ce is not None and torch.cuda.is_current_stream_capturing():  # the ids cannot be moved now
-        ce[0](src, dst, None, None, src_pages, dst_pages, index)
+        ce[0](src, dst, None, None, src_pages, dst_pages, index, 0)
         _note(index, HOST_IDS_CE, "copy engine", ce[2])
         return
     if ce is None:  # the reference's range check takes checked arguments; the C++ one checks them itself
@@ -467,8 +467,8 @@ def _host_ids_without_binding(index, src, dst, src_pages, dst_pages, max_sms):
 def _copy_engines_take(page_bytes) -> bool:
     """Whether host ids of pages of ``page_bytes`` go to the copy engines: CE_MIN_PAGE_BYTES or more,
     and no graph being captured (a captured batch is one memcpy node per run, which replays at half the
-    SM kernel's rate: docs/performance.md "Host ids in the parameter block"). The SM binding applies
-    the same rule itself (_sm_route); this one serves the path without it."""
+    SM kernel's rate: docs/performance.md "Host ids in the parameter block"). Both bindings apply the
+    same rule (transfer/host_pool.cuh copy_engines_take); this one serves the path without the SM one."""
     return page_bytes >= CE_MIN_PAGE_BYTES and not torch.cuda.is_current_stream_capturing()
 
 
@@ -476,14 +476,17 @@ def _copy_engines_take(page_bytes) -> bool:
 _NO_CE = 1 << 62
 
 
-def _sm_route(runner, index):
-    """Host ids beside GPU ``index`` through ``runner``'s SM binding, made once per runner (None when it
-    has no such binding): route(src, dst, src_pages, dst_pages, max_sms, src2=None, dst2=None) -> the
-    binding's Status. The binding checks every argument and copies with the pairs in its parameter block,
-    or, having copied nothing, hands back pages the copy engines take (Status.COPY_ENGINES: the route
-    then calls the copy-engine module, whose threshold it passed in) and a tuple one launch cannot move
-    (Status.PER_POOL). backend_info notes the mechanism that ran."""
-    route = getattr(runner, "sm_route", None)
+def _host_ids_route(runner, index):
+    """Host ids beside GPU ``index`` through ``runner``'s SM binding and the copy-engine module, made
+    once per runner (None when it has no SM binding): route(src, dst, src_pages, dst_pages, max_sms,
+    src2=None, dst2=None) -> a Status. Each binding checks every argument, then copies, or, having
+    copied nothing, hands the call to the other (the SM binding Status.COPY_ENGINES for pages of
+    CE_MIN_PAGE_BYTES or more outside a capture, the copy-engine binding Status.SM_KERNEL for the rest)
+    or, the SM binding, refuses a tuple one launch cannot move (Status.PER_POOL). The route first asks
+    the binding that copied its last call: an engine's calls repeat one page size, so that is the one
+    that copies, and a change of page size costs one binding's checks once. backend_info notes the
+    mechanism that ran."""
+    route = getattr(runner, "host_ids_route", None)
     if route is not None or not hasattr(runner, "host_ids"):
         return route
     host_ids = runner.host_ids
@@ -492,18 +495,26 @@ def _sm_route(runner, index):
     sm_note, ce_note = _note_args(index, HOST_IDS_SM, "SM copy kernel", {}), None
     if ce is not None:
         ce_note = _note_args(index, HOST_IDS_CE, "copy engine", ce[2])
+    last_ce = False  # the copy engines copied the last call
 
     def route(src, dst, src_pages, dst_pages, max_sms, src2=None, dst2=None):
+        nonlocal last_ce
         ms = 0 if max_sms is None else _max_sms(max_sms)
+        if last_ce:
+            if ce[0](src, dst, src2, dst2, src_pages, dst_pages, index, CE_MIN_PAGE_BYTES) == _DONE:
+                TRANSFER_PAGES.note(*ce_note)
+                return _DONE
+            last_ce = False
         status = host_ids(src, dst, src2, dst2, src_pages, dst_pages, ms, ce_min)
         if status == _DONE:
             TRANSFER_PAGES.note(*sm_note)
         elif status == _COPY_ENGINES:
-            ce[0](src, dst, src2, dst2, src_pages, dst_pages, index)
+            ce[0](src, dst, src2, dst2, src_pages, dst_pages, index, 0)  # 0: copy (the SM binding chose)
             TRANSFER_PAGES.note(*ce_note)
+            last_ce = True
         return status
 
-    runner.sm_route = route
+    runner.host_ids_route = route
     return route
 
 
@@ -687,7 +698,7 @@ def _transfer_rows(h, case, t, n, pools, to_dev):
             (
                 "jitkv copy engines forced, host ids",
                 lambda i: ce(
-                    src[0], dst[0], *((src[1], dst[1]) if len(src) > 1 else (None, None)), sp_h, dp_h, device.index
+                    src[0], dst[0], *((src[1], dst[1]) if len(src) > 1 else (None, None)), sp_h, dp_h, device.index, 0
                 ),
             )
         )

@@ -18,10 +18,12 @@
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "jitkv/check.h"
+#include "jitkv/codes.h"
 #include "jitkv/cuda/launch.cuh"
 #include "transfer/host_pool.cuh"
 #include "transfer/params.h"
@@ -31,6 +33,7 @@
 namespace {
 
 using namespace jitkv::transfer;
+using jitkv::codes::Status;
 using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
 
@@ -102,18 +105,23 @@ void submit(Runs& runs, cudaStream_t stream) {
   }
 }
 
-// The arguments parsed and checked (devices, pinned host pools) and the pairs resolved: IndexError for
-// an id past its pool, before anything is copied. sname, dname: the pools' names in messages.
-std::vector<PagePair> checked_pairs(const TensorView& src, const TensorView& dst, const TensorView& src_pages,
-                                    const TensorView& dst_pages, DLDevice dev, TransferParams* p,
-                                    const char* sname = "src", const char* dname = "dst") {
+// The arguments parsed and checked but the ids and the host pools' memory (checked_pairs): the devices,
+// the pools and ids. sname, dname: the pools' names in messages.
+TransferParams checked_params(const TensorView& src, const TensorView& dst, const TensorView& src_pages,
+                              const TensorView& dst_pages, DLDevice dev, const char* sname, const char* dname) {
   const DLDevice pools = host_ids_device(kOp, src, dst, src_pages, dst_pages, sname, dname);
   if (!jitkv::same_device(pools, dev)) {
     TVM_FFI_THROW(ValueError) << kOp << ": " << sname << ": expected the pools of a copy on " << jitkv::device_str(dev)
                               << ", got one on " << jitkv::device_str(pools);
   }
-  *p = parse_params(kOp, src, dst, src_pages, dst_pages, sname, dname);
-  std::vector<PagePair> pairs = resolve_pairs(kOp, *p);
+  return parse_params(kOp, src, dst, src_pages, dst_pages, sname, dname);
+}
+
+// The pairs of checked params p resolved, IndexError for an id past its pool, and its host pools
+// checked pinned: the rest of the checks, before anything is copied.
+std::vector<PagePair> checked_pairs(const TransferParams& p, const TensorView& src, const TensorView& dst, DLDevice dev,
+                                    const char* sname, const char* dname) {
+  std::vector<PagePair> pairs = resolve_pairs(kOp, p);
   check_host_pool(kOp, sname, src, dev, false);
   check_host_pool(kOp, dname, dst, dev, false);
   return pairs;
@@ -121,22 +129,32 @@ std::vector<PagePair> checked_pairs(const TensorView& src, const TensorView& dst
 
 // One pool pair (src2 and dst2 None: two tensors fewer for tvm-ffi to convert on the engine's
 // per-layer call, as transfer_pages_host_ids) or a (K, V) tuple (any page sizes): every pair checked
-// and resolved before anything is queued, then all runs in one batch.
-void transfer_pages_ce(TensorView src, TensorView dst, Optional<TensorView> src2, Optional<TensorView> dst2,
-                       TensorView src_pages, TensorView dst_pages, int64_t device) {
+// and resolved before anything is queued, then all runs in one batch; returns codes::Status kDone.
+// min_page_bytes > 0: pages the SM kernel takes instead (copy_engines_take: the smaller of a tuple's
+// page sizes under min_page_bytes, or a graph being captured) get kSmKernel once the pools are
+// checked, nothing copied; 0: every call is copied here (a forced or fallback call).
+int64_t transfer_pages_ce(TensorView src, TensorView dst, Optional<TensorView> src2, Optional<TensorView> dst2,
+                          TensorView src_pages, TensorView dst_pages, int64_t device, int64_t min_page_bytes) {
   const DLDevice dev{kDLCUDA, static_cast<int32_t>(device)};
   jitkv::cuda::DeviceGuard guard(dev.device_id);
   const bool two = second_pool_pair(kOp, src2, dst2);
-  TransferParams p, q;
-  const std::vector<PagePair> pairs =
-      checked_pairs(src, dst, src_pages, dst_pages, dev, &p, two ? "src[0]" : "src", two ? "dst[0]" : "dst");
+  const char* sname = two ? "src[0]" : "src";
+  const char* dname = two ? "dst[0]" : "dst";
+  const TransferParams p = checked_params(src, dst, src_pages, dst_pages, dev, sname, dname);
+  TransferParams q = p;
+  if (two) q = checked_params(src2.value(), dst2.value(), src_pages, dst_pages, dev, "src[1]", "dst[1]");
+  const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id));
+  if (min_page_bytes > 0 && !copy_engines_take(kOp, std::min(p.page_bytes, q.page_bytes), min_page_bytes, stream)) {
+    return static_cast<int64_t>(Status::kSmKernel);
+  }
+  const std::vector<PagePair> pairs = checked_pairs(p, src, dst, dev, sname, dname);
   std::vector<PagePair> pairs2;
-  if (two) pairs2 = checked_pairs(src2.value(), dst2.value(), src_pages, dst_pages, dev, &q, "src[1]", "dst[1]");
+  if (two) pairs2 = checked_pairs(q, src2.value(), dst2.value(), dev, "src[1]", "dst[1]");
   Runs runs;
   plan_runs(p, pairs, runs);
   if (two) plan_runs(q, pairs2, runs);
-  if (runs.dst.empty()) return;
-  submit(runs, static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id)));
+  if (!runs.dst.empty()) submit(runs, stream);
+  return static_cast<int64_t>(Status::kDone);
 }
 
 // The checks alone (host ids whose pages go to the SM kernel: the ids are range checked here, on the
@@ -144,8 +162,7 @@ void transfer_pages_ce(TensorView src, TensorView dst, Optional<TensorView> src2
 void transfer_pages_check(TensorView src, TensorView dst, TensorView src_pages, TensorView dst_pages, int64_t device) {
   const DLDevice dev{kDLCUDA, static_cast<int32_t>(device)};
   jitkv::cuda::DeviceGuard guard(dev.device_id);
-  TransferParams p;
-  checked_pairs(src, dst, src_pages, dst_pages, dev, &p);
+  checked_pairs(checked_params(src, dst, src_pages, dst_pages, dev, "src", "dst"), src, dst, dev, "src", "dst");
 }
 
 }  // namespace

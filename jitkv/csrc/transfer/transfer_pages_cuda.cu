@@ -109,21 +109,6 @@ bool same_geometry(const TransferParams& p, const TransferParams& q) {
   return q.page_bytes == p.page_bytes && q.num_layers == p.num_layers;
 }
 
-// Whether host ids of pages of `page_bytes` go to the copy engines: ce_min_page_bytes or more (the
-// Python side's CE_MIN_PAGE_BYTES, or more than any page where the copy-engine module is missing), and
-// no graph being captured on `stream` (a captured batch is one memcpy node per run, which replays at
-// half the SM kernel's rate: docs/performance.md "Host ids in the parameter block").
-bool copy_engines_take(int64_t page_bytes, int64_t ce_min_page_bytes, cudaStream_t stream) {
-  if (page_bytes < ce_min_page_bytes) return false;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  const cudaError_t err = cudaStreamIsCapturing(stream, &capture);
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // clear it: torch's next check would report it as its own
-    TVM_FFI_THROW(RuntimeError) << kOp << ": cudaStreamIsCapturing failed: " << cudaGetErrorString(err);
-  }
-  return capture == cudaStreamCaptureStatusNone;
-}
-
 void transfer_pages(TensorView src, TensorView dst, TensorView src_pages, TensorView dst_pages, int64_t max_sms) {
   const DLDevice dev = cuda_device(kOp, src, dst, src_pages, dst_pages);
   const TransferParams p = parse_params(kOp, src, dst, src_pages, dst_pages);
@@ -211,7 +196,7 @@ int64_t transfer_pages_host_ids(TensorView src, TensorView dst, Optional<TensorV
   }
   jitkv::cuda::DeviceGuard guard(dev.device_id);
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id));
-  if (copy_engines_take(std::min(p.page_bytes, q.page_bytes), ce_min_page_bytes, stream)) {
+  if (copy_engines_take(kOp, std::min(p.page_bytes, q.page_bytes), ce_min_page_bytes, stream)) {
     return status(Status::kCopyEngines);
   }
   if (!same_geometry(p, q)) return status(Status::kPerPool);

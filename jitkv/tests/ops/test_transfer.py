@@ -726,6 +726,43 @@ def test_host_ids_parameter_blocks_gpu(direction, kv, captured, n):
 
 
 @gpu
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("kv", [False, True], ids=["one-pool", "kv-tuple"])
+def test_host_ids_follow_the_page_size_gpu(direction, kv):
+    """Host ids of pages the copy engines take, then of pages the SM kernel takes, and back, in one
+    process: each call asks first the mechanism that copied the one before (the route), which hands the
+    other's pages on, so every call copies its pairs exactly once, whole destination bitwise, and
+    backend_info names the mechanism that ran."""
+    sp, dp = _ids([3, 0, -1, 5, 2], torch.int64, "cpu"), _ids([1, 4, 0, 2, 1], torch.int32, "cpu")
+    big, small = (64, 8, 128), (16, 8, 128)
+    assert math.prod(big) * 2 >= transfer_ops.CE_MIN_PAGE_BYTES > math.prod(small) * 2
+    sets = {
+        page: [_pools_for(direction, 2, 6, page, torch.bfloat16) for _ in range(2 if kv else 1)]
+        for page in (big, small)
+    }
+    jitkv.ops.reset()
+    for page, mechanism in (
+        (big, "copy engine"),
+        (big, "copy engine"),
+        (small, "SM copy kernel"),
+        (small, "SM copy kernel"),
+        (big, "copy engine"),
+        (small, "SM copy kernel"),
+    ):
+        pools = sets[page]
+        for _, d in pools:
+            d.copy_(rand(tuple(d.shape), d.dtype, d.device))  # fresh poison: each call's copy shows
+        want = [_by_hand(s, d, sp, dp) for s, d in pools]
+        src = tuple(s for s, _ in pools) if kv else pools[0][0]
+        dst = tuple(d for _, d in pools) if kv else pools[0][1]
+        jitkv.transfer_pages(src, dst, sp, dp)
+        torch.cuda.synchronize()
+        for (_, d), w in zip(pools, want):
+            assert_bitwise(d.cpu(), w)
+        assert jitkv.backend_info(OP)["cuda:0"]["mechanism"] == mechanism, page
+
+
+@gpu
 def test_host_ids_refuse_pools_of_2_31_pages_gpu():
     """Host ids travel as int32 in the launch: a pool of 2^31 pages (a stride-0 view here) is refused,
     naming the way out, before anything is copied."""
