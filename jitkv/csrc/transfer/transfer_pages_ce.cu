@@ -143,8 +143,7 @@ int64_t transfer_pages_ce(TensorView src, TensorView dst, Optional<TensorView> s
   const TransferParams p = checked_params(src, dst, src_pages, dst_pages, dev, sname, dname);
   TransferParams q = p;
   if (two) q = checked_params(src2.value(), dst2.value(), src_pages, dst_pages, dev, "src[1]", "dst[1]");
-  const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id));
-  if (min_page_bytes > 0 && !copy_engines_take(kOp, std::min(p.page_bytes, q.page_bytes), min_page_bytes, stream)) {
+  if (min_page_bytes > 0 && !copy_engines_take(kOp, std::min(p.page_bytes, q.page_bytes), min_page_bytes, dev)) {
     return static_cast<int64_t>(Status::kSmKernel);
   }
   const std::vector<PagePair> pairs = checked_pairs(p, src, dst, dev, sname, dname);
@@ -153,7 +152,7 @@ int64_t transfer_pages_ce(TensorView src, TensorView dst, Optional<TensorView> s
   Runs runs;
   plan_runs(p, pairs, runs);
   if (two) plan_runs(q, pairs2, runs);
-  if (!runs.dst.empty()) submit(runs, stream);
+  if (!runs.dst.empty()) submit(runs, static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id)));
   return static_cast<int64_t>(Status::kDone);
 }
 
