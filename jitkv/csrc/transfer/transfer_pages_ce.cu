@@ -105,8 +105,8 @@ void submit(Runs& runs, cudaStream_t stream) {
   }
 }
 
-// The arguments parsed and checked but the ids and the host pools' memory (checked_pairs): the devices,
-// the pools and ids. sname, dname: the pools' names in messages.
+// The devices, the pools and the id tensors checked, the call's parameters parsed; the ids' range and
+// the host pools' memory are checked_pairs'. sname, dname: the pools' names in messages.
 TransferParams checked_params(const TensorView& src, const TensorView& dst, const TensorView& src_pages,
                               const TensorView& dst_pages, DLDevice dev, const char* sname, const char* dname) {
   const DLDevice pools = host_ids_device(kOp, src, dst, src_pages, dst_pages, sname, dname);
