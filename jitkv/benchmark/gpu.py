@@ -3,6 +3,8 @@ unique slots; each row's bandwidth against a device-to-device copy measured in t
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 import jitkv
@@ -124,13 +126,14 @@ def empty_kernel_us() -> float:
 def _timed_rows(op, case, n, moved, cases, bw, floor_us, *, eager=()) -> list[Row]:
     """One row per (name, step) case, or (name, step, bytes) for a case that moves other bytes than
     ``moved`` (a reference write of another format); the first case is the torch baseline. Names in
-    ``eager`` are timed per call with events instead of graph replay (they sync on the host).
-    ``x_floor``: µs over the latency floor's of the same run."""
+    ``eager`` are timed per call with events instead of graph replay (they sync on the host), all of
+    them in alternation (eager_us). ``x_floor``: µs over the latency floor's of the same run."""
+    timed = eager_us({name: step for name, step, *_ in cases if name in eager})
     rows, base = [], None
     for name, step, *case_moved in cases:
         try:
-            us = eager_us(step) if name in eager else graph_us(step)
-        except (RuntimeError, ValueError) as e:  # BackendUnavailable is a RuntimeError
+            us = timed[name] if name in eager else graph_us(step)
+        except (KeyError, RuntimeError, ValueError) as e:  # BackendUnavailable is a RuntimeError
             print(f"  skipped {name} at n={n}: {str(e)[:200]}")
             continue
         base = us if base is None else base
@@ -151,19 +154,45 @@ def _timed_rows(op, case, n, moved, cases, bw, floor_us, *, eager=()) -> list[Ro
     return rows
 
 
-def eager_us(step_for_layer, reps=5) -> float:
-    step_for_layer(0)
+EAGER_ROUNDS = 11  # rounds of each eager case, alternated
+EAGER_ROUND_S = 2e-3  # a round's calls: about this long, 1 to 10 x LAYERS of them
+
+
+def eager_us(steps: dict) -> dict:
+    """µs per call of each step(layer) called back to back, between two events: EAGER_ROUNDS rounds in
+    which the steps take turns, the median of each step's rounds. Eager timings follow the host's speed
+    of the minute, which moves them more than the steps differ (a 64-page transfer: up to 1.5x between
+    minutes on one H200 host), so every step is timed in the same minutes; one event pair per round
+    of calls, so a host-bound step's row is its host cost per call. A step that raises on its first
+    call is left out (its name missing from the result), with the reason printed."""
+    calls = {}
+    for name, step in steps.items():
+        try:
+            calls[name] = max(1, min(10 * LAYERS, int(EAGER_ROUND_S / _one_call_s(step))))
+        except (RuntimeError, ValueError) as e:  # BackendUnavailable is a RuntimeError
+            print(f"  skipped {name}: {str(e)[:200]}")
+    times = {name: [] for name in calls}
+    for _ in range(EAGER_ROUNDS):
+        for name, count in calls.items():
+            step = steps[name]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(count):
+                step(i % LAYERS)
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3 / count)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def _one_call_s(step) -> float:
+    """Seconds of one call of step(0) after a first (warming) one, on the host's clock, synced."""
+    step(0)
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for layer in range(LAYERS):
-            step_for_layer(layer)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / LAYERS)
-    return sorted(times)[len(times) // 2]
+    t0 = time.perf_counter()
+    step(0)
+    torch.cuda.synchronize()
+    return max(time.perf_counter() - t0, 1e-6)
 
 
 CEILING = "contiguous copy_ of the same bytes"
