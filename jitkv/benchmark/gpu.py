@@ -131,9 +131,11 @@ def _timed_rows(op, case, n, moved, cases, bw, floor_us, *, eager=()) -> list[Ro
     timed = eager_us({name: step for name, step, *_ in cases if name in eager})
     rows, base = [], None
     for name, step, *case_moved in cases:
+        if name in eager and name not in timed:
+            continue  # eager_us has said why
         try:
             us = timed[name] if name in eager else graph_us(step)
-        except (KeyError, RuntimeError, ValueError) as e:  # BackendUnavailable is a RuntimeError
+        except (RuntimeError, ValueError) as e:  # BackendUnavailable is a RuntimeError
             print(f"  skipped {name} at n={n}: {str(e)[:200]}")
             continue
         base = us if base is None else base
