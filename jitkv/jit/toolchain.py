@@ -142,17 +142,42 @@ def host_cpu_isa() -> str:
 def host_cache_bytes(level: int) -> int | None:
     """cpu0's data or unified cache of ``level`` in bytes as sysfs lists it, None where it lists none: the
     sizes the CPU kernels' streaming rule reads (jitkv/cpu/caches.h; sysconf may give a whole package's
-    L3 instead of the slice a core shares)."""
+    L3 instead of the slice a core shares). The L3 counts at most ``LLC_PER_CPU`` for each CPU sharing
+    it (caches.h llc_share: a 2-vCPU guest of a Xeon lists the socket's 300 MiB)."""
     root = "/sys/devices/system/cpu/cpu0/cache"
     try:
         for d in sorted(os.listdir(root)):
             path = os.path.join(root, d)
             if d.startswith("index") and _read(path, "level") == str(level) and _read(path, "type") != "Instruction":
                 size = _read(path, "size")
-                return int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1], 0)
+                size = int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1], 0)
+                if level != 3:
+                    return size
+                cpus = cpu_list_count(_read(path, "shared_cpu_list"))
+                return min(size, cpus * LLC_PER_CPU) if cpus else size
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+# The most L3 the streaming rule counts for each CPU sharing it (caches.h kLlcPerCpu).
+LLC_PER_CPU = 16 << 20
+
+
+def cpu_list_count(cpu_list: str) -> int:
+    """CPUs in a sysfs cpu list ("0-1", "0-7,64-71", "0,2"); 0 for one it cannot read (caches.h
+    cpu_list_count)."""
+    count = 0
+    try:
+        for part in cpu_list.split(","):
+            first, _, last = part.partition("-")
+            n = int(last or first) - int(first) + 1
+            if n <= 0:
+                return 0
+            count += n
+    except ValueError:
+        return 0
+    return count
 
 
 def _read(directory: str, name: str) -> str:

@@ -72,10 +72,19 @@ def test_isa_flags_are_part_of_the_key(monkeypatch):
     assert len(keys) == len(ISAS)
 
 
+@pytest.mark.parametrize(
+    "cpu_list, count", [("0-1", 2), ("0", 1), ("0-7,64-71", 16), ("0,2,4", 3), ("", 0), ("3-1", 0), ("x", 0)]
+)
+def test_cpu_list_count(cpu_list, count):
+    """The CPUs of a sysfs shared_cpu_list, which cap the L3 the streaming rule counts (0: no cap)."""
+    assert toolchain.cpu_list_count(cpu_list) == count
+
+
 @pytest.mark.parametrize("level", [2, 3])
 def test_streaming_rule_uses_the_cores_caches(level):
     """The streaming rule's L2 and LLC (caches.h) are cpu0's caches as sysfs lists them, not sysconf's
-    (which may give a whole package's L3: ten times a core's on an AMD EPYC guest)."""
+    (which may give a whole package's L3: ten times a core's on an AMD EPYC guest), the L3 at most
+    16 MiB for each CPU sysfs says shares it (a Xeon guest's 2 vCPUs list the socket's 300 MiB)."""
     want = toolchain.host_cache_bytes(level)
     if want is None:
         pytest.skip(f"sysfs lists no level-{level} cache here")
