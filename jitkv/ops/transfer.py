@@ -91,7 +91,16 @@ def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=None, backend=None
     block, up to 4,000 a launch (``codes.Transfer``). The torch reference (gather, then
     ``index_copy_`` of byte views) is the fallback; it reads the plan on the host for host pools.
     """
-    # type() first: an engine's per-layer call passes plain tensors, and isinstance on a tensor costs more.
+    # An engine's per-layer call first: a (K, V) tuple straight to the bindings, which check every
+    # argument (_run_pair), else plain tensors (type(), as isinstance on a tensor costs more).
+    pools = type(src)
+    if (pools is tuple or pools is list) and type(dst) is pools and len(src) == 2 and not is_compiling():
+        try:
+            if _run_pair(src, dst, src_pages, dst_pages, max_sms, backend):
+                return
+        except (TypeError, ValueError):
+            _check_tuples(src, dst, src_pages, dst_pages, max_sms)  # the argument named as every path names it
+            raise
     if (type(src) is not torch.Tensor or type(dst) is not torch.Tensor) and (
         isinstance(src, (tuple, list)) or isinstance(dst, (tuple, list))
     ):
@@ -101,25 +110,12 @@ def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=None, backend=None
 
 
 def _transfer_tuples(src, dst, src_pages, dst_pages, max_sms, backend):
-    """Each (src[j], dst[j]) pair, all checked (and on CPU ids, range checked) before any is copied."""
-    if not isinstance(src, (tuple, list)):
-        raise TypeError(f"{OP}: src: expected a tuple of pools like dst, got {type(src).__name__}")
-    if not isinstance(dst, (tuple, list)):
-        raise TypeError(f"{OP}: dst: expected a tuple of {len(src)} pools like src, got {type(dst).__name__}")
-    if not src:
-        raise ValueError(f"{OP}: src: expected at least one pool, got an empty tuple")
-    if len(dst) != len(src):
-        raise ValueError(f"{OP}: dst: expected {len(src)} pools like src, got {len(dst)}")
+    """Each (src[j], dst[j]) pair, all checked (and on CPU ids, range checked) before any is copied
+    (the calls _run_pair does not take)."""
+    _tuple_lengths(src, dst)
     if len(src) == 1:  # one pool: its own call checks everything before it copies
         TRANSFER_PAGES.run((src[0], dst[0], src_pages, dst_pages, max_sms), backend)
         return
-    if len(src) == 2 and not is_compiling():
-        try:
-            if _run_pair(src, dst, src_pages, dst_pages, max_sms, backend):
-                return
-        except (TypeError, ValueError):
-            _check_tuples(src, dst, src_pages, dst_pages, max_sms)  # the argument named as every path names it
-            raise
     if not is_compiling() and not _checked_by_the_copy_engines(src, dst, src_pages, dst_pages, max_sms):
         _check_tuples(src, dst, src_pages, dst_pages, max_sms)
         if src_pages.is_cpu:  # host pools, or no copy-engine module: the reference's range check
@@ -128,7 +124,20 @@ def _transfer_tuples(src, dst, src_pages, dst_pages, max_sms, backend):
         TRANSFER_PAGES.run((s, d, src_pages, dst_pages, max_sms), backend)
 
 
+def _tuple_lengths(src, dst):
+    """TypeError / ValueError unless src and dst are tuples (or lists) of one length, at least 1."""
+    if not isinstance(src, (tuple, list)):
+        raise TypeError(f"{OP}: src: expected a tuple of pools like dst, got {type(src).__name__}")
+    if not isinstance(dst, (tuple, list)):
+        raise TypeError(f"{OP}: dst: expected a tuple of {len(src)} pools like src, got {type(dst).__name__}")
+    if not src:
+        raise ValueError(f"{OP}: src: expected at least one pool, got an empty tuple")
+    if len(dst) != len(src):
+        raise ValueError(f"{OP}: dst: expected {len(src)} pools like src, got {len(dst)}")
+
+
 def _check_tuples(src, dst, src_pages, dst_pages, max_sms):
+    _tuple_lengths(src, dst)
     for j, (s, d) in enumerate(zip(src, dst)):
         _check(s, d, src_pages, dst_pages, f"src[{j}]", f"dst[{j}]")
     _max_sms(max_sms)
@@ -166,16 +175,18 @@ def _run_pair(src, dst, src_pages, dst_pages, max_sms, backend) -> bool:
 
     This is the engines' per-layer call, so it reads each argument once and finds the launcher in
     the op's runner cache without a lock; the bindings read the shapes and pick the vector width."""
-    if backend not in (None, "jit"):
+    if backend is not None and backend != "jit":
         return False
     try:
         (s0, s1), (d0, d1) = src, dst
         index = src_pages.get_device()
         host_ids = index < 0
         if host_ids:  # the GPU of the pools, if any
-            index = max(s0.get_device(), d0.get_device())
+            index = s0.get_device()
             if index < 0:
-                return False
+                index = d0.get_device()
+                if index < 0:
+                    return False
     except (AttributeError, TypeError, ValueError):
         return False  # the per-pool path names the bad argument
     runner = TRANSFER_PAGES.cuda_runner(index, backend, ())

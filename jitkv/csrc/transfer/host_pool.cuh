@@ -32,22 +32,27 @@ inline void check_host_pool(const char* op, const char* name, const TensorView& 
   }
 }
 
-// Whether host ids of pages of `page_bytes` go to the copy engines rather than the SM kernel: pages of
-// ce_min_page_bytes or more (the Python side's CE_MIN_PAGE_BYTES: a copy engine pays a fixed cost per
-// run that small pages do not amortize), and no graph being captured on the caller's current stream of
-// `dev` (a captured batch is one memcpy node per run, which replays at half the SM kernel's rate:
-// docs/performance.md "Host ids in the parameter block"). Both bindings apply it, so that each hands
-// the other's calls back unread; the stream is asked only about pages large enough.
-inline bool copy_engines_take(const char* op, int64_t page_bytes, int64_t ce_min_page_bytes, DLDevice dev) {
-  if (page_bytes < ce_min_page_bytes) return false;
-  const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id));
+// Whether a graph is being captured on `stream` (the caller's current stream).
+inline bool stream_capturing(const char* op, cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   const cudaError_t err = cudaStreamIsCapturing(stream, &capture);
   if (err != cudaSuccess) {
     cudaGetLastError();  // clear it: torch's next check would report it as its own
     TVM_FFI_THROW(RuntimeError) << op << ": cudaStreamIsCapturing failed: " << cudaGetErrorString(err);
   }
-  return capture == cudaStreamCaptureStatusNone;
+  return capture != cudaStreamCaptureStatusNone;
+}
+
+// Whether host ids of pages of `page_bytes` go to the copy engines rather than the SM kernel: pages of
+// ce_min_page_bytes or more (the Python side's CE_MIN_PAGE_BYTES: a copy engine pays a fixed cost per
+// run that small pages do not amortize), and no graph being captured on the caller's current stream of
+// `dev` (a captured batch is one memcpy node per run, which replays at half the SM kernel's rate:
+// docs/performance.md "Host ids in the parameter block"). Both bindings apply it, so that each hands
+// the other's calls back unread; the stream is asked only about pages large enough (true: it was
+// asked, and no graph is captured).
+inline bool copy_engines_take(const char* op, int64_t page_bytes, int64_t ce_min_page_bytes, DLDevice dev) {
+  return page_bytes >= ce_min_page_bytes &&
+         !stream_capturing(op, static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id)));
 }
 
 }  // namespace jitkv::transfer

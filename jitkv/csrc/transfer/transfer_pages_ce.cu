@@ -78,11 +78,10 @@ void throw_cuda(const char* what, cudaError_t err) {
   TVM_FFI_THROW(RuntimeError) << kOp << ": " << what << " failed: " << cudaGetErrorString(err);
 }
 
-void submit(Runs& runs, cudaStream_t stream) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  cudaError_t err = cudaStreamIsCapturing(stream, &capture);
-  if (err != cudaSuccess) throw_cuda("cudaStreamIsCapturing", err);
-  if (capture == cudaStreamCaptureStatusNone) {
+// captured: a graph is being captured on stream (where the batch API is refused).
+void submit(Runs& runs, cudaStream_t stream, bool captured) {
+  cudaError_t err;
+  if (!captured) {
     cudaMemcpyAttributes attr = {};
     attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
     attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
@@ -146,13 +145,16 @@ int64_t transfer_pages_ce(TensorView src, TensorView dst, Optional<TensorView> s
   if (min_page_bytes > 0 && !copy_engines_take(kOp, std::min(p.page_bytes, q.page_bytes), min_page_bytes, dev)) {
     return static_cast<int64_t>(Status::kSmKernel);
   }
+  const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id));
+  // The stream asked once: copy_engines_take found no capture; a call copied here whatever (0) asks now.
+  const bool captured = min_page_bytes == 0 && stream_capturing(kOp, stream);
   const std::vector<PagePair> pairs = checked_pairs(p, src, dst, dev, sname, dname);
   std::vector<PagePair> pairs2;
   if (two) pairs2 = checked_pairs(q, src2.value(), dst2.value(), dev, "src[1]", "dst[1]");
   Runs runs;
   plan_runs(p, pairs, runs);
   if (two) plan_runs(q, pairs2, runs);
-  if (!runs.dst.empty()) submit(runs, static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id)));
+  if (!runs.dst.empty()) submit(runs, stream, captured);
   return static_cast<int64_t>(Status::kDone);
 }
 
