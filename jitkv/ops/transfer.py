@@ -85,8 +85,9 @@ def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=None, backend=None
     that large pages spread over the grid and small ones load at once; host pools read and written in
     place through their pinned mapping (UVA); a grid of at most ``max_sms`` x 3 CTAs of 8 warps. CUDA,
     host ids: the pairs resolved on the host as on CPU; pages of ``CE_MIN_PAGE_BYTES`` or more: one
-    run per (pair, layer), runs that follow on in both pools merged, all (a tuple's too) in one
-    ``cudaMemcpyBatchAsync`` on the current stream; smaller pages, or a graph being captured: the SM
+    run per (pair, layer), runs that follow on in both pools merged, all (a tuple's too) in
+    ``cudaMemcpyBatchAsync`` calls of 16, 32, 64, then 128 runs on the current stream (the engines
+    start on the first while the host submits the rest); smaller pages, or a graph being captured: the SM
     kernel above, the resolved pairs (int32: pools of fewer than 2^31 pages) in the launch's parameter
     block, up to 4,000 a launch (``codes.Transfer``). The torch reference (gather, then
     ``index_copy_`` of byte views) is the fallback; it reads the plan on the host for host pools.
