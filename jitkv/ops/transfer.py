@@ -416,8 +416,10 @@ def _jit(device, variant):
         calls = {}  # GPU index -> its host-ids call (_host_ids_call), made once per runner
 
         def run_cpu(src, dst, src_pages, dst_pages, max_sms):
-            if src.is_cuda or dst.is_cuda:  # host ids beside a GPU: each pool's device read once
-                index = max(src.get_device(), dst.get_device())
+            index = src.get_device()
+            if index < 0:
+                index = dst.get_device()
+            if index >= 0:  # host ids beside a GPU: each pool's device read once
                 call = calls.get(index) or calls.setdefault(index, _host_ids_call(index))
                 call(src, dst, src_pages, dst_pages, max_sms)
             else:
