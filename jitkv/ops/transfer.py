@@ -169,7 +169,7 @@ def _checked_by_the_copy_engines(src, dst, src_pages, dst_pages, max_sms) -> boo
 
 def _run_pair(src, dst, src_pages, dst_pages, max_sms, backend) -> bool:
     """A (K, V) tuple in one call, the jit backend running: host ids through the host-ids route
-    (_host_ids_route: one launch of the SM kernel, or one batch of the copy engines where they take the
+    (_host_ids_route: one launch of the SM kernel, or the copy engines' batches where they take the
     pages), GPU ids in one launch of the SM kernel. Every argument is checked by the binding before
     anything is copied. False where the per-pool path must run instead: the bindings missing, or pools
     of two page sizes or layer counts that the copy engines do not take (Status.PER_POOL).
