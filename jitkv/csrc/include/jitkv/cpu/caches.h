@@ -35,19 +35,24 @@ inline bool sysfs_cache_field(int i, const char* name, char (&text)[N]) {
   return ok;
 }
 
+// The sysfs index of cpu0's data or unified cache of `level` (index<i>/), the first listed; -1 if none.
+inline int sysfs_cache_index(int level) {
+  char text[32];
+  for (int i = 0; sysfs_cache_field(i, "level", text); ++i) {
+    if (std::atoi(text) == level && sysfs_cache_field(i, "type", text) && std::strncmp(text, "Instruction", 11) != 0)
+      return i;
+  }
+  return -1;
+}
+
 // Bytes of cpu0's data or unified cache of `level` as sysfs lists it ("32768K"); 0 if it lists none.
 inline int64_t sysfs_cache_bytes(int level) {
   char text[32];
-  for (int i = 0; sysfs_cache_field(i, "level", text); ++i) {
-    if (std::atoi(text) != level || !sysfs_cache_field(i, "type", text) || std::strncmp(text, "Instruction", 11) == 0 ||
-        !sysfs_cache_field(i, "size", text)) {
-      continue;
-    }
-    char* unit = nullptr;
-    const int64_t v = std::strtoll(text, &unit, 10);
-    return v << (*unit == 'K' ? 10 : *unit == 'M' ? 20 : *unit == 'G' ? 30 : 0);
-  }
-  return 0;
+  const int i = sysfs_cache_index(level);
+  if (i < 0 || !sysfs_cache_field(i, "size", text)) return 0;
+  char* unit = nullptr;
+  const int64_t v = std::strtoll(text, &unit, 10);
+  return v << (*unit == 'K' ? 10 : *unit == 'M' ? 20 : *unit == 'G' ? 30 : 0);
 }
 
 // Bytes of the level's cache: sysfs, else sysconf(sc_name), else fallback.
@@ -77,13 +82,9 @@ inline int64_t cpu_list_count(const char* list) {
 
 // The CPUs sharing cpu0's level-`level` cache, as sysfs lists them; 0 if it lists none.
 inline int64_t sysfs_cache_cpus(int level) {
-  char text[32], list[512];
-  for (int i = 0; sysfs_cache_field(i, "level", text); ++i) {
-    if (std::atoi(text) != level || !sysfs_cache_field(i, "type", text) || std::strncmp(text, "Instruction", 11) == 0)
-      continue;
-    return sysfs_cache_field(i, "shared_cpu_list", list) ? cpu_list_count(list) : 0;
-  }
-  return 0;
+  char list[512];
+  const int i = sysfs_cache_index(level);
+  return i >= 0 && sysfs_cache_field(i, "shared_cpu_list", list) ? cpu_list_count(list) : 0;
 }
 
 // An L3 of `bytes` shared by `cpus` CPUs as the streaming rule counts it (cpus 0: unknown, no cap).
