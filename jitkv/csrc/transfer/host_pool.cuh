@@ -5,7 +5,6 @@
 #pragma once
 
 #include <cuda_runtime.h>
-#include <tvm/ffi/extra/c_env_api.h>
 
 #include "jitkv/check.h"
 #include "transfer/parse.h"
@@ -45,14 +44,13 @@ inline bool stream_capturing(const char* op, cudaStream_t stream) {
 
 // Whether host ids of pages of `page_bytes` go to the copy engines rather than the SM kernel: pages of
 // ce_min_page_bytes or more (the Python side's CE_MIN_PAGE_BYTES: a copy engine pays a fixed cost per
-// run that small pages do not amortize), and no graph being captured on the caller's current stream of
-// `dev` (a captured batch is one memcpy node per run, which replays at half the SM kernel's rate:
+// run that small pages do not amortize), and no graph being captured on `stream`, the caller's current
+// stream (a captured batch is one memcpy node per run, which replays at half the SM kernel's rate:
 // docs/performance.md "Host ids in the parameter block"). Both bindings apply it, so that each hands
 // the other's calls back unread; the stream is asked only about pages large enough (true: it was
 // asked, and no graph is captured).
-inline bool copy_engines_take(const char* op, int64_t page_bytes, int64_t ce_min_page_bytes, DLDevice dev) {
-  return page_bytes >= ce_min_page_bytes &&
-         !stream_capturing(op, static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id)));
+inline bool copy_engines_take(const char* op, int64_t page_bytes, int64_t ce_min_page_bytes, cudaStream_t stream) {
+  return page_bytes >= ce_min_page_bytes && !stream_capturing(op, stream);
 }
 
 }  // namespace jitkv::transfer

@@ -157,10 +157,10 @@ int64_t transfer_pages_ce(TensorView src, TensorView dst, Optional<TensorView> s
   const TransferParams p = checked_params(src, dst, src_pages, dst_pages, dev, sname, dname);
   TransferParams q = p;
   if (two) q = checked_params(src2.value(), dst2.value(), src_pages, dst_pages, dev, "src[1]", "dst[1]");
-  if (min_page_bytes > 0 && !copy_engines_take(kOp, std::min(p.page_bytes, q.page_bytes), min_page_bytes, dev)) {
+  const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id));
+  if (min_page_bytes > 0 && !copy_engines_take(kOp, std::min(p.page_bytes, q.page_bytes), min_page_bytes, stream)) {
     return static_cast<int64_t>(Status::kSmKernel);
   }
-  const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id));
   // The stream asked once: copy_engines_take found no capture; a call copied here whatever (0) asks now.
   const bool captured = min_page_bytes == 0 && stream_capturing(kOp, stream);
   const std::vector<PagePair> pairs = checked_pairs(p, src, dst, dev, sname, dname);

@@ -195,7 +195,8 @@ int64_t transfer_pages_host_ids(TensorView src, TensorView dst, Optional<TensorV
     q = parse_params(kOp, s2, d2, src_pages, dst_pages, "src[1]", "dst[1]");
   }
   jitkv::cuda::DeviceGuard guard(dev.device_id);
-  if (copy_engines_take(kOp, std::min(p.page_bytes, q.page_bytes), ce_min_page_bytes, dev)) {
+  const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev.device_id));
+  if (copy_engines_take(kOp, std::min(p.page_bytes, q.page_bytes), ce_min_page_bytes, stream)) {
     return status(Status::kCopyEngines);
   }
   if (!same_geometry(p, q)) return status(Status::kPerPool);
