@@ -100,7 +100,8 @@ def transfer_pages(src, dst, src_pages, dst_pages, *, max_sms=None, backend=None
             if _run_pair(src, dst, src_pages, dst_pages, max_sms, backend):
                 return
         except (TypeError, ValueError):
-            _check_tuples(src, dst, src_pages, dst_pages, max_sms)  # the argument named as every path names it
+            _tuple_lengths(src, dst)  # the argument named as every path names it
+            _check_tuples(src, dst, src_pages, dst_pages, max_sms)
             raise
     if (type(src) is not torch.Tensor or type(dst) is not torch.Tensor) and (
         isinstance(src, (tuple, list)) or isinstance(dst, (tuple, list))
@@ -138,7 +139,7 @@ def _tuple_lengths(src, dst):
 
 
 def _check_tuples(src, dst, src_pages, dst_pages, max_sms):
-    _tuple_lengths(src, dst)
+    """Every pool pair of tuples of one length (_tuple_lengths) checked, and max_sms."""
     for j, (s, d) in enumerate(zip(src, dst)):
         _check(s, d, src_pages, dst_pages, f"src[{j}]", f"dst[{j}]")
     _max_sms(max_sms)
