@@ -4,9 +4,9 @@
 // a CCX's 32 MB on an EPYC guest), which held streaming off for caches far past the core's LLC. The L3
 // counts at most kLlcPerCpu for each CPU sysfs says shares it (llc_share): a guest of 2 vCPUs on an
 // Intel Xeon lists the whole socket's 300 MiB, which every other core of the host also fills, so rows
-// new to a 268 MB cache were cold yet written with plain stores (docs/performance.md "The LLC's
-// share"). 16 MiB a CPU is more than any x86 part has, so on bare metal and on an EPYC guest (32 MB
-// for 2 CPUs) the rule reads the L3 as before. Read
+// new to a 268 MB cache are cold and plain stores would read each line first (docs/performance.md
+// "The LLC's share" has the measurement). 16 MiB a CPU is more than any x86 part has, so bare metal
+// and an EPYC guest (32 MB for 2 CPUs) keep their whole L3. Read
 // once per module (the first call of a kernel that asks); each CPU module exports cpu_cache_bytes(level)
 // (isa.h) so a caller can see what its rule used.
 #pragma once
