@@ -727,6 +727,33 @@ def test_host_ids_parameter_blocks_gpu(direction, kv, captured, n):
 
 @gpu
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_host_ids_back_to_back_gpu(direction):
+    """Host pairs past the middle parameter block, eight calls queued without a sync, alternating the
+    current stream and a side stream, of 1,100 to 20,000 pairs (one to five launches each; the binding
+    resolves every call's pairs into one buffer it keeps): every destination gets its own call's
+    pairs, padding skipped, bitwise."""
+    assert 1100 > jitkv.codes.Transfer.INLINE_PAIRS_MID
+    g = torch.Generator().manual_seed(5)
+    calls = []
+    for n in (1100, 3000, 9000, 1500, 20000, 1200, 5000, 2000):
+        pages = n + 500
+        src, dst = _pools_for(direction, 2, pages, (37,), torch.uint8)
+        sp = torch.randperm(pages, generator=g)[:n]
+        dp = torch.randperm(pages, generator=g)[:n].to(torch.int32)
+        sp[n // 3] = -1
+        calls.append((src, dst, sp, dp, _by_hand(src, dst, sp, dp)))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    for i, (src, dst, sp, dp, _) in enumerate(calls):
+        with torch.cuda.stream(side if i % 2 else torch.cuda.current_stream()):
+            jitkv.transfer_pages(src, dst, sp, dp)
+    torch.cuda.synchronize()
+    for _, dst, _, _, want in calls:
+        assert_bitwise(dst.cpu(), want)
+
+
+@gpu
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
 @pytest.mark.parametrize("kv", [False, True], ids=["one-pool", "kv-tuple"])
 def test_host_ids_follow_the_page_size_gpu(direction, kv):
     """Host ids of pages the copy engines take, then of pages the SM kernel takes, and back, in one
