@@ -25,9 +25,14 @@ inline int64_t host_id(const void* p, int64_t i, bool i64) {
 // of pairs naming one destination page the last wins (two pairs racing on one page in a parallel or
 // unordered copy could interleave their bytes).
 inline std::vector<PagePair> resolve_pairs(const char* op, const TransferParams& p) {
-  std::vector<PagePair> pairs;
-  pairs.reserve(static_cast<size_t>(p.n));
+  // Sized once and written field by field: push_back of a {s, d} temporary compiles to two 8-byte
+  // stores and a 16-byte reload of them, which store forwarding cannot serve (docs/performance.md
+  // "Host ids in the parameter block"; re-measure with perf annotate on a call of many host ids).
+  std::vector<PagePair> pairs(static_cast<size_t>(p.n));
+  PagePair* out = pairs.data();
+  size_t kept = 0;
   bool sorted = true;
+  int64_t last = -1;
   for (int64_t i = 0; i < p.n; ++i) {
     const int64_t s = host_id(p.src_pages, i, p.src_i64), d = host_id(p.dst_pages, i, p.dst_i64);
     if (s < 0 || d < 0) continue;
@@ -39,9 +44,13 @@ inline std::vector<PagePair> resolve_pairs(const char* op, const TransferParams&
       TVM_FFI_THROW(IndexError) << op << ": dst_pages: position " << i << " has page " << d
                                 << ", out of range for a pool of " << p.dst.num_pages << " pages";
     }
-    sorted = sorted && (pairs.empty() || pairs.back().dst < d);
-    pairs.push_back(PagePair{s, d});
+    sorted = sorted && last < d;
+    last = d;
+    out[kept].src = s;
+    out[kept].dst = d;
+    ++kept;
   }
+  pairs.resize(kept);
   if (sorted) return pairs;  // strictly increasing destinations: no duplicates (the common case)
   // Walked from the last pair back with a bitset of destination pages, each page keeps the last pair
   // naming it; the kept pairs stay in call order. O(n), plus pool pages / 8 bytes zeroed (a sort by
