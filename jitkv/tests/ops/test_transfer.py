@@ -729,9 +729,8 @@ def test_host_ids_parameter_blocks_gpu(direction, kv, captured, n):
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
 def test_host_ids_back_to_back_gpu(direction):
     """Host pairs past the middle parameter block, eight calls queued without a sync, alternating the
-    current stream and a side stream, of 1,100 to 20,000 pairs (one to five launches each; the binding
-    resolves every call's pairs into one buffer it keeps): every destination gets its own call's
-    pairs, padding skipped, bitwise."""
+    current stream and a side stream, of 1,100 to 20,000 pairs (one to five launches each, the pairs in
+    their parameter blocks): every destination gets its own call's pairs, padding skipped, bitwise."""
     assert 1100 > jitkv.codes.Transfer.INLINE_PAIRS_MID
     g = torch.Generator().manual_seed(5)
     calls = []
