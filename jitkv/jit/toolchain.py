@@ -153,7 +153,7 @@ def host_cache_bytes(level: int) -> int | None:
                 size = int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1], 0)
                 if level != 3:
                     return size
-                cpus = cpu_list_count(_read(path, "shared_cpu_list"))
+                cpus = _shared_cpus(path)
                 return min(size, cpus * LLC_PER_CPU) if cpus else size
     except (OSError, ValueError, IndexError):
         pass
@@ -178,6 +178,15 @@ def cpu_list_count(cpu_list: str) -> int:
     except ValueError:
         return 0
     return count
+
+
+def _shared_cpus(path: str) -> int:
+    """CPUs sharing the cache whose sysfs directory is ``path``; 0 where it lists none, which leaves the
+    L3 uncapped (caches.h sysfs_cache_cpus)."""
+    try:
+        return cpu_list_count(_read(path, "shared_cpu_list"))
+    except OSError:
+        return 0
 
 
 def _read(directory: str, name: str) -> str:

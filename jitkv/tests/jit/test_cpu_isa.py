@@ -80,6 +80,23 @@ def test_cpu_list_count(cpu_list, count):
     assert toolchain.cpu_list_count(cpu_list) == count
 
 
+def test_llc_share_without_a_cpu_list(monkeypatch):
+    """An L3 whose sysfs directory lists no shared_cpu_list counts whole, as caches.h's llc_share does
+    with no CPU count; with one, at most 16 MiB a CPU."""
+    files = {"level": "3", "type": "Unified", "size": "307200K"}
+
+    def read(directory, name):
+        if name not in files:
+            raise FileNotFoundError(name)
+        return files[name]
+
+    monkeypatch.setattr(toolchain.os, "listdir", lambda root: ["index3"])
+    monkeypatch.setattr(toolchain, "_read", read)
+    assert toolchain.host_cache_bytes(3) == 300 << 20
+    files["shared_cpu_list"] = "0-1"
+    assert toolchain.host_cache_bytes(3) == 32 << 20
+
+
 @pytest.mark.parametrize("level", [2, 3])
 def test_streaming_rule_uses_the_cores_caches(level):
     """The streaming rule's L2 and LLC (caches.h) are cpu0's caches as sysfs lists them, not sysconf's
