@@ -35,14 +35,29 @@ using codes::DsMla;
 using codes::RopeNorm;
 
 // Threads per block (a token's threads span grid.y blocks): kBlockThreads, except for rope_store_cache's
-// kernels without the norm at one head per thread, which run faster on an H200 in fewer, larger blocks
-// while the launch leaves the SMs room: 256 threads under one 128-thread block's worth per SM, 384 under
-// 1536 threads per SM (the normed kernels and MLA's measured no faster). Each kernel is built for the
-// largest block it is launched with (block_bounds), so that the others keep their registers.
-// Re-measure: docs/performance.md "rope threads per block".
+// kernels without the norm at one or kPairHpt heads per thread, which run faster on an H200 in fewer,
+// larger blocks while the launch leaves the SMs room: 256 threads under one 128-thread block's worth per
+// SM, 384 under 1536 threads per SM (the normed kernels and MLA's measured no faster). Each kernel is
+// built for the largest block it is launched with (block_bounds), so that the others keep their
+// registers. Re-measure: docs/performance.md "rope threads per block".
 constexpr int kBlockThreads = 128, kWideBlockThreads = 384;
 
-constexpr int block_bounds(bool normed, int hpt) { return !normed && hpt == 1 ? kWideBlockThreads : kBlockThreads; }
+// Heads per thread: one while a thread per head lane fills the GPU less than threads_per_sm times
+// (latency: the most threads, the shortest chain each), kBulkHpt beyond where it divides the head
+// counts (each thread then has kBulkHpt loads in flight and reads the cos/sin row once for them).
+// threads_at_one: the launch's threads at one head per thread. The thresholds per op (MLA's q_pe
+// threads hold one 16-byte lane each and a cos/sin load, so they gain from sharing it far sooner).
+// Between them, rope_store_cache's builds that quantize q without a norm take kPairHpt from
+// kPairThreadsPerSm to kPairEndPerSm threads per SM (pair_heads): their q threads, two thirds of a
+// token's, each repeat the position, cos/sin and divider work that a pair shares.
+// Re-measure: docs/performance.md "rope heads per thread", "rope pairs of heads".
+constexpr int kBulkHpt = 4, kPairHpt = 2;
+constexpr int64_t kMhaThreadsPerSm = 2048, kMlaThreadsPerSm = 128;
+constexpr int64_t kPairThreadsPerSm = 256, kPairEndPerSm = 1536;
+
+constexpr int block_bounds(bool normed, int hpt) {
+  return !normed && hpt <= kPairHpt ? kWideBlockThreads : kBlockThreads;
+}
 
 // threads: the launch's threads in all.
 inline int block_threads(bool normed, int hpt, int64_t threads, int sms) {
@@ -51,17 +66,16 @@ inline int block_threads(bool normed, int hpt, int64_t threads, int sms) {
   return per_sm < kBlockThreads ? 256 : kWideBlockThreads;
 }
 
-// Heads per thread: one while a thread per head lane fills the GPU less than threads_per_sm times
-// (latency: the most threads, the shortest chain each), kBulkHpt beyond where it divides the head
-// counts (each thread then has kBulkHpt loads in flight and reads the cos/sin row once for them).
-// threads_at_one: the launch's threads at one head per thread. The thresholds per op (MLA's q_pe
-// threads hold one 16-byte lane each and a cos/sin load, so they gain from sharing it far sooner).
-// Re-measure: docs/performance.md "rope heads per thread".
-constexpr int kBulkHpt = 4;
-constexpr int64_t kMhaThreadsPerSm = 2048, kMlaThreadsPerSm = 128;
-
 inline int heads_per_thread(bool divides, int64_t threads_at_one, int sms, int64_t threads_per_sm) {
   return divides && threads_at_one >= threads_per_sm * (sms > 1 ? sms : 1) ? kBulkHpt : 1;
+}
+
+// heads_per_thread's choice hpt, or kPairHpt where a build with kPairs takes it (pair_divides: kPairHpt
+// divides both head counts).
+inline int pair_heads(int hpt, bool pairs, bool pair_divides, int64_t threads_at_one, int sms) {
+  const int64_t per_sm = threads_at_one / (sms > 1 ? sms : 1);
+  const bool band = per_sm >= kPairThreadsPerSm && per_sm < kPairEndPerSm;
+  return hpt == 1 && pairs && pair_divides && band ? kPairHpt : hpt;
 }
 
 template <bool kNeox>
@@ -72,13 +86,17 @@ template <int kHpt>
 using HptTag = std::integral_constant<int, kHpt>;
 
 // f(NeoxTag, CsTag, HptTag) for the call's rotation (NeoX halves or GPT-J pairs), cos/sin dtype (float32,
-// else the sources' kSrc) and heads per thread (1 or kBulkHpt), picked on the host: each is a kernel
-// template argument, so that a kernel holds only the path its threads run (one kernel branching to all
-// four rotations measured slower at n <= 64: docs/performance.md "rope trigger"). A NeoX kernel exists
-// where its halves are whole lanes (the binding sends no other call to the kernel).
-template <int kRot, SrcDtype kSrc, class F>
+// else the sources' kSrc) and heads per thread (1, kBulkHpt, or kPairHpt in a build with kPairs), picked
+// on the host: each is a kernel template argument, so that a kernel holds only the path its threads run
+// (one kernel branching to all four rotations measured slower at n <= 64: docs/performance.md "rope
+// trigger"). A NeoX kernel exists where its halves are whole lanes (the binding sends no other call to
+// the kernel).
+template <int kRot, SrcDtype kSrc, bool kPairs, class F>
 auto with_rotation(const Rotation& rot, int hpt, F&& f) {
   const auto with_hpt = [&](auto neox, auto cs) {
+    if constexpr (kPairs) {
+      if (hpt == kPairHpt) return f(neox, cs, HptTag<kPairHpt>{});
+    }
     return hpt == kBulkHpt ? f(neox, cs, HptTag<kBulkHpt>{}) : f(neox, cs, HptTag<1>{});
   };
   constexpr bool kNeoxOk = LaneRotation<kRot, true, lane_values<kSrc>()>::kOk;
@@ -122,6 +140,7 @@ struct StoreShape {
   static constexpr int kG = pow2_at_least(kLanes);
   static constexpr int kVLanes = kDv / kV;
   static constexpr int kVPieces = (kVLanes + kG - 1) / kG;
+  static constexpr bool kPairs = kNorms == 0 && q_format(kQ) != KvFormat::kCopy;  // pair_heads
   static_assert(kD % kV == 0 && kDv % kV == 0 && kG <= 32, "heads of whole lanes, at most a warp");
   static_assert(LaneRotation<kRot, false, kV>::kOk, "rotated dims in whole lanes");
 

@@ -102,7 +102,7 @@ MlaArgs kernel_args(const MlaParams& p) {
 
 // The kernel of the call's rotation, cos/sin dtype and heads per thread.
 auto kernel_of(const Rotation& rot, int hpt) {
-  return with_rotation<Shape::kRope, Shape::kSrc>(rot, hpt, [](auto neox, auto cs, auto h) {
+  return with_rotation<Shape::kRope, Shape::kSrc, false>(rot, hpt, [](auto neox, auto cs, auto h) {
     return rope_set_mla_kv_buffer_kernel<Shape, decltype(h)::value, decltype(neox)::value, decltype(cs)::value>;
   });
 }

@@ -217,15 +217,19 @@ def test_head_counts(device, backend, hq, hk, d, dv):
 
 
 @gpu
-@pytest.mark.parametrize("per_sm", [1, 100, 200, 1400, 1700, 2100])
-@pytest.mark.parametrize("kv,q_out", [("auto", None), ("fp8_e4m3", E4M3)])
-def test_launch_geometries(per_sm, kv, q_out):
+@pytest.mark.parametrize("per_sm", [1, 100, 200, 300, 1400, 1700, 2100])
+@pytest.mark.parametrize(
+    "kv,q_out,per_head", [("auto", None, False), ("fp8_e4m3", E4M3, False), ("fp8_e5m2", E5M2, True)]
+)
+@pytest.mark.parametrize("hq,hk", [(32, 8), (6, 2), (5, 1)])
+def test_launch_geometries(per_sm, kv, q_out, per_head, hq, hk):
     """The CUDA kernel's block sizes and heads per thread (rope/kernels.cuh block_threads,
-    heads_per_thread): Llama-3-8B's 32 + 8 heads of 128 without the norm (768 threads a token) at as
-    many tokens as fill this GPU to about per_sm threads per SM, on either side of each threshold."""
+    heads_per_thread, pair_heads): hq + 2 hk heads of 128 without the norm (Llama-3-8B's 768 threads a
+    token; head counts that 4, only 2, or neither divides) at as many tokens as fill this GPU to about
+    per_sm threads per SM, on either side of each threshold; per-head scales in the e5m2 case."""
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    n = max(1, per_sm * sms // 768)
-    kw = _mha("cuda", n=n, hq=32, hk=8, d=128, kv=kv, q_out=q_out, num_slots=2 * n + 64)
+    n = max(1, per_sm * sms // ((hq + 2 * hk) * 16))
+    kw = _mha("cuda", n=n, hq=hq, hk=hk, d=128, kv=kv, q_out=q_out, per_head=per_head, num_slots=2 * n + 64)
     kw["slot_mapping"][::5] = -1
     _run_mha("jit", kw)
 
