@@ -245,6 +245,9 @@ def check_store_cache_fp8():
                 per_head = (torch.rand(3) + 0.05, torch.rand(3) * 4 + 0.5)
                 for scales in ((0.37, 2.5), per_head):
                     _store_cache_case("", 13, 3, d, src_dtype, torch.uint8, "flat", kv=kv, scales=scales)
+                    # Rows enough for each quantizer to check for one multiply (fp8.h kOnceValues, 8192).
+                    n = -(-2 * 8192 // d)
+                    _store_cache_case("many rows", n, 3, d, src_dtype, torch.uint8, "flat", kv=kv, scales=scales)
             _store_cache_case("strided", 37, 4, 100, src_dtype, fp8, "hnd", kv=kv, scales=(0.5, 0.25), src_pad=4)
             _store_cache_case(
                 "per-head", 37, 4, 128, src_dtype, fp8, "nhd", kv=kv, scales=(torch.rand(4) + 0.1, torch.tensor([3.0]))

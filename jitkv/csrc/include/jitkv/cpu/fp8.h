@@ -25,14 +25,19 @@ inline float abs_max(SrcKind k, const void* src, int64_t n) {
 // values, so callers writing many short segments by one scale build it once.
 class Fp8Quantizer {
  public:
-  Fp8Quantizer(const Fp8Format& fmt, float scale) : v_(fmt, scale) {}
+  // values: about how many it converts. From kOnceValues on (a call's rows, not one tile's), the setup
+  // checks whether one multiply suffices for bf16 sources (fp8_format.h, Fp8Div::once): where it does,
+  // the saving passes the check's cost from about that many values.
+  static constexpr int64_t kOnceValues = 8192;
+  explicit Fp8Quantizer(const Fp8Format& fmt, float scale, int64_t values = 0)
+      : v_(fmt, scale, values >= kOnceValues) {}
 
   // dst[i] = fp8(clamp(src[i] / scale)) for i < n. nt streams whole 64-byte lines (dst 64-byte
   // aligned); the rest of a partial last line is written with regular stores inside it.
   void operator()(uint8_t* dst, SrcKind k, const void* src, int64_t n, bool nt) const {
     with_kind(k, [&](auto kind) {
       constexpr SrcKind K = decltype(kind)::value;
-      with_path(v_, [&](auto path) { quantize_seg_k<K, decltype(path)::value>(dst, src, n, v_, nt); });
+      with_path<K>(v_, [&](auto path) { quantize_seg_k<K, decltype(path)::value>(dst, src, n, v_, nt); });
     });
   }
 
@@ -52,20 +57,26 @@ class Fp8Quantizer {
         if (n % 64 != 0) {
           q[i * q_step](d, k, s, n, nt);
         } else {
-          with_path(v, [&](auto path) { quantize_lines_k<K, decltype(path)::value>(d, s, n, v, nt); });
+          with_path<K>(v, [&](auto path) { quantize_lines_k<K, decltype(path)::value>(d, s, n, v, nt); });
         }
       }
     });
   }
 
  private:
-  // f(std::integral_constant<Fp8Path, P>) for v's path.
-  template <class F>
+  // f(std::integral_constant<Fp8Path, P>) for v's path with sources of kind K.
+  template <SrcKind K, class F>
   static void with_path(const Fp8Vec& v, F&& f) {
     if (v.divide) {
       f(std::integral_constant<Fp8Path, Fp8Path::kDivide>{});
     } else if (v.pow2) {
       f(std::integral_constant<Fp8Path, Fp8Path::kPow2>{});
+    } else if constexpr (K == SrcKind::kBF16) {
+      if (v.once) {
+        f(std::integral_constant<Fp8Path, Fp8Path::kOnce>{});
+      } else {
+        f(std::integral_constant<Fp8Path, Fp8Path::kMul>{});
+      }
     } else {
       f(std::integral_constant<Fp8Path, Fp8Path::kMul>{});
     }
@@ -87,7 +98,7 @@ inline float abs_max(SrcKind k, const void* src, int64_t n) {
 // fp8 conversion by one format and scale (the vector builds' setup is worth sharing; here it is the scale).
 class Fp8Quantizer {
  public:
-  Fp8Quantizer(const Fp8Format& fmt, float scale) : fmt_(&fmt), scale_(scale) {}
+  explicit Fp8Quantizer(const Fp8Format& fmt, float scale, int64_t = 0) : fmt_(&fmt), scale_(scale) {}
 
   // dst[i] = fp8(clamp(src[i] / scale)) for i < n.
   void operator()(uint8_t* dst, SrcKind k, const void* src, int64_t n, bool) const {

@@ -26,16 +26,17 @@ JITKV_CPU_VEC __m512 load16(const void* p, int64_t i, __mmask16 m) {
 
 // Fp8Format, the scale and its Fp8Div broadcast once per segment.
 struct Fp8Vec {
-  bool divide, pow2;
+  bool divide, pow2, once;
   __m512 scale, max, min;  // the division path
   __m512i emin, magic0, shift;
   __m512 r;  // the multiply path (Fp8Div)
   __m512i x0, amin, k1, c0;
   __m512i x0h, aminh, k1h, mulh, c0h;  // 16-bit lanes (bf16 sources)
-  explicit Fp8Vec(const Fp8Format& F, float s) : Fp8Vec(F, fp8_div(F, s)) {}
+  Fp8Vec(const Fp8Format& F, float s, bool many) : Fp8Vec(F, fp8_div(F, s, many)) {}
   Fp8Vec(const Fp8Format& F, const Fp8Div& d)
       : divide(d.divide),
         pow2(d.pow2),
+        once(d.once),
         scale(_mm512_set1_ps(d.s)),
         max(_mm512_set1_ps(F.max)),
         min(_mm512_set1_ps(-F.max)),
@@ -79,8 +80,9 @@ JITKV_CPU_VEC __m512i quantize16_div(__m512 x, const Fp8Vec& F) {
   return _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xF8);
 }
 
-// The vector loops' paths: division (far scales), power-of-two scale, multiply and Markstein step.
-enum class Fp8Path { kDivide, kPow2, kMul };
+// The vector loops' paths: division (far scales), power-of-two scale, multiply and Markstein step, one
+// multiply (bf16 sources, Fp8Div::once).
+enum class Fp8Path { kDivide, kPow2, kMul, kOnce };
 
 // RN(a / s) for 0 <= a <= x0 (see "Vector paths"): Markstein's step from RN(a * r), kSteps times.
 template <int kSteps>
@@ -95,6 +97,12 @@ template <SrcKind K, Fp8Path P>
 JITKV_CPU_VEC __m512i rounded16(__m512 a, __m512i magic, const Fp8Vec& F) {
   const __m512 m = _mm512_castsi512_ps(magic);
   if constexpr (P == Fp8Path::kPow2) return _mm512_castps_si512(_mm512_fmadd_ps(a, F.r, m));
+  if constexpr (P == Fp8Path::kOnce) {
+    static_assert(K == SrcKind::kBF16, "one multiply: bf16 sources (Fp8Div::once)");
+    __m512 q = _mm512_mul_ps(a, F.r);
+    asm("" : "+v"(q));  // RN(a * r) rounded on its own: the compiler may not fuse it into the add
+    return _mm512_castps_si512(_mm512_add_ps(q, m));
+  }
   return _mm512_castps_si512(_mm512_add_ps(quotient16<K == SrcKind::kF32 ? 2 : 1>(a, F), m));
 }
 
