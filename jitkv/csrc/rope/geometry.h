@@ -1,0 +1,54 @@
+// rope's launch geometry, picked on the host per call (rope_store_cache_cuda.cu,
+// rope_set_mla_kv_buffer_cuda.cu): threads per block and heads per thread, with the kernels' launch bounds
+// (kernels.cuh).
+#pragma once
+
+#include <cstdint>
+
+namespace jitkv::rope {
+
+// Threads per block (a token's threads span grid.y blocks): kBlockThreads, except for rope_store_cache's
+// kernels without the norm at one or kPairHpt heads per thread, which run faster on an H200 in fewer,
+// larger blocks while the launch leaves the SMs room: 256 threads under one 128-thread block's worth per
+// SM, 384 under 1536 threads per SM (the normed kernels and MLA's measured no faster). Each kernel is
+// built for the largest block it is launched with (block_bounds), so that the others keep their
+// registers. Re-measure: docs/performance.md "rope threads per block".
+constexpr int kBlockThreads = 128, kWideBlockThreads = 384;
+
+// Heads per thread: one while a thread per head lane fills the GPU less than threads_per_sm times
+// (latency: the most threads, the shortest chain each), kBulkHpt beyond where it divides the head
+// counts (each thread then has kBulkHpt loads in flight and reads the cos/sin row once for them).
+// threads_at_one: the launch's threads at one head per thread. The thresholds per op (MLA's q_pe
+// threads hold one 16-byte lane each and a cos/sin load, so they gain from sharing it far sooner).
+// Between them, rope_store_cache's builds that quantize q without a norm take kPairHpt from
+// kPairThreadsPerSm to kPairEndPerSm threads per SM (pair_heads): their q threads, two thirds of a
+// token's, each repeat the position, cos/sin and divider work that a pair shares.
+// Re-measure: docs/performance.md "rope heads per thread", "rope pairs of heads".
+constexpr int kBulkHpt = 4, kPairHpt = 2;
+constexpr int64_t kMhaThreadsPerSm = 2048, kMlaThreadsPerSm = 128;
+constexpr int64_t kPairThreadsPerSm = 256, kPairEndPerSm = 1536;
+
+constexpr int block_bounds(bool normed, int hpt) {
+  return !normed && hpt <= kPairHpt ? kWideBlockThreads : kBlockThreads;
+}
+
+// threads: the launch's threads in all.
+inline int block_threads(bool normed, int hpt, int64_t threads, int sms) {
+  const int64_t per_sm = threads / (sms > 1 ? sms : 1);
+  if (block_bounds(normed, hpt) == kBlockThreads || per_sm >= 1536) return kBlockThreads;
+  return per_sm < kBlockThreads ? 256 : kWideBlockThreads;
+}
+
+inline int heads_per_thread(bool divides, int64_t threads_at_one, int sms, int64_t threads_per_sm) {
+  return divides && threads_at_one >= threads_per_sm * (sms > 1 ? sms : 1) ? kBulkHpt : 1;
+}
+
+// heads_per_thread's choice hpt, or kPairHpt where a build with kPairs takes it (pair_divides: kPairHpt
+// divides both head counts).
+inline int pair_heads(int hpt, bool pairs, bool pair_divides, int64_t threads_at_one, int sms) {
+  const int64_t per_sm = threads_at_one / (sms > 1 ? sms : 1);
+  const bool band = per_sm >= kPairThreadsPerSm && per_sm < kPairEndPerSm;
+  return hpt == 1 && pairs && pair_divides && band ? kPairHpt : hpt;
+}
+
+}  // namespace jitkv::rope
