@@ -123,7 +123,7 @@ int64_t rope_set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView 
   const jitkv::cuda::DeviceInfo info = jitkv::cuda::device_info(device);
   const int nope_q_lanes = static_cast<int>(p.nope_q / Shape::kV);
   const int hpt =
-      heads_per_thread(p.q.heads % kBulkHpt == 0,  // query heads per thread (kernels.cuh)
+      heads_per_thread(p.q.heads % kBulkHpt == 0,  // query heads per thread (geometry.h)
                        p.kv.n * Shape::token_threads(p.q.heads, nope_q_lanes, 1), info.sms, kMlaThreadsPerSm);
   const int64_t threads = Shape::token_threads(p.q.heads, nope_q_lanes, hpt);
   if (p.kv.n > INT32_MAX || threads > int64_t(kBlockThreads) * 65535) {

@@ -223,7 +223,7 @@ def test_head_counts(device, backend, hq, hk, d, dv):
 )
 @pytest.mark.parametrize("hq,hk", [(32, 8), (6, 2), (5, 1)])
 def test_launch_geometries(per_sm, kv, q_out, per_head, hq, hk):
-    """The CUDA kernel's block sizes and heads per thread (rope/kernels.cuh block_threads,
+    """The CUDA kernel's block sizes and heads per thread (rope/geometry.h block_threads,
     heads_per_thread, pair_heads): hq + 2 hk heads of 128 without the norm (Llama-3-8B's 768 threads a
     token; head counts that 4, only 2, or neither divides) at as many tokens as fill this GPU to about
     per_sm threads per SM, on either side of each threshold; per-head scales in the e5m2 case."""
