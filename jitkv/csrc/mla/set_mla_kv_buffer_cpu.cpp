@@ -44,7 +44,7 @@ void write_fp8_rows(const mla::MlaParams& a, const cpu::RowSlot* rows, int64_t m
   const cpu::Fp8Format& fmt = cpu::fp8_format(format);
   const int64_t nope = a.nope_bytes / 2, rope = a.rope_bytes / 2;
   // One quantizer, set up once for every row.
-  const cpu::Fp8Quantizer quantize(fmt, a.scale_ptr ? *a.scale_ptr : a.scale, m * (nope + rope));
+  const cpu::Fp8Quantizer quantize(fmt, a.scale_ptr ? *a.scale_ptr : a.scale, kind, m * (nope + rope));
   const int64_t payload = m * (a.nope_bytes + a.rope_bytes);
   const int threads = cpu::threads_for(payload);
   const bool nt = mla::streamed_rows(a, payload, threads);

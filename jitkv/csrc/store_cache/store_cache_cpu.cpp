@@ -63,12 +63,12 @@ inline void copy_side(const SideRows& r, int64_t row, int64_t slot, bool nt) {
 
 // One quantizer per segment's scale (cpu::Fp8Quantizer: its setup is shared by every row): one for the
 // side, or one per head with per-head scales; m rows.
-std::vector<cpu::Fp8Quantizer> quantizers(const SideRows& r, const cpu::Fp8Format& fmt, int64_t m) {
+std::vector<cpu::Fp8Quantizer> quantizers(const SideRows& r, const cpu::Fp8Format& fmt, cpu::SrcKind kind, int64_t m) {
   std::vector<cpu::Fp8Quantizer> q;
   const int64_t count = r.side->scale_stride != 0 ? r.segs : 1;
   const int64_t values = m * r.segs * r.seg_elems / count;  // each one's
   q.reserve(static_cast<size_t>(count));
-  for (int64_t h = 0; h < count; ++h) q.emplace_back(fmt, r.scale_of(h), values);
+  for (int64_t h = 0; h < count; ++h) q.emplace_back(fmt, r.scale_of(h), kind, values);
   return q;
 }
 
@@ -109,7 +109,7 @@ void write_all(const StoreCacheParams& p, const SideRows& k, const SideRows& v, 
   }
   const cpu::Fp8Format& fmt = cpu::fp8_format(p.kv_dtype);
   const cpu::SrcKind kind = cpu::src_kind(p.src_dtype);
-  const std::vector<cpu::Fp8Quantizer> kq = quantizers(k, fmt, m), vq = quantizers(v, fmt, m);
+  const std::vector<cpu::Fp8Quantizer> kq = quantizers(k, fmt, kind, m), vq = quantizers(v, fmt, kind, m);
   SideRows kw = k, vw = v;
   kw.fp8 = kq.data();
   vw.fp8 = vq.data();

@@ -25,12 +25,15 @@ inline float abs_max(SrcKind k, const void* src, int64_t n) {
 // values, so callers writing many short segments by one scale build it once.
 class Fp8Quantizer {
  public:
-  // values: about how many it converts. From kOnceValues on (a call's rows, not one tile's), the setup
-  // checks whether one multiply suffices for bf16 sources (fp8_format.h, Fp8Div::once): where it does,
-  // the saving passes the check's cost from about that many values.
+  // values: about how many of kind `kind` it converts. From kOnceValues on (a call's rows, not one
+  // tile's), the setup checks whether one multiply suffices for bf16 or fp16 sources (fp8_format.h,
+  // Fp8Div::once_bits): where it does, the saving passes the check's cost from about that many values
+  // (bf16; fp16's check costs about 8x as much, but its verdict is remembered per scale, so a model's
+  // scales pay it once per thread).
   static constexpr int64_t kOnceValues = 8192;
-  explicit Fp8Quantizer(const Fp8Format& fmt, float scale, int64_t values = 0)
-      : v_(fmt, scale, values >= kOnceValues) {}
+  explicit Fp8Quantizer(const Fp8Format& fmt, float scale) : v_(fmt, scale, 0) {}
+  Fp8Quantizer(const Fp8Format& fmt, float scale, SrcKind kind, int64_t values)
+      : v_(fmt, scale, values >= kOnceValues ? significand_bits(kind) : 0) {}
 
   // dst[i] = fp8(clamp(src[i] / scale)) for i < n. nt streams whole 64-byte lines (dst 64-byte
   // aligned); the rest of a partial last line is written with regular stores inside it.
@@ -71,8 +74,8 @@ class Fp8Quantizer {
       f(std::integral_constant<Fp8Path, Fp8Path::kDivide>{});
     } else if (v.pow2) {
       f(std::integral_constant<Fp8Path, Fp8Path::kPow2>{});
-    } else if constexpr (K == SrcKind::kBF16) {
-      if (v.once) {
+    } else if constexpr (significand_bits(K) != 0) {
+      if (v.once_bits == significand_bits(K)) {
         f(std::integral_constant<Fp8Path, Fp8Path::kOnce>{});
       } else {
         f(std::integral_constant<Fp8Path, Fp8Path::kMul>{});
@@ -98,7 +101,8 @@ inline float abs_max(SrcKind k, const void* src, int64_t n) {
 // fp8 conversion by one format and scale (the vector builds' setup is worth sharing; here it is the scale).
 class Fp8Quantizer {
  public:
-  explicit Fp8Quantizer(const Fp8Format& fmt, float scale, int64_t = 0) : fmt_(&fmt), scale_(scale) {}
+  explicit Fp8Quantizer(const Fp8Format& fmt, float scale) : fmt_(&fmt), scale_(scale) {}
+  Fp8Quantizer(const Fp8Format& fmt, float scale, SrcKind, int64_t) : fmt_(&fmt), scale_(scale) {}
 
   // dst[i] = fp8(clamp(src[i] / scale)) for i < n.
   void operator()(uint8_t* dst, SrcKind k, const void* src, int64_t n, bool) const {

@@ -35,17 +35,18 @@ JITKV_CPU_VEC __m256 load_part(const void* p, int64_t i, int64_t r) {
 
 // Fp8Format, the scale and its Fp8Div broadcast once per segment.
 struct Fp8Vec {
-  bool divide, pow2, once;
+  bool divide, pow2;
+  int once_bits;           // Fp8Div::once_bits
   __m256 scale, max, min;  // the division path
   __m256i emin, magic0, shift;
   __m256 r;  // the multiply path (Fp8Div)
   __m256i x0, amin, k1, c0;
   __m256i x0h, aminh, k1h, mulh, c0h;  // 16-bit lanes (bf16 sources)
-  Fp8Vec(const Fp8Format& F, float s, bool many) : Fp8Vec(F, fp8_div(F, s, many)) {}
+  Fp8Vec(const Fp8Format& F, float s, int once_bits) : Fp8Vec(F, fp8_div(F, s, once_bits)) {}
   Fp8Vec(const Fp8Format& F, const Fp8Div& d)
       : divide(d.divide),
         pow2(d.pow2),
-        once(d.once),
+        once_bits(d.once_bits),
         scale(_mm256_set1_ps(d.s)),
         max(_mm256_set1_ps(F.max)),
         min(_mm256_set1_ps(-F.max)),
@@ -83,7 +84,7 @@ JITKV_CPU_VEC __m256i quantize8_div(__m256 x, const Fp8Vec& F) {
 }
 
 // The vector loops' paths: division (far scales), power-of-two scale, multiply and Markstein step, one
-// multiply (bf16 sources, Fp8Div::once).
+// multiply (bf16 and fp16 sources, Fp8Div::once_bits).
 enum class Fp8Path { kDivide, kPow2, kMul, kOnce };
 
 // RN(a / s) for 0 <= a <= x0 (see "Vector paths"): Markstein's step from RN(a * r), kSteps times.
@@ -100,7 +101,7 @@ JITKV_CPU_VEC __m256i rounded8(__m256 a, __m256i magic, const Fp8Vec& F) {
   const __m256 m = _mm256_castsi256_ps(magic);
   if constexpr (P == Fp8Path::kPow2) return _mm256_castps_si256(_mm256_fmadd_ps(a, F.r, m));
   if constexpr (P == Fp8Path::kOnce) {
-    static_assert(K == SrcKind::kBF16, "one multiply: bf16 sources (Fp8Div::once)");
+    static_assert(significand_bits(K) != 0, "one multiply: bf16 and fp16 sources (Fp8Div::once_bits)");
     __m256 q = _mm256_mul_ps(a, F.r);
     asm("" : "+x"(q));  // RN(a * r) rounded on its own: the compiler may not fuse it into the add
     return _mm256_castps_si256(_mm256_add_ps(q, m));

@@ -151,14 +151,15 @@ inline auto with_kind(SrcKind k, F&& f) {
 //   bits are the code. bf16 sources derive a, the magic and that offset on 16-bit lanes (the top
 //   halves of the fp32 values), 16 (AVX2) or 32 (AVX-512) per instruction, and take the sign byte
 //   from the source words by a signed saturating pack.
-// * One multiply for bf16 sources (Fp8Div::once, asked for by quantizers that convert many values):
-//   RN(a * r) and RN(a / s) lie within 2 ulps of each other, and the rounding below gives both the
-//   same code unless an fp8 midpoint of some binade lies among the fp32 values from one to the other.
-//   a's 2^7 significands m give the quotients' significands (other exponents scale both exactly), so
-//   one check of the 128 pairs RN(m * r), RN(m / s) against every midpoint pattern
-//   (product_rounds_alike) tells whether RN(a * r), rounded on its own and then with the magic, gives
-//   every bf16 a the code of the exact quotient; a scale that fails it (7.0 and 448 / 1.5 do: their
-//   quotients meet midpoints) keeps Markstein's step.
+// * One multiply for bf16 and fp16 sources (Fp8Div::once_bits, asked for by quantizers that convert
+//   many values of one kind): RN(a * r) and RN(a / s) lie within 2 ulps of each other, and the
+//   rounding below gives both the same code unless an fp8 midpoint of some binade lies among the fp32
+//   values from one to the other. a's 2^7 (bf16) or 2^10 (fp16, its subnormals included: their fp32
+//   values have no more significant bits) significands m give the quotients' significands (other
+//   exponents scale both exactly), so one check of the pairs RN(m * r), RN(m / s) against every
+//   midpoint pattern (products_round_alike) tells whether RN(a * r), rounded on its own and then with
+//   the magic, gives every such a the code of the exact quotient; a scale that fails it (7.0 and
+//   448 / 1.5 do for bf16: their quotients meet midpoints) keeps Markstein's step.
 // * NaN sources and scales outside [2^-85, 2^100] take the division path (quantize16_div /
 //   quantize8_div) for their block or segment: below 2^-85 the residual a - q * s of a quotient near
 //   half the least fp8 subnormal could underflow (inexact), and at the extremes the rounding's
@@ -166,7 +167,8 @@ inline auto with_kind(SrcKind k, F&& f) {
 struct Fp8Div {
   bool divide;               // the scale is outside [2^-85, 2^100] (or NaN): divide every value
   bool pow2;                 // the scale is a power of two: a * r is exact
-  bool once;                 // bf16 sources: RN(a * r) gives RN(a / s)'s code (product_rounds_alike)
+  int once_bits;             // sources of this many significand bits (bf16 7, fp16 10; 0: none) take
+                             // one multiply: RN(a * r) gives RN(a / s)'s code (product_rounds_alike)
   float s, r;                // the scale and RN(1 / s)
   uint32_t x0, amin, k1;     // fp32 bits: a = min(|x|, x0); magic = (max(a, amin) + k1) & 0x7f800000
   uint16_t x0h, aminh, k1h;  // the same on the top 16 bits (bf16 sources; x0 is a bf16 value)
@@ -182,13 +184,17 @@ inline uint32_t fp8_midpoint_bits(uint32_t v) {
          uint32_t((v & 0x7fffffu) == 0);
 }
 
-// For each bf16 significand m: RN(m * r) and RN(m / s) are equal, or at most 2 ulps apart with no fp8
-// midpoint among the values from one to the other ("Vector paths": one multiply). Branch-free, so that
-// the compiler vectorizes it.
-inline bool bf16_products_round_alike(float s, float r) {
+// The significand bits of a source kind's values (fp32: none that one multiply is checked for).
+constexpr int significand_bits(SrcKind k) { return k == SrcKind::kBF16 ? 7 : k == SrcKind::kF16 ? 10 : 0; }
+
+// For each significand m of `bits` bits: RN(m * r) and RN(m / s) are equal, or at most 2 ulps apart with
+// no fp8 midpoint among the values from one to the other ("Vector paths": one multiply). Branch-free, so
+// that the compiler vectorizes it.
+inline bool products_round_alike_exact(float s, float r, int bits) {
   uint32_t bad = 0;
-  for (int j = 0; j < 128; ++j) {
-    const float m = 1.0f + float(j) * 0x1p-7f;
+  const float step = 1.0f / float(1 << bits);
+  for (int j = 0; j < (1 << bits); ++j) {
+    const float m = 1.0f + float(j) * step;
     const uint32_t p = f32_bits(m * r), q = f32_bits(m / s);
     const uint32_t lo = p < q ? p : q, ulps = (p < q ? q : p) - lo;
     const uint32_t mid =
@@ -198,24 +204,27 @@ inline bool bf16_products_round_alike(float s, float r) {
   return bad == 0;
 }
 
-// bf16_products_round_alike, remembered per scale for the calling thread: a model's scales (per layer,
-// per head) recur in every step, and the check costs about as much as converting 1,000 values (0.11-0.16
-// µs on an Intel Xeon at about 2 GHz, AVX-512 / AVX2 builds; docs/performance.md "One multiply").
-inline bool product_rounds_alike(float s, float r) {
+// products_round_alike_exact, remembered per scale and significand width for the calling thread: a
+// model's scales (per layer, per head) recur in every step, and the check costs about as much as
+// converting 1,000 values for bf16, 8,000 for fp16 (0.11-0.16 µs and about 1 µs on an Intel Xeon at
+// about 2 GHz, AVX-512 / AVX2 builds; docs/performance.md "One multiply").
+inline bool products_round_alike(float s, float r, int bits) {
   struct Seen {
     uint32_t s;
-    bool alike, set;
+    int bits;
+    bool alike;
   };
   thread_local Seen seen[1024] = {};
-  const uint32_t bits = f32_bits(s);
-  Seen& e = seen[(bits * 2654435761u) >> 22];
-  if (!e.set || e.s != bits) e = {bits, bf16_products_round_alike(s, r), true};
+  const uint32_t sb = f32_bits(s);
+  Seen& e = seen[((sb ^ uint32_t(bits)) * 2654435761u) >> 22];
+  if (e.bits != bits || e.s != sb) e = {sb, bits, products_round_alike_exact(s, r, bits)};
   return e.alike;
 }
 
-// many: the caller converts many values by this scale (a call's rows, not one tile's), so that the check
-// for one multiply (Fp8Div::once) pays.
-inline Fp8Div fp8_div(const Fp8Format& F, float s, bool many = false) {
+// once_bits: the significand bits of the values the caller converts many of by this scale (a call's
+// rows, not one tile's; significand_bits of their kind), so that the check for one multiply pays; 0:
+// no check.
+inline Fp8Div fp8_div(const Fp8Format& F, float s, int once_bits = 0) {
   Fp8Div d{};
   d.s = s;
   d.divide = !(s >= 0x1p-85f && s <= 0x1p100f);
@@ -223,7 +232,7 @@ inline Fp8Div fp8_div(const Fp8Format& F, float s, bool many = false) {
   const int m = 23 - F.shift, emin = int(F.den_below >> 23) - 127;
   d.r = 1.0f / s;
   d.pow2 = (f32_bits(s) & 0x7fffffu) == 0;
-  d.once = many && !d.pow2 && product_rounds_alike(s, d.r);
+  d.once_bits = once_bits != 0 && !d.pow2 && products_round_alike(s, d.r, once_bits) ? once_bits : 0;
   // a / s is 2^(ea - es - 1) * (a's significand / s's) * 2, its exponent ea - es - 1 plus one where a's
   // mantissa bits are at least t = s's: adding 2^23 - t to a's bits carries into its exponent there.
   const uint32_t sb = f32_bits(s), t = sb & 0x7fffffu, th = (t + 0xffffu) >> 16;  // th: on 7 mantissa bits
