@@ -18,9 +18,12 @@ from .ops import OPS
 
 def specs_for(target: str) -> list[JitSpec]:
     """Every module jitkv prebuilds for a target ("cpu" or a CUDA arch such as "9.0a"): each op's
-    declared specs, once each."""
+    declared specs, once each, and on CUDA the FlashInfer shims' page_slots module."""
+    from .compat.flashinfer import page_slots_spec
+
     target = target if target == "cpu" else normalize_cuda_arch(target)
-    return list(dict.fromkeys(spec for op in OPS.values() for spec in op.specs(target)))
+    compat = [] if target == "cpu" else [page_slots_spec(target)]
+    return list(dict.fromkeys([*(spec for op in OPS.values() for spec in op.specs(target)), *compat]))
 
 
 def prebuild(targets=("cpu",), *, jobs: int | None = None, progress: bool = False) -> dict[str, str]:

@@ -7,9 +7,11 @@ Same names, argument order and results as ``flashinfer.page`` and ``flashinfer.r
 FlashInfer's page table: token i of the batch belongs to request ``b = batch_indices[i]`` (b < 0: a
 padding token, not written) at ``positions[i]`` of it; its page is ``kv_indices[kv_indptr[b] +
 positions[i] // page_size]``, its row ``positions[i] % page_size``. The shims turn this into jitkv's
-slots (``page * page_size + row``) with a few torch index ops on the device: no host sync, graph-safe. A
-page past ``kv_indices`` is clamped into it (FlashInfer reads past the table; nothing of jitkv writes
-outside the caches).
+slots (``page * page_size + row``) on the indices' device, with no host sync (graph-safe): on CUDA by one
+kernel (csrc/compat/page_slots_cuda.cu, built on first call like every jitkv module and prebuilt with
+them), elsewhere, or where that module cannot be built (one warning says why), by a dozen torch index ops
+that give the same slots. A request past ``kv_indptr`` or a page past ``kv_indices`` is clamped into it
+(FlashInfer reads past the table; nothing of jitkv writes outside the caches).
 
 FlashInfer's FP8 scales multiply: stored = fp8(satfinite(x * quant_scale)). jitkv divides (docs/design.md
 §4), so the shims pass ``1 / quant_scale``: the bytes are FlashInfer's whenever quant_scale is a power of
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from .. import reference, rope_store_cache, store_cache
+from .._warn import warn
 
 __all__ = [
     "append_paged_kv_cache",
@@ -36,14 +39,92 @@ _FORMATS = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 def page_slots(batch_indices, positions, kv_indices, kv_indptr, page_size):
     """jitkv slots ``[n]`` (int64; -1 for padding tokens) of FlashInfer's page-table indexing (the
-    module docstring), computed on the indices' device without a host sync."""
-    b = batch_indices.long()
-    pos = positions.long()
+    module docstring), computed on the indices' device without a host sync.
+
+    Args:
+        batch_indices, positions: ``[n]`` integer tensors (FlashInfer's int32, or int64).
+        kv_indices ``[m]``, kv_indptr ``[requests + 1]``: integer tensors on the same device.
+        page_size: rows per page, a positive int.
+
+    Raises:
+        TypeError: an index that is not an integer tensor, a page_size that is not an int.
+        ValueError: an index that is not 1-D, positions of another length than batch_indices, an empty
+        kv_indptr, page_size < 1, indices on different devices.
+    """
+    _check_page_table(batch_indices, positions, kv_indices, kv_indptr, page_size)
+    fn = _page_slots_kernel(batch_indices.device) if batch_indices.is_cuda else None
+    if fn is not None:
+        slots = torch.empty(batch_indices.shape[0], dtype=torch.int64, device=batch_indices.device)
+        fn(*(_int32_or_64(t) for t in (batch_indices, positions, kv_indices, kv_indptr)), slots, page_size)
+        return slots
+    return page_slots_torch(batch_indices, positions, kv_indices, kv_indptr, page_size)
+
+
+def page_slots_torch(batch_indices, positions, kv_indices, kv_indptr, page_size):
+    """``page_slots`` by torch index ops on the indices' device (unchecked): its form off CUDA, and the
+    reference of its kernel."""
+    b, pos = batch_indices.long(), positions.long()
     if kv_indices.numel() == 0:
         return torch.full_like(b, -1)
-    entry = kv_indptr.long().index_select(0, b.clamp(min=0)) + torch.div(pos, page_size, rounding_mode="floor")
+    entry = kv_indptr.long().index_select(0, b.clamp(0, kv_indptr.numel() - 1)) + torch.div(
+        pos, page_size, rounding_mode="floor"
+    )
     page = kv_indices.long().index_select(0, entry.clamp(0, kv_indices.numel() - 1))
     return torch.where(b >= 0, page * page_size + pos.remainder(page_size), -1)
+
+
+def _check_page_table(batch_indices, positions, kv_indices, kv_indptr, page_size):
+    tables = (("batch_indices", batch_indices), ("positions", positions), ("kv_indices", kv_indices))
+    for name, t in (*tables, ("kv_indptr", kv_indptr)):
+        if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"page_slots: {name}: expected an integer tensor, got {_kind(t)}")
+        if t.dim() != 1:
+            raise ValueError(f"page_slots: {name}: expected a 1-D tensor, got shape {list(t.shape)}")
+        if t.device != batch_indices.device:
+            raise ValueError(f"page_slots: {name}: expected device {batch_indices.device}, got {t.device}")
+    if positions.shape[0] != batch_indices.shape[0]:
+        raise ValueError(
+            f"page_slots: positions: expected {batch_indices.shape[0]} entries (batch_indices'), "
+            f"got {positions.shape[0]}"
+        )
+    if kv_indptr.numel() == 0:
+        raise ValueError("page_slots: kv_indptr: expected at least 1 entry, got 0")
+    if not isinstance(page_size, int) or isinstance(page_size, bool):
+        raise TypeError(f"page_slots: page_size: expected an int, got {type(page_size).__name__}")
+    if page_size < 1:
+        raise ValueError(f"page_slots: page_size: expected >= 1, got {page_size}")
+
+
+def _kind(t):
+    return f"a {t.dtype} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _int32_or_64(t):
+    """t as the kernel reads it: contiguous int32 or int64."""
+    return (t if t.dtype in (torch.int32, torch.int64) else t.long()).contiguous()
+
+
+_KERNELS: dict = {}  # CUDA device index -> the page_slots function, or None where it cannot be built
+
+
+def page_slots_spec(arch: str):
+    """The CUDA module of ``page_slots`` for a CUDA arch (prebuilt with the ops' modules)."""
+    from ..jit import JitSpec
+
+    return JitSpec("page_slots_cuda", ("compat/page_slots_cuda.cu",), target=arch, exports=("page_slots",))
+
+
+def _page_slots_kernel(device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _KERNELS:
+        from ..jit import JitUnavailable, cuda_arch, get_function
+
+        try:
+            _KERNELS[index] = get_function(page_slots_spec(cuda_arch(device)), "page_slots")
+        except JitUnavailable as e:
+            _KERNELS[index] = None
+            warn(f"jitkv.compat.flashinfer: the page_slots kernel is unavailable ({e}); torch index ops make the slots")
+    return _KERNELS[index]
 
 
 def _nhd(cache, layout):

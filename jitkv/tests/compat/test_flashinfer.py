@@ -230,3 +230,55 @@ def test_bad_input():
         flashinfer.rope_quantize_fp8_append_paged_kv_cache(*args, quantize_dtype=torch.float8_e5m2, page_size=4)
     with pytest.raises(ValueError, match=r"^append_paged_kv_cache: kv_layout: expected one of NHD, HND"):
         flashinfer.append_paged_kv_cache(k, v, batch, pos, caches, indices, indptr, None, kv_layout="NDH")
+
+
+def _random_page_table(n, requests, pages, page_size, dtype, device):
+    """Random indices with every edge page_slots clamps or skips: padding tokens, requests past kv_indptr,
+    positions past a request's pages and past kv_indices, negative positions."""
+    gen = torch.Generator().manual_seed(n)
+    lens = torch.randint(0, 4, (requests,), generator=gen)
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+    indices = torch.randint(0, pages, (int(indptr[-1]),), generator=gen)
+    batch = torch.randint(-1, requests + 2, (n,), generator=gen)
+    pos = torch.randint(-2 * page_size, 5 * page_size, (n,), generator=gen)
+    return [t.to(dtype).to(device) for t in (batch, pos, indices, indptr)]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("n", [1, 7, 300])
+@pytest.mark.parametrize("empty", [False, True])
+def test_page_slots_kernel_gives_the_torch_forms_slots(dtype, n, empty):
+    """The CUDA kernel (csrc/compat/page_slots_cuda.cu) against page_slots_torch on the same tables, the
+    edges included; the kernel, not the torch form, ran."""
+    batch, pos, indices, indptr = _random_page_table(n, 5, 9, 4, dtype, "cuda")
+    if empty:
+        indices = indices[:0]
+    got = flashinfer.page_slots(batch, pos, indices, indptr, 4)
+    assert flashinfer._KERNELS[torch.cuda.current_device()] is not None
+    want = flashinfer.page_slots_torch(*(t.cpu() for t in (batch, pos, indices, indptr)), 4)
+    assert got.dtype == torch.int64 and torch.equal(got.cpu(), want)
+    if n > 1:  # the table had both kinds of token
+        assert bool((want == -1).any()) and (empty or bool((want >= 0).any()))
+
+
+def test_page_slots_bad_input():
+    batch, pos, indices, indptr = _random_page_table(6, 3, 9, 4, torch.int32, "cpu")
+    f = flashinfer.page_slots
+    with pytest.raises(TypeError, match=r"^page_slots: batch_indices: expected an integer tensor, got a torch.float32"):
+        f(batch.float(), pos, indices, indptr, 4)
+    with pytest.raises(TypeError, match=r"^page_slots: kv_indptr: expected an integer tensor, got list"):
+        f(batch, pos, indices, indptr.tolist(), 4)
+    with pytest.raises(ValueError, match=r"^page_slots: positions: expected a 1-D tensor, got shape \[6, 1\]"):
+        f(batch, pos.view(6, 1), indices, indptr, 4)
+    with pytest.raises(ValueError, match=r"^page_slots: positions: expected 6 entries \(batch_indices'\), got 5"):
+        f(batch, pos[:5], indices, indptr, 4)
+    with pytest.raises(ValueError, match=r"^page_slots: kv_indptr: expected at least 1 entry, got 0"):
+        f(batch, pos, indices, indptr[:0], 4)
+    with pytest.raises(TypeError, match=r"^page_slots: page_size: expected an int, got float"):
+        f(batch, pos, indices, indptr, 4.0)
+    with pytest.raises(ValueError, match=r"^page_slots: page_size: expected >= 1, got 0"):
+        f(batch, pos, indices, indptr, 0)
+    # The torch form keeps every slot of a valid table in range: padding -1, else page * 4 + row.
+    slots = f(batch, pos, indices, indptr, 4)
+    assert bool(((slots == -1) | ((slots >= 0) & (slots < 9 * 4))).all())

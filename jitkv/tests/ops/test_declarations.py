@@ -45,10 +45,14 @@ def test_jitkv_exports_every_op():
 
 
 def test_prebuild_builds_every_ops_specs_once():
+    """Each op's specs once, and on CUDA the FlashInfer shims' page_slots module."""
+    from jitkv.compat.flashinfer import page_slots_spec
+
     for target in ("cpu", "9.0a"):
         specs = specs_for(target)
+        compat = set() if target == "cpu" else {page_slots_spec(target)}
         assert len(specs) == len(set(specs))
-        assert set(specs) == {s for op in OPS.values() for s in op.specs(target)}
+        assert set(specs) == {s for op in OPS.values() for s in op.specs(target)} | compat
 
 
 @pytest.mark.parametrize("device", DEVICES)
