@@ -51,4 +51,13 @@ inline int pair_heads(int hpt, bool pairs, bool pair_divides, int64_t threads_at
   return hpt == 1 && pairs && pair_divides && band ? kPairHpt : hpt;
 }
 
+// rope_store_cache's heads per thread for q_heads and kv_heads: heads_per_thread where kBulkHpt divides
+// both head counts, then pair_heads for builds that take pairs (pairs: StoreShape::kPairs) where kPairHpt
+// divides both. threads_at_one: the launch's threads at one head per thread.
+inline int mha_heads_per_thread(int64_t q_heads, int64_t kv_heads, int64_t threads_at_one, int sms, bool pairs) {
+  const bool bulk = q_heads % kBulkHpt == 0 && kv_heads % kBulkHpt == 0;
+  const bool pair = q_heads % kPairHpt == 0 && kv_heads % kPairHpt == 0;
+  return pair_heads(heads_per_thread(bulk, threads_at_one, sms, kMhaThreadsPerSm), pairs, pair, threads_at_one, sms);
+}
+
 }  // namespace jitkv::rope

@@ -153,11 +153,8 @@ int64_t rope_store_cache(TensorView q, TensorView k, TensorView v, TensorView k_
   if (p.kv.n == 0) return status(Status::kDone);
   const int device = p.kv.device.device_id;
   const jitkv::cuda::DeviceInfo info = jitkv::cuda::device_info(device);
-  const bool divides = p.q.heads % kBulkHpt == 0 && p.kv.num_heads % kBulkHpt == 0;  // both head counts
   const int64_t at_one = p.kv.n * Shape::token_threads(p.q.heads, p.kv.num_heads, 1);
-  const bool pair_divides = p.q.heads % kPairHpt == 0 && p.kv.num_heads % kPairHpt == 0;
-  const int hpt = pair_heads(heads_per_thread(divides, at_one, info.sms, kMhaThreadsPerSm), Shape::kPairs, pair_divides,
-                             at_one, info.sms);
+  const int hpt = mha_heads_per_thread(p.q.heads, p.kv.num_heads, at_one, info.sms, Shape::kPairs);
   const int64_t threads = Shape::token_threads(p.q.heads, p.kv.num_heads, hpt);
   if (p.kv.n > INT32_MAX || threads > int64_t(kBlockThreads) * 65535) {
     TVM_FFI_THROW(ValueError) << kOp << ": q: " << p.kv.n << " tokens of " << p.q.heads << " + 2 x " << p.kv.num_heads
