@@ -21,6 +21,8 @@ of the float32 quotient, which changes an fp8 code only where that bit decides a
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .. import reference, rope_store_cache, store_cache
@@ -51,7 +53,7 @@ def page_slots(batch_indices, positions, kv_indices, kv_indptr, page_size):
         ValueError: an index that is not 1-D, positions of another length than batch_indices, an empty
         kv_indptr, page_size < 1, indices on different devices.
     """
-    _check_page_table(batch_indices, positions, kv_indices, kv_indptr, page_size)
+    page_size = _check_page_table(batch_indices, positions, kv_indices, kv_indptr, page_size)
     fn = _page_slots_kernel(batch_indices.device) if batch_indices.is_cuda else None
     if fn is not None:
         slots = torch.empty(batch_indices.shape[0], dtype=torch.int64, device=batch_indices.device)
@@ -73,7 +75,8 @@ def page_slots_torch(batch_indices, positions, kv_indices, kv_indptr, page_size)
     return torch.where(b >= 0, page * page_size + pos.remainder(page_size), -1)
 
 
-def _check_page_table(batch_indices, positions, kv_indices, kv_indptr, page_size):
+def _check_page_table(batch_indices, positions, kv_indices, kv_indptr, page_size) -> int:
+    """Raises page_slots' errors; returns page_size as an int (any integer type is taken)."""
     tables = (("batch_indices", batch_indices), ("positions", positions), ("kv_indices", kv_indices))
     for name, t in (*tables, ("kv_indptr", kv_indptr)):
         if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
@@ -89,10 +92,12 @@ def _check_page_table(batch_indices, positions, kv_indices, kv_indptr, page_size
         )
     if kv_indptr.numel() == 0:
         raise ValueError("page_slots: kv_indptr: expected at least 1 entry, got 0")
-    if not isinstance(page_size, int) or isinstance(page_size, bool):
+    if isinstance(page_size, bool) or not hasattr(page_size, "__index__"):
         raise TypeError(f"page_slots: page_size: expected an int, got {type(page_size).__name__}")
+    page_size = operator.index(page_size)
     if page_size < 1:
         raise ValueError(f"page_slots: page_size: expected >= 1, got {page_size}")
+    return page_size
 
 
 def _kind(t):

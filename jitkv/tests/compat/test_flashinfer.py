@@ -279,6 +279,8 @@ def test_page_slots_bad_input():
         f(batch, pos, indices, indptr, 4.0)
     with pytest.raises(ValueError, match=r"^page_slots: page_size: expected >= 1, got 0"):
         f(batch, pos, indices, indptr, 0)
-    # The torch form keeps every slot of a valid table in range: padding -1, else page * 4 + row.
+    # The torch form keeps every slot of a valid table in range: padding -1, else page * 4 + row; any
+    # integer type is a page_size.
     slots = f(batch, pos, indices, indptr, 4)
+    assert torch.equal(f(batch, pos, indices, indptr, torch.tensor(4)), slots)
     assert bool(((slots == -1) | ((slots >= 0) & (slots < 9 * 4))).all())
