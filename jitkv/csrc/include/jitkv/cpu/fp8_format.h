@@ -168,7 +168,7 @@ struct Fp8Div {
   bool divide;               // the scale is outside [2^-85, 2^100] (or NaN): divide every value
   bool pow2;                 // the scale is a power of two: a * r is exact
   int once_bits;             // sources of this many significand bits (bf16 7, fp16 10; 0: none) take
-                             // one multiply: RN(a * r) gives RN(a / s)'s code (product_rounds_alike)
+                             // one multiply: RN(a * r) gives RN(a / s)'s code (products_round_alike)
   float s, r;                // the scale and RN(1 / s)
   uint32_t x0, amin, k1;     // fp32 bits: a = min(|x|, x0); magic = (max(a, amin) + k1) & 0x7f800000
   uint16_t x0h, aminh, k1h;  // the same on the top 16 bits (bf16 sources; x0 is a bf16 value)
