@@ -140,7 +140,8 @@ def apply_rope_with_cos_sin_cache_inplace(q, k, cos_sin_cache, positions, *, is_
     Results equal sglang's on what both compute: jitkv rotates in float32 with one rounding per store and
     no fused multiply-add (docs/design.md §9), where sglang's kernel may contract ``x * cos - y * sin``
     into an FMA, so a value can differ in its last bit. Without ``fused_args`` jitkv runs the same op
-    with every token marked padding and two one-row scratch caches (nothing of them is written).
+    with every token marked padding (a view of one kept -1 tensor: no fill kernel per call) and two
+    one-row scratch caches (nothing of them is written).
 
     Raises:
         the TypeError / ValueError of ``jitkv.rope_store_cache`` (named as its arguments: value is ``v``,
@@ -151,13 +152,33 @@ def apply_rope_with_cos_sin_cache_inplace(q, k, cos_sin_cache, positions, *, is_
     kw = dict(is_neox=is_neox, rotary_dim=rope_dim or None, k_out=k)
     if fused_args is None:
         scratch = [k.new_empty(1, *k.shape[1:]) if isinstance(k, torch.Tensor) else None for _ in "kv"]
-        padding = torch.full((len(q),), -1, dtype=positions.dtype, device=positions.device)
-        _rope_store_cache(q, k, k, *scratch, padding, positions, cos_sin_cache, **kw)
+        _rope_store_cache(q, k, k, *scratch, _padding_slots(len(q), positions), positions, cos_sin_cache, **kw)
         return
     loc = _slots(fused_args.cache_loc, "cache_loc", "apply_rope_with_cos_sin_cache_inplace")
     _rope_store_cache(
         q, k, fused_args.value, fused_args.k_buffer, fused_args.v_buffer, loc, positions, cos_sin_cache, **kw
     )
+
+
+_PADDING: dict = {}  # (device, dtype) -> a 1-D tensor of -1 slots that RoPE-only calls take views of
+_RETIRED: list = []  # padding tensors a larger one replaced: a kernel queued on another stream may read them
+
+
+def _padding_slots(n, like):
+    """n padding slots (-1) of like's dtype on its device: a view of one tensor kept per device and dtype,
+    so that a RoPE-only call launches no fill kernel of its own. Made (a fill) outside CUDA-graph capture
+    and torch.compile only: inside a capture the fill is recorded, not run, so that call fills a tensor of
+    its own, and so does a traced one."""
+    key = (like.device, like.dtype)
+    pad = _PADDING.get(key)
+    if pad is not None and pad.numel() >= n:
+        return pad[:n]
+    if is_compiling() or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return torch.full((n,), -1, dtype=like.dtype, device=like.device)
+    if pad is not None:
+        _RETIRED.append(pad)
+    pad = _PADDING[key] = torch.full((max(n, 1024),), -1, dtype=like.dtype, device=like.device)
+    return pad[:n]
 
 
 def _check_row_bytes(k, row_bytes):

@@ -288,6 +288,47 @@ def test_apply_rope_with_cos_sin_cache_inplace(device, is_neox, rope_dim, fused,
         assert_bitwise(got, want)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_only_padding_is_one_kept_tensor(device):
+    """A RoPE-only call pads its slots with a view of one kept -1 tensor per device and dtype (no fill
+    kernel per call); a longer call grows it, and the tensor it replaced stays alive for kernels queued
+    before."""
+    like = torch.zeros(1, dtype=torch.int32, device=device)
+    small = sglang._padding_slots(5, like)
+    again = sglang._padding_slots(7, like)
+    assert small.data_ptr() == again.data_ptr() and bool((again == -1).all())
+    big = sglang._padding_slots(5000, like)
+    assert big.numel() == 5000 and bool((big == -1).all()) and big.data_ptr() != small.data_ptr()
+    assert any(t.data_ptr() == small.data_ptr() for t in sglang._RETIRED)
+    assert sglang._padding_slots(3, like.long()).dtype == torch.int64
+
+
+@gpu
+def test_rope_only_under_graph_capture():
+    """RoPE-only calls captured in a CUDA graph, with a padding tensor made before the capture and with
+    one the capture needs longer (its own fill, recorded and run at replay), rotate as eager calls do."""
+    from jitkv.tests.compat.rope_rule import table
+
+    q, k, _, _, _, positions = _rope_case("cuda")
+    cs = table(500, 64).cuda()
+    want_q, want_k = q.clone(), k.clone()
+    sglang.apply_rope_with_cos_sin_cache_inplace(want_q, want_k, cs, positions, is_neox=True)
+    key = (positions.device, positions.dtype)
+    for kept in (len(q), 1):  # the kept tensor long enough; too short, so that the capture fills its own
+        sglang._PADDING[key] = sglang._padding_slots(len(q), positions)[:kept]
+        gq, gk = q.clone(), k.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            sglang.apply_rope_with_cos_sin_cache_inplace(gq, gk, cs, positions, is_neox=True)
+        torch.cuda.synchronize()
+        gq.copy_(q)
+        gk.copy_(k)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise(gq, want_q)
+        assert_bitwise(gk, want_k)
+
+
 def test_apply_rope_negative_cache_loc_raises_first():
     q, k, v, k_buffer, v_buffer, positions = _rope_case("cpu")
     cs = torch.randn(500, 64)
