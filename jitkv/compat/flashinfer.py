@@ -25,7 +25,7 @@ import operator
 
 import torch
 
-from .. import reference, rope_store_cache, store_cache
+from .. import checks, reference, rope_store_cache, store_cache
 from .._warn import warn
 
 __all__ = [
@@ -83,8 +83,7 @@ def _check_page_table(batch_indices, positions, kv_indices, kv_indptr, page_size
             raise TypeError(f"page_slots: {name}: expected an integer tensor, got {_kind(t)}")
         if t.dim() != 1:
             raise ValueError(f"page_slots: {name}: expected a 1-D tensor, got shape {list(t.shape)}")
-        if t.device != batch_indices.device:
-            raise ValueError(f"page_slots: {name}: expected device {batch_indices.device}, got {t.device}")
+        checks.same_device("page_slots", name, t, batch_indices.device, "batch_indices")
     if positions.shape[0] != batch_indices.shape[0]:
         raise ValueError(
             f"page_slots: positions: expected {batch_indices.shape[0]} entries (batch_indices'), "
@@ -101,7 +100,8 @@ def _check_page_table(batch_indices, positions, kv_indices, kv_indptr, page_size
 
 
 def _kind(t):
-    return f"a {t.dtype} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+    """What a non-integer index is: its dtype, spelled as jitkv.checks spells dtypes, or its type."""
+    return f"dtype {checks.dtype_name(t.dtype)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def _int32_or_64(t):

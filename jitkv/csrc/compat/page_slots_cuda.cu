@@ -20,7 +20,7 @@
 namespace {
 
 using jitkv::data_ptr;
-using jitkv::cuda::load;
+using jitkv::cuda::load_index;
 using tvm::ffi::TensorView;
 
 struct PageSlotsParams {
@@ -29,10 +29,6 @@ struct PageSlotsParams {
   int64_t n, page_size, num_indices, num_indptr;
   int32_t batch_i64, pos_i64, indices_i64, indptr_i64;
 };
-
-__device__ __forceinline__ int64_t load_index(const void* p, bool i64, int64_t i) {
-  return i64 ? load(static_cast<const int64_t*>(p) + i) : int64_t(load(static_cast<const int32_t*>(p) + i));
-}
 
 __device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t size) { return i < 0 ? 0 : i >= size ? size - 1 : i; }
 
@@ -59,23 +55,27 @@ __global__ void page_slots_kernel(const __grid_constant__ PageSlotsParams p) {
   p.slots[t] = slot;
 }
 
-bool int_index(const TensorView& t) {
-  return t.device().device_type == kDLCUDA && t.dtype().code == kDLInt &&
-         (t.dtype().bits == 32 || t.dtype().bits == 64) && t.ndim() == 1 && (t.size(0) <= 1 || t.stride(0) == 1);
-}
+constexpr const char* kOp = "page_slots";
 
-// batch_indices, positions [n], kv_indices [>= 0], kv_indptr [>= 1]: int32 or int64, contiguous, on one
-// CUDA device; slots int64 [n] on it. The Python caller checks what a user passes; these checks keep a
-// direct call from reading or writing out of bounds.
+// batch_indices, positions [n], kv_indices [>= 0], kv_indptr [>= 1]: int32 or int64, contiguous
+// (check_index), on one CUDA device; slots int64 [n] on it. The Python caller checks what a user passes;
+// these checks keep a direct call from reading or writing out of bounds.
 void page_slots(TensorView batch_indices, TensorView positions, TensorView kv_indices, TensorView kv_indptr,
                 TensorView slots, int64_t page_size) {
-  const int64_t n = batch_indices.ndim() == 1 ? batch_indices.size(0) : -1;
-  const bool ok = int_index(batch_indices) && int_index(positions) && int_index(kv_indices) && int_index(kv_indptr) &&
-                  positions.size(0) == n && kv_indptr.size(0) >= 1 && page_size >= 1 && int_index(slots) &&
-                  slots.dtype().bits == 64 && slots.size(0) == n;
-  if (!ok) {
-    TVM_FFI_THROW(ValueError) << "page_slots: expected contiguous CUDA int32/int64 batch_indices and positions [n], "
-                                 "kv_indices [m], kv_indptr [>= 1], int64 slots [n] and page_size >= 1";
+  const bool batch_i64 = jitkv::check_index(kOp, "batch_indices", batch_indices);
+  const bool pos_i64 = jitkv::check_index(kOp, "positions", positions);
+  const bool indices_i64 = jitkv::check_index(kOp, "kv_indices", kv_indices);
+  const bool indptr_i64 = jitkv::check_index(kOp, "kv_indptr", kv_indptr);
+  const bool slots_i64 = jitkv::check_index(kOp, "slots", slots);
+  const int64_t n = batch_indices.size(0);
+  bool on_cuda = true;
+  for (const TensorView* t : {&batch_indices, &positions, &kv_indices, &kv_indptr, &slots}) {
+    on_cuda = on_cuda && t->device().device_type == kDLCUDA;
+  }
+  if (!on_cuda || positions.size(0) != n || kv_indptr.size(0) < 1 || page_size < 1 || !slots_i64 ||
+      slots.size(0) != n) {
+    TVM_FFI_THROW(ValueError) << kOp << ": expected CUDA batch_indices and positions [n], kv_indices [m], kv_indptr "
+                              << "[>= 1], int64 slots [n] and page_size >= 1";
   }
   if (n == 0) return;
   const int device = slots.device().device_id;
@@ -91,14 +91,13 @@ void page_slots(TensorView batch_indices, TensorView positions, TensorView kv_in
                           page_size,
                           kv_indices.size(0),
                           kv_indptr.size(0),
-                          batch_indices.dtype().bits == 64,
-                          positions.dtype().bits == 64,
-                          kv_indices.dtype().bits == 64,
-                          kv_indptr.dtype().bits == 64};
+                          batch_i64,
+                          pos_i64,
+                          indices_i64,
+                          indptr_i64};
   constexpr int kThreads = 128;
   const dim3 grid(static_cast<unsigned>((n + kThreads - 1) / kThreads));
-  jitkv::cuda::check_launch("page_slots",
-                            jitkv::cuda::launch(page_slots_kernel, grid, dim3(kThreads), stream, info.pdl(), p));
+  jitkv::cuda::check_launch(kOp, jitkv::cuda::launch(page_slots_kernel, grid, dim3(kThreads), stream, info.pdl(), p));
 }
 
 }  // namespace

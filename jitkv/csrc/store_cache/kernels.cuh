@@ -38,10 +38,7 @@
 
 namespace jitkv::store_cache {
 
-// ---- index handling ----
-__device__ __forceinline__ int64_t load_index(const void* p, bool i64, int64_t i) {
-  return i64 ? cuda::load(static_cast<const long long*>(p) + i) : int64_t(cuda::load(static_cast<const int*>(p) + i));
-}
+using cuda::load_index;
 
 // ---- one side (K or V) of one chunk ----
 // prepare() does everything that does not depend on the slot (vector offsets in the source and

@@ -265,7 +265,7 @@ def test_page_slots_kernel_gives_the_torch_forms_slots(dtype, n, empty):
 def test_page_slots_bad_input():
     batch, pos, indices, indptr = _random_page_table(6, 3, 9, 4, torch.int32, "cpu")
     f = flashinfer.page_slots
-    with pytest.raises(TypeError, match=r"^page_slots: batch_indices: expected an integer tensor, got a torch.float32"):
+    with pytest.raises(TypeError, match=r"^page_slots: batch_indices: expected an integer tensor, got dtype float32$"):
         f(batch.float(), pos, indices, indptr, 4)
     with pytest.raises(TypeError, match=r"^page_slots: kv_indptr: expected an integer tensor, got list"):
         f(batch, pos, indices, indptr.tolist(), 4)
@@ -273,6 +273,10 @@ def test_page_slots_bad_input():
         f(batch, pos.view(6, 1), indices, indptr, 4)
     with pytest.raises(ValueError, match=r"^page_slots: positions: expected 6 entries \(batch_indices'\), got 5"):
         f(batch, pos[:5], indices, indptr, 4)
+    with pytest.raises(
+        ValueError, match=r"^page_slots: kv_indices: expected a tensor on cpu like batch_indices, got one on meta$"
+    ):
+        f(batch, pos, indices.to("meta"), indptr, 4)
     with pytest.raises(ValueError, match=r"^page_slots: kv_indptr: expected at least 1 entry, got 0"):
         f(batch, pos, indices, indptr[:0], 4)
     with pytest.raises(TypeError, match=r"^page_slots: page_size: expected an int, got float"):

@@ -52,6 +52,11 @@ __device__ __forceinline__ T load(const T* p) {
   return v;
 }
 
+// Entry i of an index tensor (slot_mapping, loc_map, a page table) of int64 (i64) or int32, by load().
+__device__ __forceinline__ int64_t load_index(const void* p, bool i64, int64_t i) {
+  return i64 ? load(static_cast<const long long*>(p) + i) : int64_t(load(static_cast<const int*>(p) + i));
+}
+
 template <int V>
 struct VecOf;
 template <>
