@@ -5,12 +5,17 @@
 // store stays short. NHD and HND caches differ in their strides only (a head's stride is added to the
 // row); a flat cache is block_size 1 with block_stride == token_stride (block_adj 0). The division by
 // block_size is set up on the host once per call (block_division) and runs on the device as block_of:
-// a multiply-high, an add and a shift, no branch.
+// a multiply-high, an add and a shift, no branch. FlashInfer's page tables (jitkv/page_table.h) are
+// checked into their block by parse_page_table and walked by page_table_slot.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "jitkv/check.h"
+#include "jitkv/cuda/vec.cuh"
+#include "jitkv/page_table.h"
 
 namespace jitkv {
 namespace cuda {
@@ -58,6 +63,70 @@ struct PagedRows {
     return base + (slot * token_stride + int64_t(blk) * block_adj);
   }
 };
+
+// The table of a call of n tokens: each index int32 or int64, 1-D and contiguous (check_index), on dev
+// (named dest_name in errors); batch_indices and positions of n entries, kv_indptr of at least one,
+// 1 <= page_size < 2^31. The Python callers check what a user passes first; these checks keep a direct
+// call from reading out of bounds.
+inline PageTable parse_page_table(const char* op, const TensorView& batch_indices, const TensorView& positions,
+                                  const TensorView& kv_indices, const TensorView& kv_indptr, int64_t page_size,
+                                  int64_t n, DLDevice dev, const char* dest_name) {
+  PageTable t;
+  t.batch_i64 = check_index(op, "batch_indices", batch_indices);
+  t.pos_i64 = check_index(op, "positions", positions);
+  t.indices_i64 = check_index(op, "kv_indices", kv_indices);
+  t.indptr_i64 = check_index(op, "kv_indptr", kv_indptr);
+  for (const auto& [name, x] : {std::pair<const char*, const TensorView*>{"batch_indices", &batch_indices},
+                                {"positions", &positions},
+                                {"kv_indices", &kv_indices},
+                                {"kv_indptr", &kv_indptr}}) {
+    check_device(op, name, *x, dev, dest_name);
+  }
+  if (batch_indices.size(0) != n || positions.size(0) != n) {
+    TVM_FFI_THROW(ValueError) << op << ": batch_indices, positions: expected " << n << " entries each, got "
+                              << batch_indices.size(0) << " and " << positions.size(0);
+  }
+  if (kv_indptr.size(0) < 1) TVM_FFI_THROW(ValueError) << op << ": kv_indptr: expected at least 1 entry, got 0";
+  if (page_size < 1 || page_size > INT32_MAX) {
+    TVM_FFI_THROW(ValueError) << op << ": page_size: expected 1 ... 2^31 - 1, got " << page_size;
+  }
+  const BlockDivision div = block_division(page_size);
+  t.batch_indices = data_ptr(batch_indices);
+  t.positions = data_ptr(positions);
+  t.kv_indices = data_ptr(kv_indices);
+  t.kv_indptr = data_ptr(kv_indptr);
+  t.page_size = page_size;
+  t.num_indices = kv_indices.size(0);
+  t.num_indptr = kv_indptr.size(0);
+  t.page_magic = div.magic;
+  t.page_shift = div.shift;
+  return t;
+}
+
+__device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t size) { return i < 0 ? 0 : i >= size ? size - 1 : i; }
+
+// The slot of a token of request b at sequence position pos in table t (jitkv/page_table.h), -1 for
+// none: two dependent loads (kv_indptr, then kv_indices), by load() after the caller's PDL wait. A
+// position in [0, 2^32) divides as block_of does (exact there: block_division_exact), others by the
+// 64-bit division (a call of ~70 instructions). In rope_store_cache's paged build a 32-bit division here
+// measured 0.09 µs slower at n <= 64 than a shift (docs/performance.md "FlashInfer page slots").
+__device__ __forceinline__ int64_t page_table_slot(const PageTable& t, int64_t b, int64_t pos) {
+  if (b < 0 || t.num_indices <= 0) return -1;
+  int64_t page_of, row;
+  if (uint64_t(pos) <= UINT32_MAX) {
+    page_of = int64_t(block_of(pos, t.page_magic, t.page_shift));
+    row = pos - page_of * t.page_size;
+  } else {
+    page_of = pos / t.page_size;
+    row = pos % t.page_size;
+    if (row < 0) {  // floor division, as the torch form's
+      row += t.page_size;
+      page_of -= 1;
+    }
+  }
+  const int64_t e = load_index(t.kv_indptr, t.indptr_i64, clamp_index(b, t.num_indptr)) + page_of;
+  return load_index(t.kv_indices, t.indices_i64, clamp_index(e, t.num_indices)) * t.page_size + row;
+}
 
 }  // namespace cuda
 }  // namespace jitkv
