@@ -78,13 +78,16 @@ __host__ __device__ T warp_up(T pieces) {
 
 // rope_store_cache's build: q/k head dim, v head dim, rotary dim, the sources' dtype, the queries'
 // destination, the caches' format, which heads are normed (kNorms: codes::RopeNorm bits) and the norm
-// weights' dtype (float32 or the sources'; NONE without norms). NeoX or GPT-J and the cos/sin dtype
-// pick the kernel. The norms are the build's, not the block's: a branch on the block around the norm
-// slows the normed kernels and keeps the norm's code in every module (docs/performance.md "rope norms in
-// the build").
-template <int kD_, int kDv_, int kRot_, SrcDtype kSrc_, RopeQ kQ_, KvFormat kFmt_, int kNorms_, SrcDtype kNormDtype_>
+// weights' dtype (float32 or the sources'; NONE without norms) and where the slots come from. NeoX or
+// GPT-J and the cos/sin dtype pick the kernel. The norms are the build's, not the block's: a branch on the block around
+// the norm slows the normed kernels and keeps the norm's code in every module (docs/performance.md "rope norms in the
+// build").
+template <int kD_, int kDv_, int kRot_, SrcDtype kSrc_, RopeQ kQ_, KvFormat kFmt_, int kNorms_, SrcDtype kNormDtype_,
+          bool kPaged_>
 struct StoreShape {
   static constexpr int kD = kD_, kDv = kDv_, kRot = kRot_;
+  static constexpr bool kPaged = kPaged_;  // slots from FlashInfer's page table, not slots[t]
+  using Args = std::conditional_t<kPaged, PagedStoreArgs, StoreArgs>;  // the kernel's parameter block
   static constexpr SrcDtype kSrc = kSrc_;
   static constexpr RopeQ kQ = kQ_;
   static constexpr KvFormat kFmt = kFmt_;
@@ -131,6 +134,27 @@ __device__ __forceinline__ int64_t kept_slot(const StoreArgs& p, int64_t s, int6
   return uint64_t(s) < uint64_t(num_slots) ? s : -1;
 }
 
+// A token's slot as loaded before the trigger: slots[t], or in a paged build (kPaged) the token's request
+// and sequence position, whose table lookups (cuda::page_table_slot: two dependent loads) follow the
+// trigger in value().
+template <bool kPaged>
+struct SlotIn {
+  LoadedIndex entry = {}, pos = {};
+  SlotIn() = default;
+  template <class Args>
+  __device__ __forceinline__ SlotIn(const Args& p, int64_t t) : entry(load_index_later(p.slots, p.slot_i64, t)) {
+    if constexpr (kPaged) pos = load_index_later(p.pages.positions, p.pages.pos_i64, t);
+  }
+  template <class Args>
+  __device__ __forceinline__ int64_t value(const Args& p) const {
+    if constexpr (kPaged) {
+      return cuda::page_table_slot(p.pages, entry.value(), pos.value());
+    } else {
+      return entry.value();
+    }
+  }
+};
+
 __device__ __forceinline__ float load_scale(const float* ptr, int64_t at, float value) {
   return ptr != nullptr ? cuda::load(ptr + at) : value;
 }
@@ -139,7 +163,7 @@ __device__ __forceinline__ float load_scale(const float* ptr, int64_t at, float 
 // dtype kCs: loads, the trigger, norm, rotation and the stores. The position, slot, cos/sin row and norm
 // weights serve all kHpt heads.
 template <class S, int kHpt, bool kIsK, bool kNeox, SrcDtype kCs>
-__device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0, int j) {
+__device__ __forceinline__ void rope_heads(const typename S::Args& p, int64_t t, int h0, int j) {
   constexpr int kV = S::kV;
   constexpr KvFormat kOut = kIsK ? S::kFmt : q_format(S::kQ);
   using R = LaneRotationFor<S::kRot, kNeox, kV>;
@@ -151,8 +175,7 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
   constexpr bool kNorm = (S::kNorms & (kIsK ? RopeNorm::kK : RopeNorm::kQ)) != 0;
   const char* norm = kIsK ? p.k_norm : p.q_norm;
   const LoadedIndex pos_in = load_index_later(p.positions, p.pos_i64, t);
-  LoadedIndex slot_in = {};
-  if (kIsK) slot_in = load_index_later(p.slots, p.slot_i64, t);
+  SlotIn<S::kPaged> slot_in = kIsK ? SlotIn<S::kPaged>(p, t) : SlotIn<S::kPaged>{};
   cuda::Pack<16> v[kHpt] = {};
 #pragma unroll
   for (int u = 0; u < kHpt; ++u) {
@@ -173,7 +196,7 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
   }
   cuda::pdl_launch_dependents();  // before the loaded values are used (kernel comment)
   const int64_t pos = clamp_position(pos_in.value(), p.max_pos);
-  const int64_t slot = kIsK ? kept_slot(p, slot_in.value(), p.k_num_slots) : -1;
+  const int64_t slot = kIsK ? kept_slot(p, slot_in.value(p), p.k_num_slots) : -1;
   float w[kV];
   if constexpr (kNorm) w_in.floats(w);
   float c[R::kCs] = {}, s[R::kCs] = {};
@@ -215,9 +238,9 @@ __device__ __forceinline__ void rope_heads(const StoreArgs& p, int64_t t, int h0
 
 // Lanes c of the kHpt v heads h0, h0 + 1, ...: copied or quantized into v_cache.
 template <class S, int kHpt>
-__device__ __forceinline__ void store_v(const StoreArgs& p, int64_t t, int h0, int c) {
+__device__ __forceinline__ void store_v(const typename S::Args& p, int64_t t, int h0, int c) {
   const bool inside = c < S::kVLanes;
-  const LoadedIndex slot_in = load_index_later(p.slots, p.slot_i64, t);
+  const SlotIn<S::kPaged> slot_in(p, t);
   const char* src = p.v_src + t * p.v_src_token + h0 * p.v_src_head + c * 16;
   cuda::Pack<16> v[kHpt] = {};
   float scale[kHpt];
@@ -230,7 +253,7 @@ __device__ __forceinline__ void store_v(const StoreArgs& p, int64_t t, int h0, i
     }
   }
   cuda::pdl_launch_dependents();
-  const int64_t slot = kept_slot(p, slot_in.value(), p.v_num_slots);
+  const int64_t slot = kept_slot(p, slot_in.value(p), p.v_num_slots);
   if (!inside || slot < 0) return;
   const int64_t blk = int64_t(cuda::block_of(slot, p.v_magic, p.v_shift));
   char* row = p.v_cache + slot * p.v_token + blk * p.v_block_adj + h0 * p.v_head;
@@ -247,7 +270,7 @@ __device__ __forceinline__ void store_v(const StoreArgs& p, int64_t t, int h0, i
 // the rotation and the cos/sin table's dtype (with_rotation).
 template <class S, int kHpt, bool kNeox, SrcDtype kCs>
 __global__ void __launch_bounds__(block_bounds(S::kNorms != 0, kHpt))
-    rope_store_cache_kernel(const __grid_constant__ StoreArgs p) {
+    rope_store_cache_kernel(const __grid_constant__ typename S::Args p) {
   cuda::warm_params(p, p.n);
   const int64_t t = blockIdx.x;
   const int r = int(blockIdx.y * blockDim.x + threadIdx.x);

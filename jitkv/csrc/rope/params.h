@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "jitkv/codes.h"
+#include "jitkv/page_table.h"
 
 namespace jitkv::rope {
 
@@ -55,7 +56,8 @@ struct Queries {
 };
 
 // rope_store_cache's CUDA block. Cache rows: slot s of a side at cache + s * token + (s / block_size) *
-// block_adj (jitkv/cuda/paged.cuh), head h at + h * head.
+// block_adj (jitkv/cuda/paged.cuh), head h at + h * head; s = slots[t] (PagedStoreArgs: the slot
+// page_table_slot gives).
 struct StoreArgs {
   const char *q_src, *k_src, *v_src;
   char *q_dst, *k_out, *k_cache, *v_cache;  // k_out nullptr: none
@@ -73,6 +75,13 @@ struct StoreArgs {
   int32_t k_scale_stride, v_scale_stride;  // elements from one head's scale to the next (0: one scale)
   int32_t q_heads, kv_heads;
   int32_t slot_i64, loc_i64, pos_i64;
+};
+
+// The block of builds reading FlashInfer's page table (kernels.cuh StoreShape kPaged): slots is its
+// batch_indices. A block of its own, so that the other builds' block (which each thread warms, line by
+// line: cuda::warm_params) stays as it is.
+struct PagedStoreArgs : StoreArgs {
+  PageTable pages;
 };
 
 // rope_set_mla_kv_buffer's CUDA block.

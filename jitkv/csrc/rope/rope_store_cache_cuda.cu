@@ -5,7 +5,8 @@
 // Template arguments (JitSpec args; ops/rope.py cuda_spec): JITKV_HEAD_DIM, JITKV_V_HEAD_DIM,
 // JITKV_ROTARY_DIM, JITKV_SRC_DTYPE (codes::SrcDtype), JITKV_Q_MODE (codes::RopeQ), JITKV_KV_DTYPE
 // (codes::KvFormat: copy, e4m3 or e5m2), JITKV_NORMS (codes::RopeNorm bits: which heads are normed), JITKV_NORM_DTYPE
-// (codes::SrcDtype of the norm weights, NONE without norms), JITKV_PDL. One module serves NeoX and GPT-J
+// (codes::SrcDtype of the norm weights, NONE without norms), JITKV_PAGE_TABLE (1: the slots come from
+// FlashInfer's page table, read in the kernel: jitkv/page_table.h), JITKV_PDL. One module serves NeoX and GPT-J
 // and both cos/sin dtypes (a kernel each, kernel_of). Which variants build is decided in Python before
 // building (ops/rope.py cuda_refusal: heads of at most 32 lanes of 16 bytes, NeoX halves of whole lanes,
 // norm weights float32 or of the sources' dtype).
@@ -35,7 +36,7 @@ using tvm::ffi::TensorView;
 constexpr const char* kOp = "rope_store_cache";
 using Shape = StoreShape<JITKV_HEAD_DIM, JITKV_V_HEAD_DIM, JITKV_ROTARY_DIM, static_cast<SrcDtype>(JITKV_SRC_DTYPE),
                          static_cast<RopeQ>(JITKV_Q_MODE), static_cast<KvFormat>(JITKV_KV_DTYPE), JITKV_NORMS,
-                         static_cast<SrcDtype>(JITKV_NORM_DTYPE)>;
+                         static_cast<SrcDtype>(JITKV_NORM_DTYPE), JITKV_PAGE_TABLE != 0>;
 constexpr bool kPdl = JITKV_PDL != 0;
 
 void mismatch(const char* name, const char* what) {
@@ -57,6 +58,21 @@ void check_module(const StoreParams& p, DLDevice dev) {
   if (norms != Shape::kNorms || (norms != 0 && p.norm_dtype != Shape::kNormDtype)) {
     mismatch("q_norm_weight", "set of norms or weight dtype");
   }
+}
+
+// A paged build's table: slot_mapping is its batch_indices, and the other three tables come with it; other
+// builds take none.
+jitkv::PageTable page_table(const StoreParams& p, const TensorView& slot_mapping,
+                            const Optional<TensorView>& page_positions, const Optional<TensorView>& kv_indices,
+                            const Optional<TensorView>& kv_indptr, int64_t page_size) {
+  const bool given = page_positions.has_value() && kv_indices.has_value() && kv_indptr.has_value();
+  if (given != Shape::kPaged ||
+      (!given && (page_positions.has_value() || kv_indices.has_value() || kv_indptr.has_value()))) {
+    mismatch("kv_indices", "slot source (a page table or slot_mapping)");
+  }
+  if (!given) return jitkv::PageTable{};
+  return jitkv::cuda::parse_page_table(kOp, slot_mapping, page_positions.value(), kv_indices.value(), kv_indptr.value(),
+                                       page_size, p.kv.n, p.kv.device, "k_cache");
 }
 
 using jitkv::aligned;
@@ -81,12 +97,16 @@ bool kernel_takes(const StoreParams& p) {
          jitkv::cuda::block_division_exact(v.block_size, v.num_slots);
 }
 
-StoreArgs kernel_args(const StoreParams& p) {
+// The table in a paged build's block (the others' has no room for it).
+void set_pages(StoreArgs&, const jitkv::PageTable&) {}
+void set_pages(PagedStoreArgs& a, const jitkv::PageTable& pages) { a.pages = pages; }
+
+Shape::Args kernel_args(const StoreParams& p, const jitkv::PageTable& pages) {
   const auto& k = p.kv.k;
   const auto& v = p.kv.v;
   const jitkv::cuda::BlockDivision kd = jitkv::cuda::block_division(k.block_size);
   const jitkv::cuda::BlockDivision vd = jitkv::cuda::block_division(v.block_size);
-  StoreArgs a;
+  Shape::Args a;
   a.q_src = p.q.src.ptr;
   a.k_src = k.src;
   a.v_src = v.src;
@@ -125,6 +145,7 @@ StoreArgs kernel_args(const StoreParams& p) {
   a.k_scale_stride = k.scale_stride, a.v_scale_stride = v.scale_stride;
   a.q_heads = static_cast<int32_t>(p.q.heads), a.kv_heads = static_cast<int32_t>(p.kv.num_heads);
   a.slot_i64 = p.kv.slot_i64, a.loc_i64 = p.kv.loc_i64, a.pos_i64 = p.rot.pos_i64;
+  set_pages(a, pages);
   return a;
 }
 
@@ -143,12 +164,15 @@ int64_t rope_store_cache(TensorView q, TensorView k, TensorView v, TensorView k_
                          double eps, TensorView q_dst, int64_t q_mode, Optional<TensorView> q_scale,
                          double q_scale_value, Optional<TensorView> k_out, Optional<TensorView> loc_map,
                          int64_t skip_slot, int64_t kv_format, Optional<TensorView> k_scale,
-                         Optional<TensorView> v_scale, double k_scale_value, double v_scale_value) {
+                         Optional<TensorView> v_scale, double k_scale_value, double v_scale_value,
+                         Optional<TensorView> page_positions, Optional<TensorView> kv_indices,
+                         Optional<TensorView> kv_indptr, int64_t page_size) {
   const StoreParams p =
       parse_store(kOp, q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, rotary_dim,
                   q_norm_weight, k_norm_weight, eps, q_dst, q_mode, q_scale, q_scale_value, k_out, loc_map, skip_slot,
                   kv_format, k_scale, v_scale, k_scale_value, v_scale_value);
   check_module(p, p.kv.device);
+  const jitkv::PageTable pages = page_table(p, slot_mapping, page_positions, kv_indices, kv_indptr, page_size);
   if (!kernel_takes(p)) return status(Status::kNeedsAnyAlignment);
   if (p.kv.n == 0) return status(Status::kDone);
   const int device = p.kv.device.device_id;
@@ -165,8 +189,8 @@ int64_t rope_store_cache(TensorView q, TensorView k, TensorView v, TensorView k_
   const dim3 grid(static_cast<unsigned>(p.kv.n), static_cast<unsigned>((threads + block - 1) / block));
   jitkv::cuda::DeviceGuard guard(device);
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
-  jitkv::cuda::check_launch(
-      kOp, jitkv::cuda::launch(kernel_of(p.rot, hpt), grid, dim3(block), stream, kPdl && info.pdl(), kernel_args(p)));
+  jitkv::cuda::check_launch(kOp, jitkv::cuda::launch(kernel_of(p.rot, hpt), grid, dim3(block), stream,
+                                                     kPdl && info.pdl(), kernel_args(p, pages)));
   return status(Status::kDone);
 }
 
