@@ -6,12 +6,15 @@ Same names, argument order and results as ``flashinfer.page`` and ``flashinfer.r
 
 FlashInfer's page table: token i of the batch belongs to request ``b = batch_indices[i]`` (b < 0: a
 padding token, not written) at ``positions[i]`` of it; its page is ``kv_indices[kv_indptr[b] +
-positions[i] // page_size]``, its row ``positions[i] % page_size``. The shims turn this into jitkv's
-slots (``page * page_size + row``) on the indices' device, with no host sync (graph-safe): on CUDA by one
-kernel (csrc/compat/page_slots_cuda.cu, built on first call like every jitkv module and prebuilt with
-them), elsewhere, or where that module cannot be built (one warning says why), by a dozen torch index ops
-that give the same slots. A request past ``kv_indptr`` or a page past ``kv_indices`` is clamped into it
-(FlashInfer reads past the table; nothing of jitkv writes outside the caches).
+positions[i] // page_size]``, its row ``positions[i] % page_size`` (csrc/include/jitkv/page_table.h).
+On CUDA, ``rope_quantize_fp8_append_paged_kv_cache`` is one launch: a build of rope_store_cache's kernel
+that walks the table itself (built on first call, outside graph capture). Otherwise the shims turn the
+table into jitkv's slots (``page * page_size + row``) on the indices' device, with no host sync
+(graph-safe), then write: on CUDA by one kernel (csrc/compat/page_slots_cuda.cu, built on first call like
+every jitkv module and prebuilt with them), elsewhere, or where that module cannot be built (one warning
+says why), by a dozen torch index ops that give the same slots. A request past ``kv_indptr`` or a page
+past ``kv_indices`` is clamped into it (FlashInfer reads past the table; nothing of jitkv writes outside
+the caches).
 
 FlashInfer's FP8 scales multiply: stored = fp8(satfinite(x * quant_scale)). jitkv divides (docs/design.md
 §4), so the shims pass ``1 / quant_scale``: the bytes are FlashInfer's whenever quant_scale is a power of
@@ -130,6 +133,72 @@ def _page_slots_kernel(device):
             _KERNELS[index] = None
             warn(f"jitkv.compat.flashinfer: the page_slots kernel is unavailable ({e}); torch index ops make the slots")
     return _KERNELS[index]
+
+
+_PAGED: dict = {}  # (CUDA device index, rope Variant) -> the page-table build's function, or None
+# Above this many tokens each K/V thread's walk of the table costs more than page_slots' launch: on an H200
+# the one launch against the two, FlashInfer's case (docs/performance.md "FlashInfer page slots"), was
+# 0.97x at n = 4096, 1.02x at 8192 and 1.04x at 16384. Re-measure: both forms at those n.
+_PAGED_MAX_TOKENS = 4096
+_INT32_MAX = 2**31 - 1
+
+
+def _rope_store(
+    table, q, k, v, k_cache, v_cache, pos_ids, cos_sin_cache, is_neox, rotary_dim, q_out, fmt, q_scale, kv_scale
+):
+    """rope_store_cache (into q_out, fp8 caches of format ``fmt``) at the slots of FlashInfer's page
+    table ``table`` = (batch_indices, positions, kv_indices, kv_indptr, page_size). On CUDA one launch:
+    the op's build that reads the table itself (ops/rope.py paged_function), wherever the op would run
+    its CUDA kernel (no backend forced but jit; not under JITKV_DEBUG=1, whose host checks take slots),
+    up to _PAGED_MAX_TOKENS tokens, where that kernel takes the call; else page_slots' slots, then
+    rope_store_cache."""
+    page_size = _check_page_table(*table)
+    args = (q, k, v, k_cache, v_cache, table[0], pos_ids, cos_sin_cache, is_neox, rotary_dim, None, None, 1e-6)
+    args += (q_out, q_scale, None, fmt, kv_scale, kv_scale, None, None)
+    if q.is_cuda and _paged(table, page_size, args):
+        return
+    slots = page_slots(*table[:4], page_size)
+    rope_store_cache(*args[:5], slots, *args[6:8], **dict(zip(_KEYWORDS, args[8:])))
+
+
+_KEYWORDS = ("is_neox", "rotary_dim", "q_norm_weight", "k_norm_weight", "eps", "q_out", "q_scale", "k_out")
+_KEYWORDS += ("kv_cache_dtype", "k_scale", "v_scale", "loc_map", "skip_slot")
+
+
+def _paged(table, page_size, args) -> bool:
+    """Whether the page-table build ran the call (rope_store_cache's arguments in schema order, its
+    slot_mapping the table's batch_indices); False where it did not and wrote nothing."""
+    from ..ops import rope
+    from ..ops._op import debug_checks, forced_backend
+
+    n = table[0].shape[0]
+    if n > _PAGED_MAX_TOKENS or page_size > _INT32_MAX or debug_checks() or forced_backend(None) not in (None, "jit"):
+        return False
+    variant = rope.Variant(*rope.variant(*args))
+    key = (args[0].device.index, variant)
+    if key not in _PAGED:
+        from ..jit import JitUnavailable
+        from ..jit.build import CaptureBuildError
+        from ..ops._op import BackendUnavailable
+
+        try:
+            _PAGED[key] = rope.paged_function(args[0].device, variant)
+        except CaptureBuildError:  # not built yet, and a graph is being captured: built on a later call
+            return False
+        except BackendUnavailable:
+            _PAGED[key] = None
+        except JitUnavailable as e:
+            _PAGED[key] = None
+            warn(
+                f"jitkv.compat.flashinfer: rope_store_cache's page-table build is unavailable ({e}); "
+                "page_slots makes the slots"
+            )
+    fn = _PAGED[key]
+    if fn is None:
+        return False
+    tables = (_int32_or_64(t) for t in table[:4])
+    batch_indices = next(tables)
+    return fn(*rope.binding_args(*args[:5], batch_indices, *args[6:]), *tables, page_size) == 0
 
 
 def _nhd(cache, layout):
@@ -285,11 +354,13 @@ def rope_quantize_fp8_append_paged_kv_cache(
 
     Written: each token's Q (both parts) as fp8(satfinite(q * quant_scale_q)) after RoPE; K and V rows of
     tokens with ``batch_indices >= 0``. Each value is rotated in float32 with one rounding and no fused
-    multiply-add (docs/design.md §9); FlashInfer's kernel may contract the rotation into an FMA.
+    multiply-add (docs/design.md §9); FlashInfer's kernel may contract the rotation into an FMA. On CUDA
+    one launch, the page table read in the kernel (module docstring).
 
     Raises:
         ValueError: a cos_sin_cache that is not float32, a quantize_dtype that is not fp8, caches of another
-        dtype or rank, V given for MLA or missing for MHA; and the errors of ``jitkv.rope_store_cache``.
+        dtype or rank, V given for MLA or missing for MHA; and the errors of ``page_slots`` and
+        ``jitkv.rope_store_cache``.
         IndexError: a position or slot out of range (CPU; CUDA under JITKV_DEBUG=1).
     """
     op = "rope_quantize_fp8_append_paged_kv_cache"
@@ -316,46 +387,46 @@ def rope_quantize_fp8_append_paged_kv_cache(
             )
     if mla == (v is not None):
         raise ValueError(f"{op}: v: " + ("MLA takes no V (pass None)" if mla else "GQA/MHA needs V, got None"))
-    slots = page_slots(batch_indices, positions, kv_indices, kv_indptr, page_size)
+    table = (batch_indices, positions, kv_indices, kv_indptr, page_size)
     fmt, q_scale, kv_scale = _FORMATS[quantize_dtype], 1.0 / quant_scale_q, 1.0 / quant_scale_kv
     q_out, returned, copy_back = _q_outputs(q_rope, q_nope, q_rope_out, q_nope_out, quantize_dtype)
-    kw = dict(
-        is_neox=is_neox,
-        rotary_dim=q_rope.shape[-1],
-        q_scale=q_scale,
-        kv_cache_dtype=fmt,
-        k_scale=kv_scale,
-        v_scale=kv_scale,
-    )
     if mla:
         # The latent rides as a one-head V beside the one-head rope K; the caches are separate tensors.
         r = q_rope.shape[-1]
         ckv_cache, kpe_cache = k_cache, v_cache
-        rope_store_cache(
+        _rope_store(
+            table,
             q_rope,
             k_rope.unsqueeze(1),
             k_nope.unsqueeze(1),
             kpe_cache.unsqueeze(2),
             ckv_cache.unsqueeze(2),
-            slots,
             pos_ids,
             cos_sin_cache,
-            q_out=q_out[..., :r],
-            **kw,
+            is_neox,
+            r,
+            q_out[..., :r],
+            fmt,
+            q_scale,
+            kv_scale,
         )
         q_out[..., r:].copy_(reference.quantize_fp8(q_nope, quantize_dtype, q_scale))
     else:
-        rope_store_cache(
+        _rope_store(
+            table,
             _join(q_rope, q_nope),
             _join(k_rope, k_nope),
             v,
             _nhd(k_cache, kv_layout),
             _nhd(v_cache, kv_layout),
-            slots,
             pos_ids,
             cos_sin_cache,
-            q_out=q_out,
-            **kw,
+            is_neox,
+            q_rope.shape[-1],
+            q_out,
+            fmt,
+            q_scale,
+            kv_scale,
         )
     if copy_back:
         r = q_rope.shape[-1]

@@ -288,3 +288,87 @@ def test_page_slots_bad_input():
     slots = f(batch, pos, indices, indptr, 4)
     assert torch.equal(f(batch, pos, indices, indptr, torch.tensor(4)), slots)
     assert bool(((slots == -1) | ((slots >= 0) & (slots < 9 * 4))).all())
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("page_size", [4, 5])
+@pytest.mark.parametrize("case", ["gqa NHD", "gqa HND", "mla", "e5m2", "empty table"])
+def test_rope_quantize_reads_the_page_table_in_its_kernel(dtype, page_size, case, monkeypatch):
+    """On CUDA the fused shim is one launch: rope_store_cache's page-table build (csrc/rope, JITKV_PAGE_TABLE)
+    walks the table itself. Its q_out and whole caches against the two-launch form (page_slots, then
+    rope_store_cache) on the same inputs, the table's every edge included (_random_page_table)."""
+    n, pages, hq, hk, rope, nope = 300, 9, 4, 2, 32, 48
+    mla, fp8 = case == "mla", torch.float8_e5m2 if case == "e5m2" else E4M3
+    batch, pos, indices, indptr = _random_page_table(n, 5, pages, page_size, dtype, "cuda")
+    if case == "empty table":
+        indices = indices[:0]
+    # One token per slot (a slot's later tokens made padding), so that both forms write the same bytes
+    # whatever order their threads store in.
+    slots = flashinfer.page_slots_torch(batch.cpu(), pos.cpu(), indices.cpu(), indptr.cpu(), page_size).tolist()
+    taken = [s >= 0 and s in slots[:i] for i, s in enumerate(slots)]
+    batch[torch.tensor(taken, device="cuda")] = -1
+    q_rope, q_nope, k_rope, k_nope, v = _rope_inputs("cuda", n, hq, hk, rope, nope, mla)
+    cs, pos_ids = table(64, rope).cuda(), torch.randint(0, 64, (n,), device="cuda")
+    if mla:
+        shapes = ((pages, page_size, nope), (pages, page_size, rope))
+    else:
+        inner = (hk, page_size) if case == "gqa HND" else (page_size, hk)
+        shapes = ((pages, *inner, rope + nope),) * 2
+    caches = tuple(rand(s, fp8, "cuda") for s in shapes)
+    want = [c.clone() for c in caches]
+
+    def call(paged):
+        return flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+            q_rope,
+            k_rope,
+            q_nope,
+            k_nope,
+            v,
+            cs,
+            pos_ids,
+            paged,
+            indices,
+            indptr,
+            batch,
+            pos,
+            quantize_dtype=fp8,
+            quant_scale_q=2.0,
+            quant_scale_kv=0.25,
+            page_size=page_size,
+            kv_layout="HND" if case == "gqa HND" else "NHD",
+        )
+
+    with monkeypatch.context() as m:
+        m.setattr(flashinfer, "_paged", lambda *a: False)
+        want_q = call(want)
+
+    def refused(*a, **k):
+        raise AssertionError("the two-launch form ran")
+
+    monkeypatch.setattr(flashinfer, "page_slots", refused)
+    monkeypatch.setattr(flashinfer, "rope_store_cache", refused)
+    got_q = call(caches)
+    for got, w in zip((*got_q, *caches), (*want_q, *want)):
+        assert_bitwise(got, w)
+    if case != "empty table":  # the table had both kinds of token
+        assert -1 in slots and max(slots) >= 0
+
+
+@gpu
+def test_rope_quantize_above_the_token_bound_runs_two_launches(monkeypatch):
+    """Above _PAGED_MAX_TOKENS the shim makes the slots first (page_slots), then runs rope_store_cache."""
+    n, ps = 12, 4
+    batch, pos, indices, indptr = _random_page_table(n, 3, 9, ps, torch.int32, "cuda")
+    q_rope, _, k_rope, _, v = _rope_inputs("cuda", n, 2, 2, 16, 0, False)
+    caches = tuple(rand((9, ps, 2, 16), E4M3, "cuda") for _ in "kv")
+    made = []
+    real = flashinfer.page_slots
+    monkeypatch.setattr(flashinfer, "page_slots", lambda *a: made.append(a) or real(*a))
+    args = (q_rope, k_rope, None, None, v, table(64, 16).cuda(), torch.zeros(n, dtype=torch.int64, device="cuda"))
+    args += (caches, indices, indptr, batch, pos)
+    flashinfer.rope_quantize_fp8_append_paged_kv_cache(*args, page_size=ps)
+    assert not made
+    monkeypatch.setattr(flashinfer, "_PAGED_MAX_TOKENS", n - 1)
+    flashinfer.rope_quantize_fp8_append_paged_kv_cache(*args, page_size=ps)
+    assert len(made) == 1
