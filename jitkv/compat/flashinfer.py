@@ -135,7 +135,7 @@ def _page_slots_kernel(device):
     return _KERNELS[index]
 
 
-_PAGED: dict = {}  # (CUDA device index, rope Variant) -> the page-table build's function, or None
+_PAGED: dict = {}  # (CUDA device index, rope Variant) -> the page-table build's runner, or None
 # Above this many tokens each K/V thread's walk of the table costs more than page_slots' launch: on an H200
 # the one launch against the two, FlashInfer's case (docs/performance.md "FlashInfer page slots"), was
 # 0.97x at n = 4096, 1.02x at 8192 and 1.04x at 16384. Re-measure: both forms at those n.
@@ -148,7 +148,7 @@ def _rope_store(
 ):
     """rope_store_cache (into q_out, fp8 caches of format ``fmt``) at the slots of FlashInfer's page
     table ``table`` = (batch_indices, positions, kv_indices, kv_indptr, page_size). On CUDA one launch:
-    the op's build that reads the table itself (ops/rope.py paged_function), wherever the op would run
+    the op's build that reads the table itself (ops/rope.py paged_runner), wherever the op would run
     its CUDA kernel (no backend forced but jit; not under JITKV_DEBUG=1, whose host checks take slots),
     up to _PAGED_MAX_TOKENS tokens, where that kernel takes the call; else page_slots' slots, then
     rope_store_cache."""
@@ -182,7 +182,7 @@ def _paged(table, page_size, args) -> bool:
         from ..ops._op import BackendUnavailable
 
         try:
-            _PAGED[key] = rope.paged_function(args[0].device, variant)
+            _PAGED[key] = rope.paged_runner(args[0].device, variant)
         except CaptureBuildError:  # not built yet, and a graph is being captured: built on a later call
             return False
         except BackendUnavailable:
@@ -196,9 +196,8 @@ def _paged(table, page_size, args) -> bool:
     fn = _PAGED[key]
     if fn is None:
         return False
-    tables = (_int32_or_64(t) for t in table[:4])
-    batch_indices = next(tables)
-    return fn(*rope.binding_args(*args[:5], batch_indices, *args[6:]), *tables, page_size) == 0
+    batch_indices, positions, kv_indices, kv_indptr = (_int32_or_64(t) for t in table[:4])
+    return fn(*args[:5], batch_indices, *args[6:], table=(positions, kv_indices, kv_indptr, page_size)) is None
 
 
 def _nhd(cache, layout):

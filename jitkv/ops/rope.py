@@ -618,7 +618,7 @@ class Variant(NamedTuple):
     q_mode: RopeQ
     kv_format: KvFormat
     aligned: bool = True  # False: a call whose views the CUDA kernel refused (rope_store_cache_cuda.cu)
-    page_table: bool = False  # True: slots from FlashInfer's page table, read in the kernel (paged_function)
+    page_table: bool = False  # True: slots from FlashInfer's page table, read in the kernel (paged_runner)
 
 
 # Enum members the variant reads on every CUDA call, as module globals: a member read through its
@@ -897,88 +897,94 @@ def _jit(device, variant):
         if why:
             raise BackendUnavailable(f"the CUDA kernel cannot take this call: {why}")
         spec, retry = cuda_spec(cuda_arch(device), variant), tuple(variant._replace(aligned=False))
-        no_table = (None, None, None, 0)  # the CUDA binding's page table (paged_function's builds only)
+        no_table = (None, None, None, 0)  # the CUDA binding's page table (paged_runner's builds only)
     else:
         spec, retry, no_table = cpu_spec(), None, ()
     fn, info = jit_function(spec, OP)
-
-    def run(*args):
-        return retry if fn(*binding_args(*args), *no_table) else None
-
-    return ROPE_STORE_CACHE.with_debug_checks(device, run), info
+    return ROPE_STORE_CACHE.with_debug_checks(device, _runner(fn, retry, no_table)), info
 
 
-def binding_args(
-    q,
-    k,
-    v,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    positions,
-    cos_sin_cache,
-    is_neox,
-    rotary_dim,
-    q_norm_weight,
-    k_norm_weight,
-    eps,
-    q_out,
-    q_scale,
-    k_out,
-    kv_cache_dtype,
-    k_scale,
-    v_scale,
-    loc_map,
-    skip_slot,
-) -> tuple:
-    """The CUDA and CPU bindings' arguments for a call, up to the page table (rope_store_cache_cuda.cu):
-    [n', H, D] views, q's destination and mode, the scales as tensor or value."""
-    _flag(OP, "is_neox", is_neox)  # tvm-ffi would take 0 / 1 for a bool
-    d = _head_dim(q, k, k_cache)
-    q3, k3 = _as_heads(q, d), _as_heads(k, d)
-    v3 = _as_heads(v, _v_head_dim(v, k3.shape[1]))
-    q_dst, q_mode = _q_dest(q3, _as_heads(q_out, d))
-    qs, qs_value = scale_args(OP, "q_scale", q_scale)
-    ks, ks_value = scale_args(OP, "k_scale", k_scale)
-    vs, vs_value = scale_args(OP, "v_scale", v_scale)
-    return (
-        q3,
-        k3,
-        v3,
+def _runner(fn, refused, no_table: tuple):
+    """run(*op args, table=no_table): calls the binding ``fn`` with [n', H, D] views, q's destination and
+    mode and the scales as tensor or value, then the page table (CUDA: four entries, the none of
+    ``no_table`` for the op's builds; CPU: none); returns ``refused`` where the binding declined the
+    call (codes.Status), else None."""
+
+    def run(
+        q,
+        k,
+        v,
         k_cache,
         v_cache,
         slot_mapping,
         positions,
         cos_sin_cache,
         is_neox,
-        cos_sin_cache.shape[1] if rotary_dim is None else rotary_dim,
+        rotary_dim,
         q_norm_weight,
         k_norm_weight,
         eps,
-        q_dst,
-        q_mode,
-        qs,
-        qs_value,
-        _as_heads(k_out, d),
+        q_out,
+        q_scale,
+        k_out,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
         loc_map,
-        NO_SLOT if skip_slot is None else skip_slot,
-        _kv_format(OP, kv_cache_dtype),
-        ks,
-        vs,
-        ks_value,
-        vs_value,
-    )
+        skip_slot,
+        table=no_table,
+    ):
+        _flag(OP, "is_neox", is_neox)  # tvm-ffi would take 0 / 1 for a bool
+        d = _head_dim(q, k, k_cache)
+        q3, k3 = _as_heads(q, d), _as_heads(k, d)
+        v3 = _as_heads(v, _v_head_dim(v, k3.shape[1]))
+        q_dst, q_mode = _q_dest(q3, _as_heads(q_out, d))
+        qs, qs_value = scale_args(OP, "q_scale", q_scale)
+        ks, ks_value = scale_args(OP, "k_scale", k_scale)
+        vs, vs_value = scale_args(OP, "v_scale", v_scale)
+        status = fn(
+            q3,
+            k3,
+            v3,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            positions,
+            cos_sin_cache,
+            is_neox,
+            cos_sin_cache.shape[1] if rotary_dim is None else rotary_dim,
+            q_norm_weight,
+            k_norm_weight,
+            eps,
+            q_dst,
+            q_mode,
+            qs,
+            qs_value,
+            _as_heads(k_out, d),
+            loc_map,
+            NO_SLOT if skip_slot is None else skip_slot,
+            _kv_format(OP, kv_cache_dtype),
+            ks,
+            vs,
+            ks_value,
+            vs_value,
+            *table,
+        )
+        return refused if status else None
+
+    return run
 
 
-def paged_function(device, v: Variant):
-    """rope_store_cache's CUDA binding built to read FlashInfer's page table itself (jitkv/page_table.h):
-    called with ``binding_args`` whose slot_mapping is the table's batch_indices, then the table's
-    positions, kv_indices, kv_indptr and page_size; returns codes.Status as the op's binding. Raises
-    BackendUnavailable for a call the kernel cannot take; a build's JitUnavailable propagates."""
+def paged_runner(device, v: Variant):
+    """A runner of rope_store_cache's CUDA build that reads FlashInfer's page table itself
+    (jitkv/page_table.h): run(*op args, table=(positions, kv_indices, kv_indptr, page_size)) with the
+    table's batch_indices as slot_mapping; True where the kernel declined the call (nothing written),
+    else None. Raises BackendUnavailable for a variant the kernel cannot take; a build's JitUnavailable
+    or CaptureBuildError propagates."""
     why = cuda_refusal(v)
     if why:
         raise BackendUnavailable(f"the CUDA kernel cannot take this call: {why}")
-    return jit_function(cuda_spec(cuda_arch(device), v._replace(page_table=True)), OP)[0]
+    return _runner(jit_function(cuda_spec(cuda_arch(device), v._replace(page_table=True)), OP)[0], True, ())
 
 
 def _kv_format(op, kv_cache_dtype) -> int:

@@ -79,9 +79,9 @@ __host__ __device__ T warp_up(T pieces) {
 // rope_store_cache's build: q/k head dim, v head dim, rotary dim, the sources' dtype, the queries'
 // destination, the caches' format, which heads are normed (kNorms: codes::RopeNorm bits) and the norm
 // weights' dtype (float32 or the sources'; NONE without norms) and where the slots come from. NeoX or
-// GPT-J and the cos/sin dtype pick the kernel. The norms are the build's, not the block's: a branch on the block around
-// the norm slows the normed kernels and keeps the norm's code in every module (docs/performance.md "rope norms in the
-// build").
+// GPT-J and the cos/sin dtype pick the kernel. The norms are the build's, not the block's: a branch on
+// the block around the norm slows the normed kernels and keeps the norm's code in every module
+// (docs/performance.md "rope norms in the build").
 template <int kD_, int kDv_, int kRot_, SrcDtype kSrc_, RopeQ kQ_, KvFormat kFmt_, int kNorms_, SrcDtype kNormDtype_,
           bool kPaged_>
 struct StoreShape {

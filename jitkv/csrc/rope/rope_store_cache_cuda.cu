@@ -4,12 +4,12 @@
 //
 // Template arguments (JitSpec args; ops/rope.py cuda_spec): JITKV_HEAD_DIM, JITKV_V_HEAD_DIM,
 // JITKV_ROTARY_DIM, JITKV_SRC_DTYPE (codes::SrcDtype), JITKV_Q_MODE (codes::RopeQ), JITKV_KV_DTYPE
-// (codes::KvFormat: copy, e4m3 or e5m2), JITKV_NORMS (codes::RopeNorm bits: which heads are normed), JITKV_NORM_DTYPE
-// (codes::SrcDtype of the norm weights, NONE without norms), JITKV_PAGE_TABLE (1: the slots come from
-// FlashInfer's page table, read in the kernel: jitkv/page_table.h), JITKV_PDL. One module serves NeoX and GPT-J
-// and both cos/sin dtypes (a kernel each, kernel_of). Which variants build is decided in Python before
-// building (ops/rope.py cuda_refusal: heads of at most 32 lanes of 16 bytes, NeoX halves of whole lanes,
-// norm weights float32 or of the sources' dtype).
+// (codes::KvFormat: copy, e4m3 or e5m2), JITKV_NORMS (codes::RopeNorm bits: which heads are normed),
+// JITKV_NORM_DTYPE (codes::SrcDtype of the norm weights, NONE without norms), JITKV_PAGE_TABLE (1: the
+// slots come from FlashInfer's page table, read in the kernel: jitkv/page_table.h), JITKV_PDL. One module
+// serves NeoX and GPT-J and both cos/sin dtypes (a kernel each, kernel_of). Which variants build is
+// decided in Python before building (ops/rope.py cuda_refusal: heads of at most 32 lanes of 16 bytes,
+// NeoX halves of whole lanes, norm weights float32 or of the sources' dtype).
 //
 // Returns codes::Status: kNeedsAnyAlignment, before launching, for views the kernel's 16-byte lanes
 // cannot address (a base address or stride that is not a multiple of a lane's bytes) or a paged cache
