@@ -7,12 +7,13 @@ Same names, argument order and results as ``flashinfer.page`` and ``flashinfer.r
 FlashInfer's page table: token i of the batch belongs to request ``b = batch_indices[i]`` (b < 0: a
 padding token, not written) at ``positions[i]`` of it; its page is ``kv_indices[kv_indptr[b] +
 positions[i] // page_size]``, its row ``positions[i] % page_size`` (csrc/include/jitkv/page_table.h).
-On CUDA, ``rope_quantize_fp8_append_paged_kv_cache`` is one launch: a build of rope_store_cache's kernel
-that walks the table itself (built on first call, outside graph capture). Otherwise the shims turn the
-table into jitkv's slots (``page * page_size + row``) on the indices' device, with no host sync
-(graph-safe), then write: on CUDA by one kernel (csrc/compat/page_slots_cuda.cu, built on first call like
-every jitkv module and prebuilt with them), elsewhere, or where that module cannot be built (one warning
-says why), by a dozen torch index ops that give the same slots. A request past ``kv_indptr`` or a page
+On CUDA, ``rope_quantize_fp8_append_paged_kv_cache`` is one launch up to 4,096 tokens: a build of
+rope_store_cache's kernel that walks the table itself (prebuilt for head_dim 128 bf16 -> e4m3; other
+shapes build on first call, outside graph capture). Otherwise the shims turn the table into jitkv's slots
+(``page * page_size + row``) on the indices' device, with no host sync (graph-safe), then write: on CUDA
+by one kernel (csrc/compat/page_slots_cuda.cu, built on first call like every jitkv module and prebuilt
+with them), elsewhere, or where that module cannot be built (one warning says why), by a dozen torch
+index ops that give the same slots. A request past ``kv_indptr`` or a page
 past ``kv_indices`` is clamped into it (FlashInfer reads past the table; nothing of jitkv writes outside
 the caches).
 

@@ -858,12 +858,28 @@ def cuda_mla_refusal(v: MlaVariant):
 
 
 # Prebuilt CUDA modules: head_dim 128 bf16 (Llama-3 without norms, Qwen3 with both and bf16 weights; NeoX or
-# GPT-J) with q in place and bf16 caches or an e4m3 q_out and e4m3 caches; DeepSeek MLA 512 + 64 bf16, e4m3
-# and fp8_ds_mla rows.
+# GPT-J) with q in place and bf16 caches or an e4m3 q_out and e4m3 caches, and the page-table build of the
+# Llama e4m3 one (FlashInfer's fused shim: jitkv.compat.flashinfer); DeepSeek MLA 512 + 64 bf16, e4m3 and
+# fp8_ds_mla rows.
 CUDA_PREBUILD = tuple(
     Variant(128, 128, 128, True, norm, norm, SrcDtype.BF16, SrcDtype.F32, w, q_mode, kv)
     for norm, w in ((False, SrcDtype.NONE), (True, SrcDtype.BF16))
     for q_mode, kv in ((RopeQ.IN_PLACE, KvFormat.COPY), (RopeQ.E4M3, KvFormat.E4M3))
+) + (
+    Variant(
+        128,
+        128,
+        128,
+        True,
+        False,
+        False,
+        SrcDtype.BF16,
+        SrcDtype.F32,
+        SrcDtype.NONE,
+        RopeQ.E4M3,
+        KvFormat.E4M3,
+        page_table=True,
+    ),
 )
 CUDA_MLA_PREBUILD = tuple(
     MlaVariant(512, 64, False, SrcDtype.BF16, SrcDtype.F32, RopeQ.IN_PLACE, kv)
