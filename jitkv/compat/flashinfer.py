@@ -13,9 +13,8 @@ shapes build on first call, outside graph capture). Otherwise the shims turn the
 (``page * page_size + row``) on the indices' device, with no host sync (graph-safe), then write: on CUDA
 by one kernel (csrc/compat/page_slots_cuda.cu, built on first call like every jitkv module and prebuilt
 with them), elsewhere, or where that module cannot be built (one warning says why), by a dozen torch
-index ops that give the same slots. A request past ``kv_indptr`` or a page
-past ``kv_indices`` is clamped into it (FlashInfer reads past the table; nothing of jitkv writes outside
-the caches).
+index ops that give the same slots. A request past ``kv_indptr`` or a page past ``kv_indices`` is clamped
+into it (FlashInfer reads past the table; nothing of jitkv writes outside the caches).
 
 FlashInfer's FP8 scales multiply: stored = fp8(satfinite(x * quant_scale)). jitkv divides (docs/design.md
 §4), so the shims pass ``1 / quant_scale``: the bytes are FlashInfer's whenever quant_scale is a power of
@@ -142,6 +141,9 @@ _PAGED: dict = {}  # (CUDA device index, rope Variant) -> the page-table build's
 # 0.97x at n = 4096, 1.02x at 8192 and 1.04x at 16384. Re-measure: both forms at those n.
 _PAGED_MAX_TOKENS = 4096
 _INT32_MAX = 2**31 - 1
+# rope_store_cache's keywords after cos_sin_cache, in schema order (_rope_store's args[8:])
+_KEYWORDS = ("is_neox", "rotary_dim", "q_norm_weight", "k_norm_weight", "eps", "q_out", "q_scale", "k_out")
+_KEYWORDS += ("kv_cache_dtype", "k_scale", "v_scale", "loc_map", "skip_slot")
 
 
 def _rope_store(
@@ -160,10 +162,6 @@ def _rope_store(
         return
     slots = page_slots(*table[:4], page_size)
     rope_store_cache(*args[:5], slots, *args[6:8], **dict(zip(_KEYWORDS, args[8:])))
-
-
-_KEYWORDS = ("is_neox", "rotary_dim", "q_norm_weight", "k_norm_weight", "eps", "q_out", "q_scale", "k_out")
-_KEYWORDS += ("kv_cache_dtype", "k_scale", "v_scale", "loc_map", "skip_slot")
 
 
 def _paged(table, page_size, args) -> bool:
