@@ -675,6 +675,7 @@ def variant(
             _q_mode(q_out),
             KV_FORMATS[kv_cache_dtype],
             True,
+            False,
         )
     except (AttributeError, IndexError, KeyError, TypeError, ValueError, ZeroDivisionError):
         check(
