@@ -30,6 +30,9 @@ import torch
 
 from .. import checks, reference, rope_store_cache, store_cache
 from .._warn import warn
+from ..jit import CaptureBuildError, JitUnavailable
+from ..ops import rope
+from ..ops._op import BackendUnavailable, debug_checks, forced_backend
 
 __all__ = [
     "append_paged_kv_cache",
@@ -57,6 +60,11 @@ def page_slots(batch_indices, positions, kv_indices, kv_indptr, page_size):
         kv_indptr, page_size < 1, indices on different devices.
     """
     page_size = _check_page_table(batch_indices, positions, kv_indices, kv_indptr, page_size)
+    return _page_slots(batch_indices, positions, kv_indices, kv_indptr, page_size)
+
+
+def _page_slots(batch_indices, positions, kv_indices, kv_indptr, page_size):
+    """page_slots of a checked table (page_size an int)."""
     fn = _page_slots_kernel(batch_indices.device) if batch_indices.is_cuda else None
     if fn is not None:
         slots = torch.empty(batch_indices.shape[0], dtype=torch.int64, device=batch_indices.device)
@@ -141,9 +149,7 @@ _PAGED: dict = {}  # (CUDA device index, rope Variant) -> the page-table build's
 # 0.97x at n = 4096, 1.02x at 8192 and 1.04x at 16384. Re-measure: both forms at those n.
 _PAGED_MAX_TOKENS = 4096
 _INT32_MAX = 2**31 - 1
-# rope_store_cache's keywords after cos_sin_cache, in schema order (_rope_store's args[8:])
-_KEYWORDS = ("is_neox", "rotary_dim", "q_norm_weight", "k_norm_weight", "eps", "q_out", "q_scale", "k_out")
-_KEYWORDS += ("kv_cache_dtype", "k_scale", "v_scale", "loc_map", "skip_slot")
+_ROPE_ARGS = tuple(p.name for p in rope.ROPE_STORE_CACHE.params)  # rope_store_cache's, in schema order
 
 
 def _rope_store(
@@ -160,26 +166,19 @@ def _rope_store(
     args += (q_out, q_scale, None, fmt, kv_scale, kv_scale, None, None)
     if q.is_cuda and _paged(table, page_size, args):
         return
-    slots = page_slots(*table[:4], page_size)
-    rope_store_cache(*args[:5], slots, *args[6:8], **dict(zip(_KEYWORDS, args[8:])))
+    slots = _page_slots(*table[:4], page_size)
+    rope_store_cache(**dict(zip(_ROPE_ARGS, (*args[:5], slots, *args[6:]))))
 
 
 def _paged(table, page_size, args) -> bool:
     """Whether the page-table build ran the call (rope_store_cache's arguments in schema order, its
     slot_mapping the table's batch_indices); False where it did not and wrote nothing."""
-    from ..ops import rope
-    from ..ops._op import debug_checks, forced_backend
-
     n = table[0].shape[0]
     if n > _PAGED_MAX_TOKENS or page_size > _INT32_MAX or debug_checks() or forced_backend(None) not in (None, "jit"):
         return False
     variant = rope.Variant(*rope.variant(*args))
     key = (args[0].device.index, variant)
     if key not in _PAGED:
-        from ..jit import JitUnavailable
-        from ..jit.build import CaptureBuildError
-        from ..ops._op import BackendUnavailable
-
         try:
             _PAGED[key] = rope.paged_runner(args[0].device, variant)
         except CaptureBuildError:  # not built yet, and a graph is being captured: built on a later call

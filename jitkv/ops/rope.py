@@ -910,10 +910,7 @@ def _jit(device, variant):
     take). The runner hands the binding [n', H, D] views; the binding checks the rest and the op's
     check names what it refuses."""
     if device.type == "cuda":
-        why = cuda_refusal(variant)
-        if why:
-            raise BackendUnavailable(f"the CUDA kernel cannot take this call: {why}")
-        spec, retry = cuda_spec(cuda_arch(device), variant), tuple(variant._replace(aligned=False))
+        spec, retry = _taken_cuda_spec(device, variant), tuple(variant._replace(aligned=False))
         no_table = (None, None, None, 0)  # the CUDA binding's page table (paged_runner's builds only)
     else:
         spec, retry, no_table = cpu_spec(), None, ()
@@ -998,10 +995,15 @@ def paged_runner(device, v: Variant):
     table's batch_indices as slot_mapping; True where the kernel declined the call (nothing written),
     else None. Raises BackendUnavailable for a variant the kernel cannot take; a build's JitUnavailable
     or CaptureBuildError propagates."""
+    return _runner(jit_function(_taken_cuda_spec(device, v._replace(page_table=True)), OP)[0], True, ())
+
+
+def _taken_cuda_spec(device, v: Variant) -> JitSpec:
+    """cuda_spec of v on device's arch; BackendUnavailable for a variant the kernel cannot take."""
     why = cuda_refusal(v)
     if why:
         raise BackendUnavailable(f"the CUDA kernel cannot take this call: {why}")
-    return _runner(jit_function(cuda_spec(cuda_arch(device), v._replace(page_table=True)), OP)[0], True, ())
+    return cuda_spec(cuda_arch(device), v)
 
 
 def _kv_format(op, kv_cache_dtype) -> int:

@@ -65,12 +65,9 @@ void check_module(const StoreParams& p, DLDevice dev) {
 jitkv::PageTable page_table(const StoreParams& p, const TensorView& slot_mapping,
                             const Optional<TensorView>& page_positions, const Optional<TensorView>& kv_indices,
                             const Optional<TensorView>& kv_indptr, int64_t page_size) {
-  const bool given = page_positions.has_value() && kv_indices.has_value() && kv_indptr.has_value();
-  if (given != Shape::kPaged ||
-      (!given && (page_positions.has_value() || kv_indices.has_value() || kv_indptr.has_value()))) {
-    mismatch("kv_indices", "slot source (a page table or slot_mapping)");
-  }
-  if (!given) return jitkv::PageTable{};
+  const int given = int(page_positions.has_value()) + int(kv_indices.has_value()) + int(kv_indptr.has_value());
+  if (given != (Shape::kPaged ? 3 : 0)) mismatch("kv_indices", "slot source (a page table or slot_mapping)");
+  if (!Shape::kPaged) return jitkv::PageTable{};
   return jitkv::cuda::parse_page_table(kOp, slot_mapping, page_positions.value(), kv_indices.value(), kv_indptr.value(),
                                        page_size, p.kv.n, p.kv.device, "k_cache");
 }

@@ -346,7 +346,7 @@ def test_rope_quantize_reads_the_page_table_in_its_kernel(dtype, page_size, case
     def refused(*a, **k):
         raise AssertionError("the two-launch form ran")
 
-    monkeypatch.setattr(flashinfer, "page_slots", refused)
+    monkeypatch.setattr(flashinfer, "_page_slots", refused)
     monkeypatch.setattr(flashinfer, "rope_store_cache", refused)
     got_q = call(caches)
     for got, w in zip((*got_q, *caches), (*want_q, *want)):
@@ -357,14 +357,14 @@ def test_rope_quantize_reads_the_page_table_in_its_kernel(dtype, page_size, case
 
 @gpu
 def test_rope_quantize_above_the_token_bound_runs_two_launches(monkeypatch):
-    """Above _PAGED_MAX_TOKENS the shim makes the slots first (page_slots), then runs rope_store_cache."""
+    """Above _PAGED_MAX_TOKENS the shim makes the slots first (page_slots' kernel), then runs rope_store_cache."""
     n, ps = 12, 4
     batch, pos, indices, indptr = _random_page_table(n, 3, 9, ps, torch.int32, "cuda")
     q_rope, _, k_rope, _, v = _rope_inputs("cuda", n, 2, 2, 16, 0, False)
     caches = tuple(rand((9, ps, 2, 16), E4M3, "cuda") for _ in "kv")
     made = []
-    real = flashinfer.page_slots
-    monkeypatch.setattr(flashinfer, "page_slots", lambda *a: made.append(a) or real(*a))
+    real = flashinfer._page_slots
+    monkeypatch.setattr(flashinfer, "_page_slots", lambda *a: made.append(a) or real(*a))
     args = (q_rope, k_rope, None, None, v, table(64, 16).cuda(), torch.zeros(n, dtype=torch.int64, device="cuda"))
     args += (caches, indices, indptr, batch, pos)
     flashinfer.rope_quantize_fp8_append_paged_kv_cache(*args, page_size=ps)
