@@ -37,8 +37,9 @@ __global__ void page_slots_kernel(const __grid_constant__ PageSlotsParams p) {
   }
   const int64_t b = load_index(p.table.batch_indices, p.table.batch_i64, t);
   const int64_t pos = load_index(p.table.positions, p.table.pos_i64, t);
+  const int64_t start = load_index(p.table.kv_indptr, p.table.indptr_i64, jitkv::cuda::indptr_guess(p.table, t));
   jitkv::cuda::pdl_launch_dependents();
-  p.slots[t] = jitkv::cuda::page_table_slot(p.table, b, pos);
+  p.slots[t] = jitkv::cuda::page_table_slot(p.table, b, pos, t, start);
 }
 
 constexpr const char* kOp = "page_slots";

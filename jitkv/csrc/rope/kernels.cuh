@@ -134,21 +134,26 @@ __device__ __forceinline__ int64_t kept_slot(const StoreArgs& p, int64_t s, int6
   return uint64_t(s) < uint64_t(num_slots) ? s : -1;
 }
 
-// A token's slot as loaded before the trigger: slots[t], or in a paged build (kPaged) the token's request
-// and sequence position, whose table lookups (cuda::page_table_slot: two dependent loads) follow the
-// trigger in value().
+// A token's slot as loaded before the trigger: slots[t], or in a paged build (kPaged) the token's request,
+// its sequence position and kv_indptr[t] (cuda::indptr_guess), whose table lookups (cuda::page_table_slot:
+// one load where the request is t, else two dependent loads) follow the trigger in value().
 template <bool kPaged>
 struct SlotIn {
-  LoadedIndex entry = {}, pos = {};
+  LoadedIndex entry = {}, pos = {}, start = {};
+  int64_t t = 0;
   SlotIn() = default;
   template <class Args>
-  __device__ __forceinline__ SlotIn(const Args& p, int64_t t) : entry(load_index_later(p.slots, p.slot_i64, t)) {
-    if constexpr (kPaged) pos = load_index_later(p.pages.positions, p.pages.pos_i64, t);
+  __device__ __forceinline__ SlotIn(const Args& p, int64_t t_)
+      : entry(load_index_later(p.slots, p.slot_i64, t_)), t(t_) {
+    if constexpr (kPaged) {
+      pos = load_index_later(p.pages.positions, p.pages.pos_i64, t);
+      start = load_index_later(p.pages.kv_indptr, p.pages.indptr_i64, cuda::indptr_guess(p.pages, t));
+    }
   }
   template <class Args>
   __device__ __forceinline__ int64_t value(const Args& p) const {
     if constexpr (kPaged) {
-      return cuda::page_table_slot(p.pages, entry.value(), pos.value());
+      return cuda::page_table_slot(p.pages, entry.value(), pos.value(), t, start.value());
     } else {
       return entry.value();
     }

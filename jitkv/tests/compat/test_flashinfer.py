@@ -234,12 +234,16 @@ def test_bad_input():
 
 def _random_page_table(n, requests, pages, page_size, dtype, device):
     """Random indices with every edge page_slots clamps or skips: padding tokens, requests past kv_indptr,
-    positions past a request's pages and past kv_indices, negative positions."""
+    positions past a request's pages and past kv_indices, negative positions; every other of the first
+    tokens is decode's, one per request (batch_indices[t] = t, whose kv_indptr entry the CUDA walks load
+    beside batch_indices: cuda/paged.cuh indptr_guess), the later of them past kv_indptr."""
     gen = torch.Generator().manual_seed(n)
     lens = torch.randint(0, 4, (requests,), generator=gen)
     indptr = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
     indices = torch.randint(0, pages, (int(indptr[-1]),), generator=gen)
     batch = torch.randint(-1, requests + 2, (n,), generator=gen)
+    decode = torch.arange(0, min(n, 2 * requests + 4), 2)
+    batch[decode] = decode
     pos = torch.randint(-2 * page_size, 5 * page_size, (n,), generator=gen)
     return [t.to(dtype).to(device) for t in (batch, pos, indices, indptr)]
 

@@ -105,12 +105,21 @@ inline PageTable parse_page_table(const char* op, const TensorView& batch_indice
 
 __device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t size) { return i < 0 ? 0 : i >= size ? size - 1 : i; }
 
+// Where token t's guess for page_table_slot is loaded from: its request's entry if batch_indices[t] = t.
+__device__ __forceinline__ int64_t indptr_guess(const PageTable& table, int64_t t) {
+  return clamp_index(t, table.num_indptr);
+}
+
 // The slot of a token of request b at sequence position pos in table t (jitkv/page_table.h), -1 for
-// none: two dependent loads (kv_indptr, then kv_indices), by load() after the caller's PDL wait. A
-// position in [0, 2^32) divides as block_of does (exact there: block_division_exact), others by the
-// 64-bit division (a call of ~70 instructions). In rope_store_cache's paged build a 32-bit division here
-// measured 0.09 µs slower at n <= 64 than a shift (docs/performance.md "FlashInfer page slots").
-__device__ __forceinline__ int64_t page_table_slot(const PageTable& t, int64_t b, int64_t pos) {
+// none: two dependent loads (kv_indptr, then kv_indices), by load() after the caller's PDL wait, the
+// first skipped where b is guess_b, whose kv_indptr entry the caller loaded beside b as guess_start
+// (indptr_guess: in decode every request has one token, batch_indices[t] = t, so the walk is one load
+// deep after batch_indices, as a slot_mapping's store is). A position in [0, 2^32) divides as block_of
+// does (exact there: block_division_exact), others by the 64-bit division (a call of ~70 instructions).
+// In rope_store_cache's paged build a 32-bit division here measured 0.09 µs slower at n <= 64 than a
+// shift, and the guess 0.07-0.17 µs faster at n = 1-128 (docs/performance.md "FlashInfer page slots").
+__device__ __forceinline__ int64_t page_table_slot(const PageTable& t, int64_t b, int64_t pos, int64_t guess_b,
+                                                   int64_t guess_start) {
   if (b < 0 || t.num_indices <= 0) return -1;
   int64_t page_of, row;
   if (uint64_t(pos) <= UINT32_MAX) {
@@ -124,7 +133,9 @@ __device__ __forceinline__ int64_t page_table_slot(const PageTable& t, int64_t b
       page_of -= 1;
     }
   }
-  const int64_t e = load_index(t.kv_indptr, t.indptr_i64, clamp_index(b, t.num_indptr)) + page_of;
+  const int64_t start =
+      b == guess_b ? guess_start : load_index(t.kv_indptr, t.indptr_i64, clamp_index(b, t.num_indptr));
+  const int64_t e = start + page_of;
   return load_index(t.kv_indices, t.indices_i64, clamp_index(e, t.num_indices)) * t.page_size + row;
 }
 
