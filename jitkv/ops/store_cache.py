@@ -10,7 +10,7 @@ import torch
 from .. import checks, reference
 from ..codes import FP8_DTYPES, FP8_MAX, KV_FORMATS, NO_SLOT, SRC_DTYPES, KvFormat, SrcDtype
 from ..jit import JitSpec, cuda_arch
-from ._op import Op, jit_function, scale_args
+from ._op import BackendUnavailable, Op, jit_function, scale_args
 from ._samples import rand, slots
 
 __all__ = ["store_cache"]
@@ -251,6 +251,7 @@ def _head_bytes_any_layout(k, k_cache, v, v_cache) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------- jit
 
 COPY_ENTRY = "store_cache_copy"  # the binding's kv_cache_dtype "auto" entry point: 7 arguments instead of 12
+TABLE_ENTRY = "store_cache_table"  # a page-table build's only entry point (table_runner)
 
 
 def cpu_spec() -> JitSpec:
@@ -258,11 +259,20 @@ def cpu_spec() -> JitSpec:
 
 
 def cuda_spec(
-    arch: str, k_head_bytes: int, v_head_bytes: int, src_dtype: int, kv_format: int, *, pdl: bool = True
+    arch: str,
+    k_head_bytes: int,
+    v_head_bytes: int,
+    src_dtype: int,
+    kv_format: int,
+    *,
+    pdl: bool = True,
+    page_table: bool = False,
 ) -> JitSpec:
     """The CUDA module for caches of ``k_head_bytes``/``v_head_bytes`` per head (0 and 0: the
     any-alignment build), sources of ``src_dtype`` (a SrcDtype; NONE for a copy) and the cache format
-    ``kv_format`` (a KvFormat); ``pdl=False`` launches without programmatic dependent launch."""
+    ``kv_format`` (a KvFormat); ``pdl=False`` launches without programmatic dependent launch;
+    ``page_table=True`` (16-byte copies only): the build that reads FlashInfer's page table itself
+    (table_runner)."""
     return JitSpec(
         "store_cache_cuda",
         ("store_cache/store_cache_cuda.cu",),
@@ -272,13 +282,15 @@ def cuda_spec(
             ("src_dtype", int(src_dtype)),
             ("kv_dtype", int(kv_format)),
             ("pdl", int(pdl)),
+            ("page_table", int(page_table)),
         ),
         target=arch,
-        exports=(OP, COPY_ENTRY),
+        exports=(TABLE_ENTRY,) if page_table else (OP, COPY_ENTRY),
     )
 
 
-# Prebuilt CUDA variants: bf16/fp16 head_dim 64, 128, 256 copies; bf16 -> e4m3 at 128; any alignment.
+# Prebuilt CUDA variants: bf16/fp16 head_dim 64, 128, 256 copies; bf16 -> e4m3 at 128; any alignment; and
+# the page-table build of the bf16 head_dim 128 copy (FlashInfer's append_paged_kv_cache shim).
 CUDA_PREBUILD = (
     (128, 128, SrcDtype.NONE, KvFormat.COPY),
     (256, 256, SrcDtype.NONE, KvFormat.COPY),
@@ -286,12 +298,33 @@ CUDA_PREBUILD = (
     (128, 128, SrcDtype.BF16, KvFormat.E4M3),
     (0, 0, SrcDtype.NONE, KvFormat.COPY),
 )
+CUDA_TABLE_PREBUILD = ((256, 256, SrcDtype.NONE, KvFormat.COPY),)
 
 
 def specs(target: str) -> list[JitSpec]:
     if target == "cpu":
         return [cpu_spec()]
-    return [cuda_spec(target, *fields) for fields in CUDA_PREBUILD]
+    return [cuda_spec(target, *fields) for fields in CUDA_PREBUILD] + [
+        cuda_spec(target, *fields, page_table=True) for fields in CUDA_TABLE_PREBUILD
+    ]
+
+
+def table_runner(device, v: Variant):
+    """A runner of store_cache's CUDA build that reads FlashInfer's page table itself (jitkv/page_table.h),
+    for copies (kv_cache_dtype "auto") of a 16-byte Variant: run(k, v, k_cache, v_cache, batch_indices,
+    positions, kv_indices, kv_indptr, page_size) writes k and v at the table's slots and returns None, or
+    True where the build cannot address the views (nothing written). Raises BackendUnavailable for a
+    variant it cannot take (a quantizing or any-alignment one); a build's JitUnavailable or
+    CaptureBuildError propagates."""
+    if v.kv_format != KvFormat.COPY or not v.aligned:
+        raise BackendUnavailable(f"{OP}: the page-table build copies rows of 16-byte heads")
+    spec = cuda_spec(cuda_arch(device), v.k_head_bytes, v.v_head_bytes, _NO_SRC, KvFormat.COPY, page_table=True)
+    fn = jit_function(spec, TABLE_ENTRY)[0]
+
+    def run(k, v, k_cache, v_cache, batch_indices, positions, kv_indices, kv_indptr, page_size):
+        return True if fn(k, v, k_cache, v_cache, batch_indices, positions, kv_indices, kv_indptr, page_size) else None
+
+    return run
 
 
 def _jit(device, variant):

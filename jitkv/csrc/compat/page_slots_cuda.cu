@@ -19,7 +19,6 @@ namespace {
 
 using jitkv::data_ptr;
 using jitkv::PageTable;
-using jitkv::cuda::load_index;
 using tvm::ffi::TensorView;
 
 struct PageSlotsParams {
@@ -35,11 +34,9 @@ __global__ void page_slots_kernel(const __grid_constant__ PageSlotsParams p) {
     jitkv::cuda::pdl_launch_dependents();
     return;
   }
-  const int64_t b = load_index(p.table.batch_indices, p.table.batch_i64, t);
-  const int64_t pos = load_index(p.table.positions, p.table.pos_i64, t);
-  const int64_t start = load_index(p.table.kv_indptr, p.table.indptr_i64, jitkv::cuda::indptr_guess(p.table, t));
+  const jitkv::cuda::TableEntries entries(p.table, t);
   jitkv::cuda::pdl_launch_dependents();
-  p.slots[t] = jitkv::cuda::page_table_slot(p.table, b, pos, t, start);
+  p.slots[t] = entries.slot(p.table);
 }
 
 constexpr const char* kOp = "page_slots";

@@ -145,12 +145,29 @@ __device__ __forceinline__ int64_t resolve_slot(const StoreCacheArgs& p, int64_t
   return load_index(p.loc_map, p.loc_i64, slot);
 }
 
+// A token's slot_mapping entry, or in a page-table build (kTable) its table entries (cuda::TableEntries):
+// loaded after the PDL wait, value() after the trigger.
+template <bool kTable>
+struct SlotEntry {
+  int64_t entry;
+  __device__ __forceinline__ SlotEntry(const StoreCacheArgs& p, int64_t t)
+      : entry(load_index(p.slots, p.slot_i64, t)) {}
+  __device__ __forceinline__ int64_t value(const StoreCacheArgs&) const { return entry; }
+};
+
+template <>
+struct SlotEntry<true> {
+  cuda::TableEntries entries;
+  __device__ __forceinline__ SlotEntry(const TableStoreCacheArgs& p, int64_t t) : entries(p.pages, t) {}
+  __device__ __forceinline__ int64_t value(const TableStoreCacheArgs& p) const { return entries.slot(p.pages); }
+};
+
 // Latency kernel: one vector per lane and side. Addresses are computed before the PDL wait (they
 // read only the parameter block); after it a warp issues the slot load and its source loads together
 // (every token < n has source rows, padding included, so reading them is safe; they are written only
 // for a kept slot), lets the next kernel launch, then resolves the slot and stores.
-template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcDtype kSrc, KvFormat kFmt, bool kPerHead>
-__device__ __forceinline__ void latency_write(const StoreCacheArgs& p) {
+template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcDtype kSrc, KvFormat kFmt, bool kPerHead, bool kTable>
+__device__ __forceinline__ void latency_write(const ArgsOf<kTable>& p) {
   using Cv = Convert<kSrc, kFmt, false>;
   cuda::warm_params(p, p.n);
   const int64_t token = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -165,12 +182,13 @@ __device__ __forceinline__ void latency_write(const StoreCacheArgs& p) {
   if constexpr (!kSplit) v.prepare(p.v, token, first);
   if (token >= p.n) return;
   cuda::pdl_wait();  // sources, indices and device scales may come from the previous kernel
-  const int64_t entry = load_index(p.slots, p.slot_i64, token);
+  const SlotEntry<kTable> slot_entry(p, token);
   k.load(true);
   if constexpr (!kSplit) v.load(true);
   cuda::pdl_launch_dependents();  // after the loads (as mla/copy.cuh's latency kernel)
   k.load_scale(first_side);
   if constexpr (!kSplit) v.load_scale(p.v);
+  const int64_t entry = slot_entry.value(p);
   int64_t slot = entry;
   if (p.loc_map != nullptr)
     slot = resolve_slot(p, entry);
@@ -190,14 +208,14 @@ __device__ __forceinline__ void latency_write(const StoreCacheArgs& p) {
 
 // Bulk kernel: the slot first, then a padding or out-of-range row is dropped before anything of it
 // is read (at large n every skipped row saves its bytes).
-template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcDtype kSrc, KvFormat kFmt, bool kPerHead>
-__device__ __forceinline__ void bulk_write(const StoreCacheArgs& p) {
+template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcDtype kSrc, KvFormat kFmt, bool kPerHead, bool kTable>
+__device__ __forceinline__ void bulk_write(const ArgsOf<kTable>& p) {
   using Cv = Convert<kSrc, kFmt, true>;
   cuda::pdl_wait();  // sources and indices may come from the previous kernel
   cuda::pdl_launch_dependents();
   const int64_t token = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (token >= p.n) return;
-  const int64_t entry = load_index(p.slots, p.slot_i64, token);
+  const int64_t entry = SlotEntry<kTable>(p, token).value(p);
   const uint32_t first = blockIdx.y * (32 * Cv::kUnroll) + (threadIdx.x & 31);
   SideChunk<kKHeadBytes, kVec, Cv, false, kPerHead> k;
   SideChunk<kVHeadBytes, kVec, Cv, false, kPerHead> v;
@@ -216,12 +234,14 @@ __device__ __forceinline__ void bulk_write(const StoreCacheArgs& p) {
 // grid = (ceil(n / warps_per_block), chunks, sides), block = 32 * warps_per_block; one warp per
 // (token, chunk), writing K and V. With split_sides (sides = 2), one warp per (token, chunk, side),
 // which halves each warp's fp8 conversion chain; bf16 copies stay on one warp (measured slower split).
-template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcDtype kSrc, KvFormat kFmt, bool kBulk, bool kPerHead>
-__global__ void __launch_bounds__(32 * kMaxWarpsPerBlock) store_cache_kernel(const __grid_constant__ StoreCacheArgs p) {
+// kTable: the slots from FlashInfer's page table (TableStoreCacheArgs).
+template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcDtype kSrc, KvFormat kFmt, bool kBulk, bool kPerHead,
+          bool kTable>
+__global__ void __launch_bounds__(32 * kMaxWarpsPerBlock) store_cache_kernel(const __grid_constant__ ArgsOf<kTable> p) {
   if constexpr (kBulk) {
-    bulk_write<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFmt, kPerHead>(p);
+    bulk_write<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFmt, kPerHead, kTable>(p);
   } else {
-    latency_write<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFmt, kPerHead>(p);
+    latency_write<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFmt, kPerHead, kTable>(p);
   }
 }
 

@@ -4,6 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
+
+#include "jitkv/page_table.h"
 
 namespace jitkv::store_cache {
 
@@ -31,5 +34,15 @@ struct StoreCacheArgs {
   int32_t slot_i64, loc_i64;
   int32_t same_blocks;  // 1: K and V caches have the same block size (a slot's block and row agree)
 };
+
+// A page-table build's block (JITKV_PAGE_TABLE; kernels.cuh SlotEntry): slots is FlashInfer's
+// batch_indices, token t's slot FlashInfer's rule (jitkv/page_table.h). A block of its own, so that the
+// other builds' block (each thread warms it, line by line) stays as it is.
+struct TableStoreCacheArgs : StoreCacheArgs {
+  PageTable pages;
+};
+
+template <bool kTable>
+using ArgsOf = std::conditional_t<kTable, TableStoreCacheArgs, StoreCacheArgs>;
 
 }  // namespace jitkv::store_cache

@@ -83,16 +83,52 @@ struct RowBlocks {
 
 struct NoBlocks {};
 
-// The block of one row kernel: RowArgs (copies) or RowFp8Args, then RowBlocks for paged caches.
-template <bool kPaged, bool kQuant>
-struct RowArgsOf : std::conditional_t<kQuant, RowFp8Args, RowArgs>, std::conditional_t<kPaged, RowBlocks, NoBlocks> {};
+// A page-table build's table (slots is its batch_indices: kernels.cuh SlotEntry).
+struct RowTable {
+  PageTable pages;
+};
+
+struct NoTable {};
+
+// The block of one row kernel: RowArgs (copies) or RowFp8Args, then RowBlocks for paged caches, then
+// the page table of a page-table build.
+template <bool kPaged, bool kQuant, bool kTable>
+struct RowArgsOf : std::conditional_t<kQuant, RowFp8Args, RowArgs>,
+                   std::conditional_t<kPaged, RowBlocks, NoBlocks>,
+                   std::conditional_t<kTable, RowTable, NoTable> {};
+
+// A row kernel's slot: slots[token] of TSlot, or (kTable) the token's page-table entries, walked in
+// value() after the trigger.
+template <bool kTable, typename TSlot>
+struct RowSlot {
+  int64_t entry;
+  template <class Args>
+  __device__ __forceinline__ RowSlot(const Args& p, int64_t token)
+      : entry(cuda::load(static_cast<const TSlot*>(p.slots) + token)) {}
+  template <class Args>
+  __device__ __forceinline__ int64_t value(const Args&) const {
+    return entry;
+  }
+};
+
+template <typename TSlot>
+struct RowSlot<true, TSlot> {
+  cuda::TableEntries entries;
+  template <class Args>
+  __device__ __forceinline__ RowSlot(const Args& p, int64_t token) : entries(p.pages, token) {}
+  template <class Args>
+  __device__ __forceinline__ int64_t value(const Args& p) const {
+    return entries.slot(p.pages);
+  }
+};
 
 // grid = (ceil(n / warps_per_block), chunks, sides) as the latency kernel; lane l of chunk c moves
 // kVec-byte vector 32 c + l of the K row and of the V row (or, with split sides, of the side
 // blockIdx.z picks). Every slot outside [0, num_slots) is skipped: the host passes no skip_slot inside it.
-template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcDtype kSrc, KvFormat kFmt, bool kPaged, typename TSlot>
+template <int kKHeadBytes, int kVHeadBytes, int kVec, SrcDtype kSrc, KvFormat kFmt, bool kPaged, typename TSlot,
+          bool kTable>
 __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
-    store_cache_row_kernel(const __grid_constant__ RowArgsOf<kPaged, kFmt != KvFormat::kCopy> p) {
+    store_cache_row_kernel(const __grid_constant__ RowArgsOf<kPaged, kFmt != KvFormat::kCopy, kTable> p) {
   using Cv = Convert<kSrc, kFmt, false>;
   constexpr int kSrcVec = kVec * Cv::kRatio;
   constexpr bool kSplit = split_sides(kFmt, kKHeadBytes, kVHeadBytes, false);
@@ -120,7 +156,7 @@ __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
   }
   if (token >= p.n) return;
   cuda::pdl_wait();  // sources, indices and device scales may come from the previous kernel
-  const int64_t slot = cuda::load(static_cast<const TSlot*>(p.slots) + token);
+  const RowSlot<kTable, TSlot> slot_entry(p, token);
   Pack<kSrcVec> kd, vd;
   if (k_in) kd = cuda::load_pack<kSrcVec>(k_src);
   if (v_in) vd = cuda::load_pack<kSrcVec>(v_src);
@@ -133,6 +169,7 @@ __global__ void __launch_bounds__(32 * kMaxWarpsPerBlock)
     if constexpr (!kSplit) v_div = cuda::Divider(v_scale_load ? cuda::load(v_scale_at) : p.scale_value(1));
   }
   // Padding (< 0) and out-of-range slots are never written.
+  const int64_t slot = slot_entry.value(p);
   if (uint64_t(slot) >= uint64_t(p.num_slots)) return;
   int64_t k_row = slot * p.dst_stride(first), v_row = slot * p.dst_stride(1);
   if constexpr (kPaged) {

@@ -13,6 +13,8 @@
 //       bf16, fp16 or fp32 (sources quantized to fp8).
 //   JITKV_KV_DTYPE   the cache format, a codes::KvFormat: copy, e4m3 or e5m2.
 //   JITKV_PDL        0 launches without programmatic dependent launch (tests).
+//   JITKV_PAGE_TABLE 1: the slots come from FlashInfer's page table, walked in the kernels (jitkv/page_table.h;
+//       TableStoreCacheArgs, RowTable); such a build exports store_cache_table only, copies only.
 // Launch shape: one warp per (token, chunk[, side]); the latency kernel in blocks of 4 or 8 warps
 // (jitkv/cuda/launch.cuh latency_warps_per_block), the bulk kernel in blocks of 1, 2, 4 or 8 warps so
 // that its grid spreads over the SMs first. Each build holds two kernels (kernels.cuh): the latency
@@ -50,11 +52,13 @@ constexpr SrcDtype kSrc = static_cast<SrcDtype>(JITKV_SRC_DTYPE);
 constexpr KvFormat kFmt = static_cast<KvFormat>(JITKV_KV_DTYPE);
 constexpr bool kGeneric = kKHeadBytes == 0;
 constexpr bool kPdl = JITKV_PDL != 0;
+constexpr bool kTable = JITKV_PAGE_TABLE != 0;
 constexpr int kRatio = src_ratio(kSrc, kFmt);
 static_assert((kKHeadBytes == 0) == (kVHeadBytes == 0), "K and V are both specialised or both generic");
 static_assert(kKHeadBytes % 16 == 0 && kVHeadBytes % 16 == 0, "specialised head bytes must be multiples of 16");
 static_assert(kFmt == KvFormat::kCopy || kFmt == KvFormat::kE4M3 || kFmt == KvFormat::kE5M2,
               "JITKV_KV_DTYPE: codes::KvFormat copy, e4m3 or e5m2");
+static_assert(!kTable || (kFmt == KvFormat::kCopy && !kGeneric), "page-table builds: 16-byte copies");
 
 // Latency kernels while n x chunks (x 2 sides for fp8) stays within this many warps per SM, the bulk
 // kernel beyond: the crossovers measured for copies and for fp8 (docs/performance.md
@@ -147,15 +151,20 @@ int64_t chunks_per_token(const StoreCacheParams& p, bool bulk) {
   return (std::max(p.k.row_vecs, p.v.row_vecs) + chunk - 1) / chunk;
 }
 
-using Kernel = void (*)(StoreCacheArgs);
+using Args = ArgsOf<kTable>;  // the latency and bulk kernels' block
+using Kernel = void (*)(Args);
+
+// A page-table build's block takes the call's table; the other builds' block has none.
+void set_table(TableStoreCacheArgs& a, const jitkv::PageTable& table) { a.pages = table; }
+void set_table(StoreCacheArgs&, const jitkv::PageTable&) {}
 
 // The kernel for kVec-byte vectors: fp8 builds also hold kernels that divide each head by its own scale.
 template <int kVec, bool kBulk>
 Kernel kernel(bool per_head) {
   if constexpr (kFmt != KvFormat::kCopy) {
-    if (per_head) return store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFmt, kBulk, true>;
+    if (per_head) return store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFmt, kBulk, true, kTable>;
   }
-  return store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFmt, kBulk, false>;
+  return store_cache_kernel<kKHeadBytes, kVHeadBytes, kVec, kSrc, kFmt, kBulk, false, kTable>;
 }
 
 // Heads of one side back to back in its source and its cache rows (or a single head).
@@ -247,8 +256,9 @@ RowFp8Args fp8_row_args(const StoreCacheParams& p) {
 
 // A row kernel's parameter block from the call's, and its launch.
 template <bool kPaged, typename TSlot>
-cudaError_t launch_row(const StoreCacheParams& p, dim3 grid, dim3 block, cudaStream_t stream, bool pdl) {
-  RowArgsOf<kPaged, kFmt != KvFormat::kCopy> a{};
+cudaError_t launch_row(const StoreCacheParams& p, const jitkv::PageTable& table, dim3 grid, dim3 block,
+                       cudaStream_t stream, bool pdl) {
+  RowArgsOf<kPaged, kFmt != KvFormat::kCopy, kTable> a{};
   if constexpr (kFmt != KvFormat::kCopy) {
     static_cast<RowFp8Args&>(a) = fp8_row_args(p);
   } else {
@@ -260,15 +270,17 @@ cudaError_t launch_row(const StoreCacheParams& p, dim3 grid, dim3 block, cudaStr
     a.block_magic = p.k.block_magic;
     a.block_shift = p.k.block_shift;
   }
-  return jitkv::cuda::launch(store_cache_row_kernel<kKHeadBytes, kVHeadBytes, kRowVec, kSrc, kFmt, kPaged, TSlot>, grid,
-                             block, stream, pdl, a);
+  if constexpr (kTable) a.pages = table;
+  return jitkv::cuda::launch(
+      store_cache_row_kernel<kKHeadBytes, kVHeadBytes, kRowVec, kSrc, kFmt, kPaged, TSlot, kTable>, grid, block, stream,
+      pdl, a);
 }
 
 // Launches the latency kernel (its row form where the call fits) while its warps fit in
 // kLatencyWarpsPerSM per SM, the bulk kernel beyond, with kVec-byte destination vectors.
 template <int kVec>
-cudaError_t launch(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_head_bytes, const DeviceInfo& info,
-                   cudaStream_t stream) {
+cudaError_t launch(const StoreCacheParams& p, const jitkv::PageTable& table, int64_t k_head_bytes, int64_t v_head_bytes,
+                   const DeviceInfo& info, cudaStream_t stream) {
   const bool bulk = p.n * chunks_per_token(p, false) > kLatencyWarpsPerSM * info.sms;
   const unsigned sides = split_sides(kFmt, kKHeadBytes, kVHeadBytes, bulk) ? 2u : 1u;
   const bool pdl = kPdl && info.pdl();
@@ -278,12 +290,13 @@ cudaError_t launch(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_he
       const int wpb = jitkv::cuda::latency_warps_per_block(p.n * chunks * sides, info.sms);
       const dim3 grid(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks), sides);
       const dim3 block(32 * wpb);
+      // A page-table build reads no slot_mapping: its row kernels are the int64 instances only.
       if (p.k.block_size > 1) {
-        return p.slot_i64 ? launch_row<true, int64_t>(p, grid, block, stream, pdl)
-                          : launch_row<true, int32_t>(p, grid, block, stream, pdl);
+        return p.slot_i64 || kTable ? launch_row<true, int64_t>(p, table, grid, block, stream, pdl)
+                                    : launch_row<true, int32_t>(p, table, grid, block, stream, pdl);
       }
-      return p.slot_i64 ? launch_row<false, int64_t>(p, grid, block, stream, pdl)
-                        : launch_row<false, int32_t>(p, grid, block, stream, pdl);
+      return p.slot_i64 || kTable ? launch_row<false, int64_t>(p, table, grid, block, stream, pdl)
+                                  : launch_row<false, int32_t>(p, table, grid, block, stream, pdl);
     }
   }
   const bool per_head = p.k.scale_stride != 0 || p.v.scale_stride != 0;
@@ -291,18 +304,17 @@ cudaError_t launch(const StoreCacheParams& p, int64_t k_head_bytes, int64_t v_he
   const int wpb = bulk ? jitkv::cuda::spread_warps_per_block(p.n * chunks, info.sms, kMaxWarpsPerBlock)
                        : jitkv::cuda::latency_warps_per_block(p.n * chunks * sides, info.sms);
   const dim3 grid(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks), sides);
+  Args a{};
+  static_cast<StoreCacheArgs&>(a) = p;
+  set_table(a, table);
   return jitkv::cuda::launch(bulk ? kernel<kVec, true>(per_head) : kernel<kVec, false>(per_head), grid, dim3(32 * wpb),
-                             stream, pdl, p);
+                             stream, pdl, a);
 }
 
-// kNeedsAnyAlignment when this 16-byte build cannot address the view (an address or a used stride of
-// k/v/k_cache/v_cache that is not a multiple of 16 bytes), else kDone after the launch.
-int64_t store_cache(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache, TensorView slot_mapping,
-                    Optional<TensorView> loc_map, int64_t skip_slot, int64_t kv_cache_dtype,
-                    Optional<TensorView> k_scale, Optional<TensorView> v_scale, double k_scale_value,
-                    double v_scale_value) {
-  StoreCacheParams p = parse_params(kOp, k, v, k_cache, v_cache, slot_mapping, loc_map, skip_slot, kv_cache_dtype,
-                                    k_scale, v_scale, k_scale_value, v_scale_value);
+// The parsed call's launch (table: a page-table build's, else unused): kNeedsAnyAlignment when this
+// 16-byte build cannot address the view (an address or a used stride of k/v/k_cache/v_cache that is not
+// a multiple of 16 bytes), else kDone after the launch.
+int64_t run(StoreCacheParams& p, const jitkv::PageTable& table) {
   const int64_t cache_elem = p.kv_dtype == KvFormat::kCopy ? jitkv::elem_bytes(p.src_dtype) : 1;
   const int64_t k_head_bytes = p.k_head_dim * cache_elem, v_head_bytes = p.v_head_dim * cache_elem;
   const int vec = pick_vec(p, k_head_bytes, v_head_bytes);
@@ -317,19 +329,47 @@ int64_t store_cache(TensorView k, TensorView v, TensorView k_cache, TensorView v
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
   cudaError_t err;
   if constexpr (kGeneric) {
-    err = vec == 16  ? launch<16>(p, k_head_bytes, v_head_bytes, info, stream)
-          : vec == 8 ? launch<8>(p, k_head_bytes, v_head_bytes, info, stream)
-          : vec == 4 ? launch<4>(p, k_head_bytes, v_head_bytes, info, stream)
-          : vec == 2 ? launch<2>(p, k_head_bytes, v_head_bytes, info, stream)
-                     : launch<1>(p, k_head_bytes, v_head_bytes, info, stream);
-  } else {
-    err = launch<16>(p, k_head_bytes, v_head_bytes, info, stream);  // any other width returned kNeedsAnyAlignment above
+    err = vec == 16  ? launch<16>(p, table, k_head_bytes, v_head_bytes, info, stream)
+          : vec == 8 ? launch<8>(p, table, k_head_bytes, v_head_bytes, info, stream)
+          : vec == 4 ? launch<4>(p, table, k_head_bytes, v_head_bytes, info, stream)
+          : vec == 2 ? launch<2>(p, table, k_head_bytes, v_head_bytes, info, stream)
+                     : launch<1>(p, table, k_head_bytes, v_head_bytes, info, stream);
+  } else {  // any other width returned kNeedsAnyAlignment above
+    err = launch<16>(p, table, k_head_bytes, v_head_bytes, info, stream);
   }
   jitkv::cuda::check_launch(kOp, err);
   return status(Status::kDone);
 }
 
+#if JITKV_PAGE_TABLE
+// A page-table build's entry: store_cache's copy of k and v into the caches at the slots FlashInfer's
+// table gives (jitkv/page_table.h: batch_indices in slot_mapping's place), walked in the kernel.
+int64_t store_cache_table(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache, TensorView batch_indices,
+                          TensorView positions, TensorView kv_indices, TensorView kv_indptr, int64_t page_size) {
+  StoreCacheParams p =
+      parse_params(kOp, k, v, k_cache, v_cache, batch_indices, Optional<TensorView>(), jitkv::codes::kNoSlot,
+                   static_cast<int64_t>(KvFormat::kCopy), Optional<TensorView>(), Optional<TensorView>(),
+                   jitkv::codes::kMissingScale, jitkv::codes::kMissingScale);
+  const jitkv::PageTable table = jitkv::cuda::parse_page_table(kOp, batch_indices, positions, kv_indices, kv_indptr,
+                                                               page_size, p.n, p.device, "k_cache");
+  return run(p, table);
+}
+#else
+int64_t store_cache(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache, TensorView slot_mapping,
+                    Optional<TensorView> loc_map, int64_t skip_slot, int64_t kv_cache_dtype,
+                    Optional<TensorView> k_scale, Optional<TensorView> v_scale, double k_scale_value,
+                    double v_scale_value) {
+  StoreCacheParams p = parse_params(kOp, k, v, k_cache, v_cache, slot_mapping, loc_map, skip_slot, kv_cache_dtype,
+                                    k_scale, v_scale, k_scale_value, v_scale_value);
+  return run(p, jitkv::PageTable{});
+}
+#endif
+
 }  // namespace
 
+#if JITKV_PAGE_TABLE
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(store_cache_table, store_cache_table);
+#else
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(store_cache, store_cache);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(store_cache_copy, store_cache_copy<store_cache>);
+#endif

@@ -139,5 +139,20 @@ __device__ __forceinline__ int64_t page_table_slot(const PageTable& t, int64_t b
   return load_index(t.kv_indices, t.indices_i64, clamp_index(e, t.num_indices)) * t.page_size + row;
 }
 
+// A token's entries of table `table`, loaded together after the caller's PDL wait (batch_indices[t],
+// positions[t] and the guessed kv_indptr[t]); slot() walks the rest (page_table_slot), after the
+// caller's trigger. page_slots' kernel and store_cache's page-table builds take their slots so.
+struct TableEntries {
+  int64_t b, pos, start, t;
+  __device__ __forceinline__ TableEntries(const PageTable& table, int64_t t_)
+      : b(load_index(table.batch_indices, table.batch_i64, t_)),
+        pos(load_index(table.positions, table.pos_i64, t_)),
+        start(load_index(table.kv_indptr, table.indptr_i64, indptr_guess(table, t_))),
+        t(t_) {}
+  __device__ __forceinline__ int64_t slot(const PageTable& table) const {
+    return page_table_slot(table, b, pos, t, start);
+  }
+};
+
 }  // namespace cuda
 }  // namespace jitkv
