@@ -7,14 +7,15 @@ Same names, argument order and results as ``flashinfer.page`` and ``flashinfer.r
 FlashInfer's page table: token i of the batch belongs to request ``b = batch_indices[i]`` (b < 0: a
 padding token, not written) at ``positions[i]`` of it; its page is ``kv_indices[kv_indptr[b] +
 positions[i] // page_size]``, its row ``positions[i] % page_size`` (csrc/include/jitkv/page_table.h).
-On CUDA, ``rope_quantize_fp8_append_paged_kv_cache`` is one launch up to 4,096 tokens: a build of
-rope_store_cache's kernel that walks the table itself (prebuilt for head_dim 128 bf16 -> e4m3; other
-shapes build on first call, outside graph capture). Otherwise the shims turn the table into jitkv's slots
-(``page * page_size + row``) on the indices' device, with no host sync (graph-safe), then write: on CUDA
-by one kernel (csrc/compat/page_slots_cuda.cu, built on first call like every jitkv module and prebuilt
-with them), elsewhere, or where that module cannot be built (one warning says why), by a dozen torch
-index ops that give the same slots. A request past ``kv_indptr`` or a page past ``kv_indices`` is clamped
-into it (FlashInfer reads past the table; nothing of jitkv writes outside the caches).
+On CUDA each shim is one launch: a build of store_cache's kernels (16-byte heads) or of
+rope_store_cache's (up to 4,096 tokens) that walks the table itself (prebuilt for head_dim 128 bf16
+copies and bf16 -> e4m3 RoPE; other shapes build on first call, outside graph capture). Otherwise the
+shims turn the table into jitkv's slots (``page * page_size + row``) on the indices' device, with no
+host sync (graph-safe), then write: on CUDA by one kernel (csrc/compat/page_slots_cuda.cu, built on
+first call like every jitkv module and prebuilt with them), elsewhere, or where that module cannot be
+built (one warning says why), by a dozen torch index ops that give the same slots. A request past
+``kv_indptr`` or a page past ``kv_indices`` is clamped into it (FlashInfer reads past the table;
+nothing of jitkv writes outside the caches).
 
 FlashInfer's FP8 scales multiply: stored = fp8(satfinite(x * quant_scale)). jitkv divides (docs/design.md
 §4), so the shims pass ``1 / quant_scale``: the bytes are FlashInfer's whenever quant_scale is a power of
@@ -32,6 +33,7 @@ from .. import checks, reference, rope_store_cache, store_cache
 from .._warn import warn
 from ..jit import CaptureBuildError, JitUnavailable
 from ..ops import rope
+from ..ops import store_cache as store_cache_op
 from ..ops._op import BackendUnavailable, debug_checks, forced_backend
 
 __all__ = [
@@ -143,7 +145,7 @@ def _page_slots_kernel(device):
     return _KERNELS[index]
 
 
-_PAGED: dict = {}  # (CUDA device index, rope Variant) -> the page-table build's runner, or None
+_TABLE_BUILDS: dict = {}  # (op, CUDA device index, Variant) -> its page-table build's runner, or None
 # Above this many tokens each K/V thread's walk of the table costs more than page_slots' launch: on an H200
 # the one launch against the two, FlashInfer's case (docs/performance.md "FlashInfer page slots"), was
 # 0.97x at n = 4096, 1.02x at 8192 and 1.04x at 16384. Re-measure: both forms at those n.
@@ -173,29 +175,62 @@ def _rope_store(
 def _paged(table, page_size, args) -> bool:
     """Whether the page-table build ran the call (rope_store_cache's arguments in schema order, its
     slot_mapping the table's batch_indices); False where it did not and wrote nothing."""
-    n = table[0].shape[0]
-    if n > _PAGED_MAX_TOKENS or page_size > _INT32_MAX or debug_checks() or forced_backend(None) not in (None, "jit"):
+    if table[0].shape[0] > _PAGED_MAX_TOKENS or not _table_builds_run(page_size):
         return False
-    variant = rope.Variant(*rope.variant(*args))
-    key = (args[0].device.index, variant)
-    if key not in _PAGED:
-        try:
-            _PAGED[key] = rope.paged_runner(args[0].device, variant)
-        except CaptureBuildError:  # not built yet, and a graph is being captured: built on a later call
-            return False
-        except BackendUnavailable:
-            _PAGED[key] = None
-        except JitUnavailable as e:
-            _PAGED[key] = None
-            warn(
-                f"jitkv.compat.flashinfer: rope_store_cache's page-table build is unavailable ({e}); "
-                "page_slots makes the slots"
-            )
-    fn = _PAGED[key]
+    fn = _table_build("rope_store_cache", args[0].device, rope.Variant(*rope.variant(*args)), rope.paged_runner)
     if fn is None:
         return False
     batch_indices, positions, kv_indices, kv_indptr = (_int32_or_64(t) for t in table[:4])
     return fn(*args[:5], batch_indices, *args[6:], table=(positions, kv_indices, kv_indptr, page_size)) is None
+
+
+def _table_builds_run(page_size) -> bool:
+    """Whether a call may take a page-table build: where the op would run its CUDA kernel (no backend
+    forced but jit; not under JITKV_DEBUG=1, whose host checks take slots), for a page size the kernels'
+    32-bit division takes."""
+    return page_size <= _INT32_MAX and not debug_checks() and forced_backend(None) in (None, "jit")
+
+
+def _table_build(op, device, variant, make):
+    """The runner of op's page-table build for variant on device (``make(device, variant)`` builds it),
+    made once; None where there is none: a variant the kernel cannot take, or a build that is
+    unavailable (one warning says why). A build refused under graph capture is made on a later call."""
+    key = (op, device.index, variant)
+    if key not in _TABLE_BUILDS:
+        try:
+            _TABLE_BUILDS[key] = make(device, variant)
+        except CaptureBuildError:  # not built yet, and a graph is being captured: built on a later call
+            return None
+        except BackendUnavailable:
+            _TABLE_BUILDS[key] = None
+        except JitUnavailable as e:
+            _TABLE_BUILDS[key] = None
+            warn(f"jitkv.compat.flashinfer: {op}'s page-table build is unavailable ({e}); page_slots makes the slots")
+    return _TABLE_BUILDS[key]
+
+
+def _append(table, k, v, k_cache, v_cache):
+    """store_cache's copy of k and v (``[n, H, D]``) at the slots of FlashInfer's page table ``table`` =
+    (batch_indices, positions, kv_indices, kv_indptr, page_size). On CUDA one launch: store_cache's build
+    that reads the table itself (ops/store_cache.py table_runner), where the op would run its CUDA kernel
+    and that build takes the views; else page_slots' slots, then store_cache."""
+    page_size = _check_page_table(*table)
+    if k_cache.is_cuda and table[0].device == k_cache.device and _table_builds_run(page_size):
+        variant = store_cache_op.Variant(
+            *store_cache_op.variant(k, v, k_cache, v_cache, table[0], "auto", None, None, None, None)
+        )
+        fn = _table_build("store_cache", k_cache.device, variant, store_cache_op.table_runner)
+        if fn is not None:
+            batch_indices, positions, kv_indices, kv_indptr = (_int32_or_64(t) for t in table[:4])
+            try:
+                refused = fn(k, v, k_cache, v_cache, batch_indices, positions, kv_indices, kv_indptr, page_size)
+            except (AttributeError, IndexError, TypeError, ValueError, RuntimeError):
+                # as the op does: its check names the argument the binding refused (ops/_op.py)
+                store_cache_op.check(k, v, k_cache, v_cache, table[0], "auto", None, None, None, None)
+                raise
+            if not refused:
+                return
+    store_cache(k, v, k_cache, v_cache, _page_slots(*table[:4], page_size))
 
 
 def _nhd(cache, layout):
@@ -247,8 +282,8 @@ def append_paged_kv_cache(
         IndexError: a slot past the cache (CPU; CUDA under JITKV_DEBUG=1).
     """
     k_cache, v_cache = _unpack(paged_kv_cache, kv_layout)
-    slots = page_slots(batch_indices, positions, kv_indices, kv_indptr, k_cache.shape[1])
-    store_cache(append_key, append_value, k_cache, v_cache, slots)
+    table = (batch_indices, positions, kv_indices, kv_indptr, k_cache.shape[1])
+    _append(table, append_key, append_value, k_cache, v_cache)
 
 
 def append_paged_mla_kv_cache(
@@ -265,8 +300,8 @@ def append_paged_mla_kv_cache(
     Raises:
         the errors of ``jitkv.store_cache`` (the latent and rope parts are its k and v, one head each).
     """
-    slots = page_slots(batch_indices, positions, kv_indices, kv_indptr, ckv_cache.shape[1])
-    store_cache(append_ckv.unsqueeze(1), append_kpe.unsqueeze(1), ckv_cache.unsqueeze(2), kpe_cache.unsqueeze(2), slots)
+    table = (batch_indices, positions, kv_indices, kv_indptr, ckv_cache.shape[1])
+    _append(table, append_ckv.unsqueeze(1), append_kpe.unsqueeze(1), ckv_cache.unsqueeze(2), kpe_cache.unsqueeze(2))
 
 
 def _joined(a, b):

@@ -376,3 +376,80 @@ def test_rope_quantize_above_the_token_bound_runs_two_launches(monkeypatch):
     monkeypatch.setattr(flashinfer, "_PAGED_MAX_TOKENS", n - 1)
     flashinfer.rope_quantize_fp8_append_paged_kv_cache(*args, page_size=ps)
     assert len(made) == 1
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("page_size", [4, 5])
+@pytest.mark.parametrize("case", ["NHD", "HND", "mla", "bulk", "empty table"])
+def test_append_reads_the_page_table_in_its_kernel(dtype, page_size, case, monkeypatch):
+    """On CUDA the append shims are one launch: store_cache's page-table build (csrc/store_cache,
+    JITKV_PAGE_TABLE; its row kernel for NHD and MLA, its latency kernel for HND, its bulk kernel at n =
+    9000) walks the table itself. Whole caches against the two-launch form (page_slots, then store_cache)
+    on the same inputs, the table's every edge included (_random_page_table)."""
+    n, pages, h, d = (9000 if case == "bulk" else 300), 9, 2, 64
+    batch, pos, indices, indptr = _random_page_table(n, 5, pages, page_size, dtype, "cuda")
+    if case == "empty table":
+        indices = indices[:0]
+    # One token per slot (a slot's later tokens made padding), so that both forms write the same bytes.
+    slots = flashinfer.page_slots_torch(batch.cpu(), pos.cpu(), indices.cpu(), indptr.cpu(), page_size)
+    seen, taken = set(), []
+    for s in slots.tolist():
+        taken.append(s >= 0 and s in seen)
+        seen.add(s)
+    batch[torch.tensor(taken, device="cuda")] = -1
+    if case == "mla":
+        k, v = rand((n, 512), BF16, "cuda"), rand((n, 64), BF16, "cuda")
+        caches = (rand((pages, page_size, 512), BF16, "cuda"), rand((pages, page_size, 64), BF16, "cuda"))
+    else:
+        k, v = rand((n, h, d), BF16, "cuda"), rand((n, h, d), BF16, "cuda")
+        inner = (h, page_size) if case == "HND" else (page_size, h)
+        caches = tuple(rand((pages, *inner, d), BF16, "cuda") for _ in "kv")
+    want = [c.clone() for c in caches]
+
+    def call(paged):
+        if case == "mla":
+            flashinfer.append_paged_mla_kv_cache(k, v, batch, pos, *paged, indices, indptr, None)
+        else:
+            kv_layout = "HND" if case == "HND" else "NHD"
+            flashinfer.append_paged_kv_cache(k, v, batch, pos, paged, indices, indptr, None, kv_layout=kv_layout)
+
+    with monkeypatch.context() as m:
+        m.setattr(flashinfer, "_table_build", lambda *a: None)
+        call(want)
+
+    def refused(*a, **kw):
+        raise AssertionError("the two-launch form ran")
+
+    monkeypatch.setattr(flashinfer, "_page_slots", refused)
+    monkeypatch.setattr(flashinfer, "store_cache", refused)
+    call(caches)
+    for got, w in zip(caches, want):
+        assert_bitwise(got, w)
+    if case != "empty table":  # the table had both kinds of token
+        assert -1 in slots.tolist() and int(slots.max()) >= 0
+
+
+@gpu
+def test_append_takes_two_launches_where_the_table_build_cannot_run(monkeypatch):
+    """Views the page-table build cannot address (heads of 8 bytes), JITKV_DEBUG=1 and a forced backend
+    take page_slots, then store_cache; the bytes are the same."""
+    ps, pages = 4, 12
+    indices, indptr, batch, pos = _page_table([5, 9, 2], ps, pages, "cuda")
+    made = []
+    real = flashinfer._page_slots
+    monkeypatch.setattr(flashinfer, "_page_slots", lambda *a: made.append(a) or real(*a))
+    for d, env in ((4, {}), (64, {"JITKV_DEBUG": "1"}), (64, {"JITKV_BACKEND": "triton"})):
+        key, value = rand((batch.numel(), 2, d), BF16, "cuda"), rand((batch.numel(), 2, d), BF16, "cuda")
+        cache = rand((pages, 2, ps, 2, d), BF16, "cuda")
+        want = cache.clone()
+        with monkeypatch.context() as m:
+            m.setattr(flashinfer, "_table_build", lambda *a: None)
+            flashinfer.append_paged_kv_cache(key, value, batch, pos, want, indices, indptr, None)
+        made.clear()
+        with monkeypatch.context() as m:
+            for name, value_ in env.items():
+                m.setenv(name, value_)
+            flashinfer.append_paged_kv_cache(key, value, batch, pos, cache, indices, indptr, None)
+        assert len(made) == 1, (d, env)
+        assert_bitwise(cache, want)
