@@ -384,9 +384,9 @@ def test_rope_quantize_above_the_token_bound_runs_two_launches(monkeypatch):
 @pytest.mark.parametrize("case", ["NHD", "HND", "mla", "bulk", "empty table"])
 def test_append_reads_the_page_table_in_its_kernel(dtype, page_size, case, monkeypatch):
     """On CUDA the append shims are one launch: store_cache's page-table build (csrc/store_cache,
-    JITKV_PAGE_TABLE; its row kernel for NHD and MLA, its latency kernel for HND, its bulk kernel at n =
-    9000 on GPUs of up to 140 SMs) walks the table itself. Whole caches against the two-launch form (page_slots, then store_cache)
-    on the same inputs, the table's every edge included (_random_page_table)."""
+    JITKV_PAGE_TABLE; its row kernel for NHD and MLA, its latency kernel for HND, its bulk kernel at
+    n = 9000 on GPUs of up to 140 SMs) walks the table itself. Whole caches against the two-launch form
+    (page_slots, then store_cache) on the same inputs, the table's every edge included (_random_page_table)."""
     n, pages, h, d = (9000 if case == "bulk" else 300), 9, 2, 64
     batch, pos, indices, indptr = _random_page_table(n, 5, pages, page_size, dtype, "cuda")
     if case == "empty table":
