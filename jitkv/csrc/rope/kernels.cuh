@@ -135,12 +135,12 @@ __device__ __forceinline__ int64_t kept_slot(const StoreArgs& p, int64_t s, int6
 }
 
 // A token's slot as loaded before the trigger: slots[t], or in a paged build (kPaged) the token's request,
-// its sequence position and kv_indptr[t] (cuda::indptr_guess), whose table lookups (cuda::page_table_slot:
-// one load where the request is t, else two dependent loads) follow the trigger in value().
+// its sequence position and kv_indptr[t] (cuda::indptr_guess), whose table walk (cuda::page_table_slot) follows
+// the trigger in value(); rope_heads issues its cos/sin loads first, or they would wait on the walk's branches.
 template <bool kPaged>
 struct SlotIn {
   LoadedIndex entry = {}, pos = {}, start = {};
-  int64_t t = 0;
+  int64_t t = 0;  // the token (the guess's request)
   SlotIn() = default;
   template <class Args>
   __device__ __forceinline__ SlotIn(const Args& p, int64_t t_)
@@ -152,11 +152,8 @@ struct SlotIn {
   }
   template <class Args>
   __device__ __forceinline__ int64_t value(const Args& p) const {
-    if constexpr (kPaged) {
-      return cuda::page_table_slot(p.pages, entry.value(), pos.value(), t, start.value());
-    } else {
-      return entry.value();
-    }
+    if constexpr (kPaged) return cuda::page_table_slot(p.pages, entry.value(), pos.value(), t, start.value());
+    return entry.value();
   }
 };
 
@@ -201,11 +198,12 @@ __device__ __forceinline__ void rope_heads(const typename S::Args& p, int64_t t,
   }
   cuda::pdl_launch_dependents();  // before the loaded values are used (kernel comment)
   const int64_t pos = clamp_position(pos_in.value(), p.max_pos);
+  float c[R::kCs] = {}, s[R::kCs] = {};
+  if constexpr (S::kPaged) load_cos_sin<R, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);  // ahead of the walk
   const int64_t slot = kIsK ? kept_slot(p, slot_in.value(p), p.k_num_slots) : -1;
   float w[kV];
   if constexpr (kNorm) w_in.floats(w);
-  float c[R::kCs] = {}, s[R::kCs] = {};
-  load_cos_sin<R, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
+  if constexpr (!S::kPaged) load_cos_sin<R, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
   char* k_row = nullptr;
   if (kIsK && slot >= 0) {
     const int64_t blk = int64_t(cuda::block_of(slot, p.k_magic, p.k_shift));
