@@ -154,9 +154,12 @@ int64_t chunks_per_token(const StoreCacheParams& p, bool bulk) {
 using Args = ArgsOf<kTable>;  // the latency and bulk kernels' block
 using Kernel = void (*)(Args);
 
-// A page-table build's block takes the call's table; the other builds' block has none.
-void set_table(TableStoreCacheArgs& a, const jitkv::PageTable& table) { a.pages = table; }
-void set_table(StoreCacheArgs&, const jitkv::PageTable&) {}
+// A kernel's block (the latency and bulk kernels' Args, a row kernel's RowArgsOf) takes the call's table
+// in a page-table build; the other builds' blocks have none.
+template <class Block>
+void set_table(Block& a, const jitkv::PageTable& table) {
+  if constexpr (kTable) a.pages = table;
+}
 
 // The kernel for kVec-byte vectors: fp8 builds also hold kernels that divide each head by its own scale.
 template <int kVec, bool kBulk>
@@ -270,7 +273,7 @@ cudaError_t launch_row(const StoreCacheParams& p, const jitkv::PageTable& table,
     a.block_magic = p.k.block_magic;
     a.block_shift = p.k.block_shift;
   }
-  if constexpr (kTable) a.pages = table;
+  set_table(a, table);
   return jitkv::cuda::launch(
       store_cache_row_kernel<kKHeadBytes, kVHeadBytes, kRowVec, kSrc, kFmt, kPaged, TSlot, kTable>, grid, block, stream,
       pdl, a);
