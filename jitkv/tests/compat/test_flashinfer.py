@@ -248,6 +248,33 @@ def _random_page_table(n, requests, pages, page_size, dtype, device):
     return [t.to(dtype).to(device) for t in (batch, pos, indices, indptr)]
 
 
+def _one_token_per_slot(n, pages, page_size, dtype, empty, device="cuda"):
+    """_random_page_table (kv_indices emptied where ``empty``) with one token per slot: a slot's later
+    tokens made padding, so that the one-launch and two-launch forms write the same bytes whatever order
+    their threads store in. Returns (batch_indices, positions, kv_indices, kv_indptr, the tokens' slots
+    before the padding, a list)."""
+    batch, pos, indices, indptr = _random_page_table(n, 5, pages, page_size, dtype, device)
+    if empty:
+        indices = indices[:0]
+    slots = flashinfer.page_slots_torch(batch.cpu(), pos.cpu(), indices.cpu(), indptr.cpu(), page_size).tolist()
+    seen, taken = set(), []
+    for s in slots:
+        taken.append(s >= 0 and s in seen)
+        seen.add(s)
+    batch[torch.tensor(taken, device=device)] = -1
+    return batch, pos, indices, indptr, slots
+
+
+def _refuse(monkeypatch, *names):
+    """flashinfer's functions ``names`` made to fail the test if called (the two-launch form's)."""
+
+    def refused(*a, **k):
+        raise AssertionError("the two-launch form ran")
+
+    for name in names:
+        monkeypatch.setattr(flashinfer, name, refused)
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("n", [1, 7, 300])
@@ -304,14 +331,7 @@ def test_rope_quantize_reads_the_page_table_in_its_kernel(dtype, page_size, case
     rope_store_cache) on the same inputs, the table's every edge included (_random_page_table)."""
     n, pages, hq, hk, rope, nope = 300, 9, 4, 2, 32, 48
     mla, fp8 = case == "mla", torch.float8_e5m2 if case == "e5m2" else E4M3
-    batch, pos, indices, indptr = _random_page_table(n, 5, pages, page_size, dtype, "cuda")
-    if case == "empty table":
-        indices = indices[:0]
-    # One token per slot (a slot's later tokens made padding), so that both forms write the same bytes
-    # whatever order their threads store in.
-    slots = flashinfer.page_slots_torch(batch.cpu(), pos.cpu(), indices.cpu(), indptr.cpu(), page_size).tolist()
-    taken = [s >= 0 and s in slots[:i] for i, s in enumerate(slots)]
-    batch[torch.tensor(taken, device="cuda")] = -1
+    batch, pos, indices, indptr, slots = _one_token_per_slot(n, pages, page_size, dtype, case == "empty table")
     q_rope, q_nope, k_rope, k_nope, v = _rope_inputs("cuda", n, hq, hk, rope, nope, mla)
     cs, pos_ids = table(64, rope).cuda(), torch.randint(0, 64, (n,), device="cuda")
     if mla:
@@ -347,11 +367,7 @@ def test_rope_quantize_reads_the_page_table_in_its_kernel(dtype, page_size, case
         m.setattr(flashinfer, "_paged", lambda *a: False)
         want_q = call(want)
 
-    def refused(*a, **k):
-        raise AssertionError("the two-launch form ran")
-
-    monkeypatch.setattr(flashinfer, "_page_slots", refused)
-    monkeypatch.setattr(flashinfer, "rope_store_cache", refused)
+    _refuse(monkeypatch, "_page_slots", "rope_store_cache")
     got_q = call(caches)
     for got, w in zip((*got_q, *caches), (*want_q, *want)):
         assert_bitwise(got, w)
@@ -388,16 +404,7 @@ def test_append_reads_the_page_table_in_its_kernel(dtype, page_size, case, monke
     n = 9000 on GPUs of up to 140 SMs) walks the table itself. Whole caches against the two-launch form
     (page_slots, then store_cache) on the same inputs, the table's every edge included (_random_page_table)."""
     n, pages, h, d = (9000 if case == "bulk" else 300), 9, 2, 64
-    batch, pos, indices, indptr = _random_page_table(n, 5, pages, page_size, dtype, "cuda")
-    if case == "empty table":
-        indices = indices[:0]
-    # One token per slot (a slot's later tokens made padding), so that both forms write the same bytes.
-    slots = flashinfer.page_slots_torch(batch.cpu(), pos.cpu(), indices.cpu(), indptr.cpu(), page_size)
-    seen, taken = set(), []
-    for s in slots.tolist():
-        taken.append(s >= 0 and s in seen)
-        seen.add(s)
-    batch[torch.tensor(taken, device="cuda")] = -1
+    batch, pos, indices, indptr, slots = _one_token_per_slot(n, pages, page_size, dtype, case == "empty table")
     if case == "mla":
         k, v = rand((n, 512), BF16, "cuda"), rand((n, 64), BF16, "cuda")
         caches = (rand((pages, page_size, 512), BF16, "cuda"), rand((pages, page_size, 64), BF16, "cuda"))
@@ -418,16 +425,12 @@ def test_append_reads_the_page_table_in_its_kernel(dtype, page_size, case, monke
         m.setattr(flashinfer, "_table_build", lambda *a: None)
         call(want)
 
-    def refused(*a, **kw):
-        raise AssertionError("the two-launch form ran")
-
-    monkeypatch.setattr(flashinfer, "_page_slots", refused)
-    monkeypatch.setattr(flashinfer, "store_cache", refused)
+    _refuse(monkeypatch, "_page_slots", "store_cache")
     call(caches)
     for got, w in zip(caches, want):
         assert_bitwise(got, w)
     if case != "empty table":  # the table had both kinds of token
-        assert -1 in slots.tolist() and int(slots.max()) >= 0
+        assert -1 in slots and max(slots) >= 0
 
 
 @gpu
