@@ -94,10 +94,6 @@ bool kernel_takes(const StoreParams& p) {
          jitkv::cuda::block_division_exact(v.block_size, v.num_slots);
 }
 
-// The table in a paged build's block (the others' has no room for it).
-void set_pages(StoreArgs&, const jitkv::PageTable&) {}
-void set_pages(PagedStoreArgs& a, const jitkv::PageTable& pages) { a.pages = pages; }
-
 Shape::Args kernel_args(const StoreParams& p, const jitkv::PageTable& pages) {
   const auto& k = p.kv.k;
   const auto& v = p.kv.v;
@@ -142,7 +138,7 @@ Shape::Args kernel_args(const StoreParams& p, const jitkv::PageTable& pages) {
   a.k_scale_stride = k.scale_stride, a.v_scale_stride = v.scale_stride;
   a.q_heads = static_cast<int32_t>(p.q.heads), a.kv_heads = static_cast<int32_t>(p.kv.num_heads);
   a.slot_i64 = p.kv.slot_i64, a.loc_i64 = p.kv.loc_i64, a.pos_i64 = p.rot.pos_i64;
-  set_pages(a, pages);
+  jitkv::cuda::set_page_table<Shape::kPaged>(a, pages);
   return a;
 }
 

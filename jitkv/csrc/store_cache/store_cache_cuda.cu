@@ -154,13 +154,6 @@ int64_t chunks_per_token(const StoreCacheParams& p, bool bulk) {
 using Args = ArgsOf<kTable>;  // the latency and bulk kernels' block
 using Kernel = void (*)(Args);
 
-// A kernel's block (the latency and bulk kernels' Args, a row kernel's RowArgsOf) takes the call's table
-// in a page-table build; the other builds' blocks have none.
-template <class Block>
-void set_table(Block& a, const jitkv::PageTable& table) {
-  if constexpr (kTable) a.pages = table;
-}
-
 // The kernel for kVec-byte vectors: fp8 builds also hold kernels that divide each head by its own scale.
 template <int kVec, bool kBulk>
 Kernel kernel(bool per_head) {
@@ -273,7 +266,7 @@ cudaError_t launch_row(const StoreCacheParams& p, const jitkv::PageTable& table,
     a.block_magic = p.k.block_magic;
     a.block_shift = p.k.block_shift;
   }
-  set_table(a, table);
+  jitkv::cuda::set_page_table<kTable>(a, table);
   return jitkv::cuda::launch(
       store_cache_row_kernel<kKHeadBytes, kVHeadBytes, kRowVec, kSrc, kFmt, kPaged, TSlot, kTable>, grid, block, stream,
       pdl, a);
@@ -309,7 +302,7 @@ cudaError_t launch(const StoreCacheParams& p, const jitkv::PageTable& table, int
   const dim3 grid(static_cast<unsigned>((p.n + wpb - 1) / wpb), static_cast<unsigned>(chunks), sides);
   Args a{};
   static_cast<StoreCacheArgs&>(a) = p;
-  set_table(a, table);
+  jitkv::cuda::set_page_table<kTable>(a, table);
   return jitkv::cuda::launch(bulk ? kernel<kVec, true>(per_head) : kernel<kVec, false>(per_head), grid, dim3(32 * wpb),
                              stream, pdl, a);
 }

@@ -103,6 +103,13 @@ inline PageTable parse_page_table(const char* op, const TensorView& batch_indice
   return t;
 }
 
+// A kernel's parameter block takes the call's table where its build reads one (kTable: the block has
+// `pages`, PageTable); the other builds' blocks have no room for it.
+template <bool kTable, class Block>
+inline void set_page_table(Block& block, const PageTable& table) {
+  if constexpr (kTable) block.pages = table;
+}
+
 __device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t size) { return i < 0 ? 0 : i >= size ? size - 1 : i; }
 
 // Where token t's guess for page_table_slot is loaded from: its request's entry if batch_indices[t] = t.
