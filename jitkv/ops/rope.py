@@ -20,6 +20,7 @@ __all__ = ["rope_set_mla_kv_buffer", "rope_store_cache"]
 
 OP = "rope_store_cache"
 MLA_OP = "rope_set_mla_kv_buffer"
+TABLE_ENTRY = "rope_store_cache_table"  # a page-table build's only entry point (paged_runner)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NORM_GROUP = 8  # the fixed-order RMSNorm sums squares in groups of 8 dims (docs/design.md §9)
 
@@ -796,7 +797,7 @@ def cuda_spec(arch: str, v: Variant, *, pdl: bool = True) -> JitSpec:
             ("pdl", int(pdl)),
         ),
         target=arch,
-        exports=(OP,),
+        exports=(TABLE_ENTRY,) if v.page_table else (OP,),
     )
 
 
@@ -911,18 +912,16 @@ def _jit(device, variant):
     check names what it refuses."""
     if device.type == "cuda":
         spec, retry = _taken_cuda_spec(device, variant), tuple(variant._replace(aligned=False))
-        no_table = (None, None, None, 0)  # the CUDA binding's page table (paged_runner's builds only)
     else:
-        spec, retry, no_table = cpu_spec(), None, ()
+        spec, retry = cpu_spec(), None
     fn, info = jit_function(spec, OP)
-    return ROPE_STORE_CACHE.with_debug_checks(device, _runner(fn, retry, no_table)), info
+    return ROPE_STORE_CACHE.with_debug_checks(device, _runner(fn, retry)), info
 
 
-def _runner(fn, refused, no_table: tuple):
-    """run(*op args, table=no_table): calls the binding ``fn`` with [n', H, D] views, q's destination and
-    mode and the scales as tensor or value, then the page table (CUDA: four entries, the none of
-    ``no_table`` for the op's builds; CPU: none); returns ``refused`` where the binding declined the
-    call (codes.Status), else None."""
+def _runner(fn, refused):
+    """run(*op args, table=()): calls the binding ``fn`` with [n', H, D] views, q's destination and mode
+    and the scales as tensor or value, then ``table`` (paged_runner's: the page table's four entries);
+    returns ``refused`` where the binding declined the call (codes.Status), else None."""
 
     def run(
         q,
@@ -946,7 +945,7 @@ def _runner(fn, refused, no_table: tuple):
         v_scale,
         loc_map,
         skip_slot,
-        table=no_table,
+        table=(),
     ):
         _flag(OP, "is_neox", is_neox)  # tvm-ffi would take 0 / 1 for a bool
         d = _head_dim(q, k, k_cache)
@@ -995,7 +994,7 @@ def paged_runner(device, v: Variant):
     table's batch_indices as slot_mapping; True where the kernel declined the call (nothing written),
     else None. Raises BackendUnavailable for a variant the kernel cannot take; a build's JitUnavailable
     or CaptureBuildError propagates."""
-    return _runner(jit_function(_taken_cuda_spec(device, v._replace(page_table=True)), OP)[0], True, ())
+    return _runner(jit_function(_taken_cuda_spec(device, v._replace(page_table=True)), TABLE_ENTRY)[0], True)
 
 
 def _taken_cuda_spec(device, v: Variant) -> JitSpec:

@@ -6,10 +6,11 @@
 // JITKV_ROTARY_DIM, JITKV_SRC_DTYPE (codes::SrcDtype), JITKV_Q_MODE (codes::RopeQ), JITKV_KV_DTYPE
 // (codes::KvFormat: copy, e4m3 or e5m2), JITKV_NORMS (codes::RopeNorm bits: which heads are normed),
 // JITKV_NORM_DTYPE (codes::SrcDtype of the norm weights, NONE without norms), JITKV_PAGE_TABLE (1: the
-// slots come from FlashInfer's page table, read in the kernel: jitkv/page_table.h), JITKV_PDL. One module
-// serves NeoX and GPT-J and both cos/sin dtypes (a kernel each, kernel_of). Which variants build is
-// decided in Python before building (ops/rope.py cuda_refusal: heads of at most 32 lanes of 16 bytes,
-// NeoX halves of whole lanes, norm weights float32 or of the sources' dtype).
+// slots come from FlashInfer's page table, read in the kernel: jitkv/page_table.h; such a build exports
+// rope_store_cache_table only), JITKV_PDL. One module serves NeoX and GPT-J and both cos/sin dtypes (a
+// kernel each, kernel_of). Which variants build is decided in Python before building (ops/rope.py
+// cuda_refusal: heads of at most 32 lanes of 16 bytes, NeoX halves of whole lanes, norm weights float32 or
+// of the sources' dtype).
 //
 // Returns codes::Status: kNeedsAnyAlignment, before launching, for views the kernel's 16-byte lanes
 // cannot address (a base address or stride that is not a multiple of a lane's bytes) or a paged cache
@@ -58,18 +59,6 @@ void check_module(const StoreParams& p, DLDevice dev) {
   if (norms != Shape::kNorms || (norms != 0 && p.norm_dtype != Shape::kNormDtype)) {
     mismatch("q_norm_weight", "set of norms or weight dtype");
   }
-}
-
-// A paged build's table: slot_mapping is its batch_indices, and the other three tables come with it; other
-// builds take none.
-jitkv::PageTable page_table(const StoreParams& p, const TensorView& slot_mapping,
-                            const Optional<TensorView>& page_positions, const Optional<TensorView>& kv_indices,
-                            const Optional<TensorView>& kv_indptr, int64_t page_size) {
-  const int given = int(page_positions.has_value()) + int(kv_indices.has_value()) + int(kv_indptr.has_value());
-  if (given != (Shape::kPaged ? 3 : 0)) mismatch("kv_indices", "slot source (a page table or slot_mapping)");
-  if (!Shape::kPaged) return jitkv::PageTable{};
-  return jitkv::cuda::parse_page_table(kOp, slot_mapping, page_positions.value(), kv_indices.value(), kv_indptr.value(),
-                                       page_size, p.kv.n, p.kv.device, "k_cache");
 }
 
 using jitkv::aligned;
@@ -151,21 +140,9 @@ auto kernel_of(const Rotation& rot, int hpt) {
 
 int64_t status(Status s) { return static_cast<int64_t>(s); }
 
-int64_t rope_store_cache(TensorView q, TensorView k, TensorView v, TensorView k_cache, TensorView v_cache,
-                         TensorView slot_mapping, TensorView positions, TensorView cos_sin_cache, bool is_neox,
-                         int64_t rotary_dim, Optional<TensorView> q_norm_weight, Optional<TensorView> k_norm_weight,
-                         double eps, TensorView q_dst, int64_t q_mode, Optional<TensorView> q_scale,
-                         double q_scale_value, Optional<TensorView> k_out, Optional<TensorView> loc_map,
-                         int64_t skip_slot, int64_t kv_format, Optional<TensorView> k_scale,
-                         Optional<TensorView> v_scale, double k_scale_value, double v_scale_value,
-                         Optional<TensorView> page_positions, Optional<TensorView> kv_indices,
-                         Optional<TensorView> kv_indptr, int64_t page_size) {
-  const StoreParams p =
-      parse_store(kOp, q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, rotary_dim,
-                  q_norm_weight, k_norm_weight, eps, q_dst, q_mode, q_scale, q_scale_value, k_out, loc_map, skip_slot,
-                  kv_format, k_scale, v_scale, k_scale_value, v_scale_value);
-  check_module(p, p.kv.device);
-  const jitkv::PageTable pages = page_table(p, slot_mapping, page_positions, kv_indices, kv_indptr, page_size);
+// The parsed call's launch (pages: a paged build's table, else unused): kNeedsAnyAlignment for views the
+// kernel cannot address, else kDone after the launch.
+int64_t run(const StoreParams& p, const jitkv::PageTable& pages) {
   if (!kernel_takes(p)) return status(Status::kNeedsAnyAlignment);
   if (p.kv.n == 0) return status(Status::kDone);
   const int device = p.kv.device.device_id;
@@ -187,6 +164,48 @@ int64_t rope_store_cache(TensorView q, TensorView k, TensorView v, TensorView k_
   return status(Status::kDone);
 }
 
+#if JITKV_PAGE_TABLE
+// A paged build's entry: rope_store_cache with the slots FlashInfer's table gives (jitkv/page_table.h:
+// batch_indices in slot_mapping's place, page_positions the rows' positions in their requests), walked in
+// the kernel.
+int64_t rope_store_cache_table(TensorView q, TensorView k, TensorView v, TensorView k_cache, TensorView v_cache,
+                               TensorView batch_indices, TensorView positions, TensorView cos_sin_cache, bool is_neox,
+                               int64_t rotary_dim, Optional<TensorView> q_norm_weight,
+                               Optional<TensorView> k_norm_weight, double eps, TensorView q_dst, int64_t q_mode,
+                               Optional<TensorView> q_scale, double q_scale_value, Optional<TensorView> k_out,
+                               Optional<TensorView> loc_map, int64_t skip_slot, int64_t kv_format,
+                               Optional<TensorView> k_scale, Optional<TensorView> v_scale, double k_scale_value,
+                               double v_scale_value, TensorView page_positions, TensorView kv_indices,
+                               TensorView kv_indptr, int64_t page_size) {
+  const StoreParams p =
+      parse_store(kOp, q, k, v, k_cache, v_cache, batch_indices, positions, cos_sin_cache, is_neox, rotary_dim,
+                  q_norm_weight, k_norm_weight, eps, q_dst, q_mode, q_scale, q_scale_value, k_out, loc_map, skip_slot,
+                  kv_format, k_scale, v_scale, k_scale_value, v_scale_value);
+  check_module(p, p.kv.device);
+  return run(p, jitkv::cuda::parse_page_table(kOp, batch_indices, page_positions, kv_indices, kv_indptr, page_size,
+                                              p.kv.n, p.kv.device, "k_cache"));
+}
+#else
+int64_t rope_store_cache(TensorView q, TensorView k, TensorView v, TensorView k_cache, TensorView v_cache,
+                         TensorView slot_mapping, TensorView positions, TensorView cos_sin_cache, bool is_neox,
+                         int64_t rotary_dim, Optional<TensorView> q_norm_weight, Optional<TensorView> k_norm_weight,
+                         double eps, TensorView q_dst, int64_t q_mode, Optional<TensorView> q_scale,
+                         double q_scale_value, Optional<TensorView> k_out, Optional<TensorView> loc_map,
+                         int64_t skip_slot, int64_t kv_format, Optional<TensorView> k_scale,
+                         Optional<TensorView> v_scale, double k_scale_value, double v_scale_value) {
+  const StoreParams p =
+      parse_store(kOp, q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, rotary_dim,
+                  q_norm_weight, k_norm_weight, eps, q_dst, q_mode, q_scale, q_scale_value, k_out, loc_map, skip_slot,
+                  kv_format, k_scale, v_scale, k_scale_value, v_scale_value);
+  check_module(p, p.kv.device);
+  return run(p, jitkv::PageTable{});
+}
+#endif
+
 }  // namespace
 
+#if JITKV_PAGE_TABLE
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(rope_store_cache_table, rope_store_cache_table);
+#else
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(rope_store_cache, rope_store_cache);
+#endif
