@@ -151,6 +151,9 @@ _TABLE_BUILDS: dict = {}  # (op, CUDA device index, Variant) -> its page-table b
 # 0.97x at n = 4096, 1.02x at 8192 and 1.04x at 16384. Re-measure: both forms at those n.
 _PAGED_MAX_TOKENS = 4096
 _INT32_MAX = 2**31 - 1
+# What a page-table build's variant or binding raises for a call it refuses; the op's check then raises first,
+# naming the argument as every backend does (ops/_op.py).
+_REFUSALS = (AttributeError, IndexError, KeyError, TypeError, ValueError, RuntimeError)
 _ROPE_ARGS = tuple(p.name for p in rope.ROPE_STORE_CACHE.params)  # rope_store_cache's, in schema order
 
 
@@ -177,11 +180,15 @@ def _paged(table, page_size, args) -> bool:
     slot_mapping the table's batch_indices); False where it did not and wrote nothing."""
     if table[0].shape[0] > _PAGED_MAX_TOKENS or not _table_builds_run(page_size):
         return False
-    fn = _table_build("rope_store_cache", args[0].device, rope.Variant(*rope.variant(*args)), rope.paged_runner)
-    if fn is None:
-        return False
-    batch_indices, positions, kv_indices, kv_indptr = (_int32_or_64(t) for t in table[:4])
-    return fn(*args[:5], batch_indices, *args[6:], table=(positions, kv_indices, kv_indptr, page_size)) is None
+    try:
+        fn = _table_build("rope_store_cache", args[0].device, rope.Variant(*rope.variant(*args)), rope.paged_runner)
+        if fn is None:
+            return False
+        batch_indices, positions, kv_indices, kv_indptr = (_int32_or_64(t) for t in table[:4])
+        return fn(*args[:5], batch_indices, *args[6:], table=(positions, kv_indices, kv_indptr, page_size)) is None
+    except _REFUSALS:
+        rope.check(*args)  # as the op does (ops/_op.py): its check names the argument refused
+        raise
 
 
 def _table_builds_run(page_size) -> bool:
@@ -216,20 +223,17 @@ def _append(table, k, v, k_cache, v_cache):
     and that build takes the views; else page_slots' slots, then store_cache."""
     page_size = _check_page_table(*table)
     if k_cache.is_cuda and table[0].device == k_cache.device and _table_builds_run(page_size):
-        variant = store_cache_op.Variant(
-            *store_cache_op.variant(k, v, k_cache, v_cache, table[0], "auto", None, None, None, None)
-        )
-        fn = _table_build("store_cache", k_cache.device, variant, store_cache_op.table_runner)
-        if fn is not None:
-            batch_indices, positions, kv_indices, kv_indptr = (_int32_or_64(t) for t in table[:4])
-            try:
-                refused = fn(k, v, k_cache, v_cache, batch_indices, positions, kv_indices, kv_indptr, page_size)
-            except (AttributeError, IndexError, TypeError, ValueError, RuntimeError):
-                # as the op does: its check names the argument the binding refused (ops/_op.py)
-                store_cache_op.check(k, v, k_cache, v_cache, table[0], "auto", None, None, None, None)
-                raise
-            if not refused:
-                return
+        args = (k, v, k_cache, v_cache, table[0], "auto", None, None, None, None)
+        try:
+            variant = store_cache_op.Variant(*store_cache_op.variant(*args))
+            fn = _table_build("store_cache", k_cache.device, variant, store_cache_op.table_runner)
+            if fn is not None:
+                batch_indices, positions, kv_indices, kv_indptr = (_int32_or_64(t) for t in table[:4])
+                if not fn(k, v, k_cache, v_cache, batch_indices, positions, kv_indices, kv_indptr, page_size):
+                    return
+        except _REFUSALS:
+            store_cache_op.check(*args)  # as the op does (ops/_op.py): its check names the argument refused
+            raise
     store_cache(k, v, k_cache, v_cache, _page_slots(*table[:4], page_size))
 
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from jitkv.compat import flashinfer
+from jitkv.ops import rope
+from jitkv.ops import store_cache as store_cache_op
 from jitkv.tests.compat.rope_rule import rotate, table
 from jitkv.tests.conftest import assert_bitwise, gpu, rand
 
@@ -456,3 +458,78 @@ def test_append_takes_two_launches_where_the_table_build_cannot_run(monkeypatch)
             flashinfer.append_paged_kv_cache(key, value, batch, pos, cache, indices, indptr, None)
         assert len(made) == 1, (d, env)
         assert_bitwise(cache, want)
+
+
+@gpu
+@pytest.mark.parametrize("op", ["store_cache", "rope_store_cache"])
+def test_page_table_builds_check_their_tables(op):
+    """The page-table builds' bindings check the table themselves (cuda/paged.cuh parse_page_table), where
+    only a direct call meets them (the shims check it first): each bad entry raises, naming it, before
+    anything is written."""
+    n, ps, pages, h, d = 6, 4, 9, 2, 64
+    batch, pos, indices, indptr = _random_page_table(n, 3, pages, ps, torch.int32, "cuda")
+    dev = batch.device
+    if op == "store_cache":
+        k, v = rand((n, h, d), BF16, "cuda"), rand((n, h, d), BF16, "cuda")
+        caches = tuple(rand((pages, ps, h, d), BF16, "cuda") for _ in "kv")
+        args = (k, v, *caches, batch, "auto", None, None, None, None)
+        fn = store_cache_op.table_runner(dev, store_cache_op.Variant(*store_cache_op.variant(*args)))
+
+        def call(b, p, i, ip, size):
+            return fn(k, v, *caches, b, p, i, ip, size)
+
+    else:
+        q, k, v = rand((n, 4, d), BF16, "cuda"), rand((n, h, d), BF16, "cuda"), rand((n, h, d), BF16, "cuda")
+        caches = tuple(rand((pages, ps, h, d), E4M3, "cuda") for _ in "kv")
+        q_out = torch.empty(n, 4, d, dtype=E4M3, device="cuda")
+        pos_ids = torch.randint(0, 64, (n,), device="cuda")
+        args = (q, k, v, *caches, batch, pos_ids, table(64, d).cuda(), True, d, None, None, 1e-6, q_out, 1.0, None)
+        args += ("fp8_e4m3", 1.0, 1.0, None, None)
+        fn = rope.paged_runner(dev, rope.Variant(*rope.variant(*args)))
+
+        def call(b, p, i, ip, size):
+            return fn(*args[:5], b, *args[6:], table=(p, i, ip, size))
+
+    before = [c.clone() for c in caches]
+    bad = [
+        (dict(i=indices.float()), TypeError, "kv_indices: expected dtype int32 or int64, got float32"),
+        (dict(ip=indptr.view(1, -1)), ValueError, r"kv_indptr: expected a 1-D tensor, got shape \[1, 4\]"),
+        (dict(p=torch.arange(2 * n, device="cuda")[::2]), ValueError, "positions: expected a contiguous tensor"),
+        (dict(ip=indptr.cpu()), ValueError, "kv_indptr: expected a tensor on cuda:0 like k_cache, got one on cpu"),
+        (dict(p=pos[:-1]), ValueError, f"batch_indices, positions: expected {n} entries each, got {n} and {n - 1}"),
+        (dict(ip=indptr[:0]), ValueError, "kv_indptr: expected at least 1 entry, got 0"),
+        (dict(size=0), ValueError, r"page_size: expected 1 \.\.\. 2\^31 - 1, got 0"),
+        (dict(size=2**31), ValueError, r"page_size: expected 1 \.\.\. 2\^31 - 1, got 2147483648"),
+    ]
+    for change, error, message in bad:
+        given = dict(b=batch, p=pos, i=indices, ip=indptr, size=ps) | change
+        with pytest.raises(error, match=rf"^{op}: {message}"):
+            call(**given)
+    torch.cuda.synchronize()
+    for got, want in zip(caches, before):
+        assert_bitwise(got, want)
+    assert call(batch, pos, indices, indptr, ps) is None  # the same call with the good table runs
+
+
+@gpu
+def test_page_table_shims_raise_the_ops_errors():
+    """Where a page-table build's variant or binding refuses a shim's call, the op's own check raises first
+    (as the ops do, ops/_op.py), naming the argument; nothing is written."""
+    ps, pages = 4, 12
+    indices, indptr, batch, pos = _page_table([5, 9, 2], ps, pages, "cuda")
+    n = batch.numel()
+    key = rand((n, 2, 64), BF16, "cuda")
+    cache = rand((pages, 2, ps, 2, 64), BF16, "cuda")
+    before = cache.clone()
+    with pytest.raises(TypeError, match=r"^store_cache: v: expected a torch.Tensor, got list$"):
+        flashinfer.append_paged_kv_cache(key, key.tolist(), batch, pos, cache, indices, indptr, None)
+    assert_bitwise(cache, before)
+
+    q_rope, q_nope, k_rope, k_nope, v = _rope_inputs("cuda", n, 4, 2, 32, 32, False)
+    caches = tuple(rand((pages, ps, 2, 64), E4M3, "cuda") for _ in "kv")
+    before = [c.clone() for c in caches]
+    args = (q_rope, k_rope, q_nope, k_nope, v.tolist(), table(64, 32).cuda(), torch.zeros_like(pos), caches)
+    with pytest.raises(TypeError, match=r"^rope_store_cache: v: expected a torch.Tensor, got list$"):
+        flashinfer.rope_quantize_fp8_append_paged_kv_cache(*args, indices, indptr, batch, pos, page_size=ps)
+    for got, want in zip(caches, before):
+        assert_bitwise(got, want)
