@@ -8,7 +8,7 @@ FlashInfer's page table: token i of the batch belongs to request ``b = batch_ind
 padding token, not written) at ``positions[i]`` of it; its page is ``kv_indices[kv_indptr[b] +
 positions[i] // page_size]``, its row ``positions[i] % page_size`` (csrc/include/jitkv/page_table.h).
 On CUDA each shim is one launch: a build of store_cache's kernels (16-byte heads) or of
-rope_store_cache's (up to 4,096 tokens) that walks the table itself (prebuilt for head_dim 128 bf16
+rope_store_cache's (up to 8,192 tokens) that walks the table itself (prebuilt for head_dim 128 bf16
 copies and bf16 -> e4m3 RoPE; other shapes build on first call, outside graph capture). Otherwise the
 shims turn the table into jitkv's slots (``page * page_size + row``) on the indices' device, with no
 host sync (graph-safe), then write: on CUDA by one kernel (csrc/compat/page_slots_cuda.cu, built on
@@ -148,8 +148,8 @@ def _page_slots_kernel(device):
 _TABLE_BUILDS: dict = {}  # (op, CUDA device index, Variant) -> its page-table build's runner, or None
 # Above this many tokens each K/V thread's walk of the table costs more than page_slots' launch: on an H200
 # the one launch against the two, FlashInfer's case (docs/performance.md "FlashInfer page slots"), measured
-# 0.97x at n = 4096, 1.02x at 8192 and 1.04x at 16384. Re-measure: both forms at those n.
-_PAGED_MAX_TOKENS = 4096
+# 0.95x at n = 4096, 0.99x at 8192 and 1.01x at 16384. Re-measure: both forms at those n.
+_PAGED_MAX_TOKENS = 8192
 _INT32_MAX = 2**31 - 1
 # What a page-table build's variant or binding raises for a call it refuses; the op's check then raises first,
 # naming the argument as every backend does (ops/_op.py).
