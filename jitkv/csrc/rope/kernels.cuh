@@ -135,8 +135,9 @@ __device__ __forceinline__ int64_t kept_slot(const StoreArgs& p, int64_t s, int6
 }
 
 // A token's slot as loaded before the trigger: slots[t], or in a paged build (kPaged) the token's request,
-// its sequence position and kv_indptr[t] (cuda::indptr_guess), whose table walk (cuda::page_table_slot) follows
-// the trigger in value(); rope_heads issues its cos/sin loads first, or they would wait on the walk's branches.
+// its sequence position and kv_indptr[t] (cuda::indptr_guess), whose table walk follows the trigger: walk()
+// issues it up to its kv_indices load (cuda::page_table_walk), value() is the slot. rope_heads issues its
+// cos/sin loads first, or they would wait on the walk's branches.
 template <bool kPaged>
 struct SlotIn {
   LoadedIndex entry = {}, pos = {}, start = {};
@@ -152,8 +153,16 @@ struct SlotIn {
   }
   template <class Args>
   __device__ __forceinline__ int64_t value(const Args& p) const {
-    if constexpr (kPaged) return cuda::page_table_slot(p.pages, entry.value(), pos.value(), t, start.value());
-    return entry.value();
+    return walk(p).value();
+  }
+  // The slot as a pending load (value()): in a paged build the walk issued up to its kv_indices load.
+  template <class Args>
+  __device__ __forceinline__ auto walk(const Args& p) const {
+    if constexpr (kPaged) {
+      return cuda::page_table_walk(p.pages, entry.value(), pos.value(), t, start.value());
+    } else {
+      return entry;
+    }
   }
 };
 
@@ -200,15 +209,19 @@ __device__ __forceinline__ void rope_heads(const typename S::Args& p, int64_t t,
   const int64_t pos = clamp_position(pos_in.value(), p.max_pos);
   float c[R::kCs] = {}, s[R::kCs] = {};
   if constexpr (S::kPaged) load_cos_sin<R, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);  // ahead of the walk
-  const int64_t slot = kIsK ? kept_slot(p, slot_in.value(p), p.k_num_slots) : -1;
+  // K's slot: a paged build reads its walk's after the first head's rotation (in the store below), so
+  // that the rotation does not wait for the kv_indices load.
+  const auto walk = kIsK ? slot_in.walk(p) : decltype(slot_in.walk(p)){};
+  const int64_t slot = kIsK && !S::kPaged ? kept_slot(p, walk.value(), p.k_num_slots) : -1;
+  const auto row_of = [&](int64_t at) -> char* {
+    if (at < 0) return nullptr;
+    const int64_t blk = int64_t(cuda::block_of(at, p.k_magic, p.k_shift));
+    return p.k_cache + at * p.k_token + blk * p.k_block_adj + h0 * p.k_head;
+  };
   float w[kV];
   if constexpr (kNorm) w_in.floats(w);
   if constexpr (!S::kPaged) load_cos_sin<R, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
-  char* k_row = nullptr;
-  if (kIsK && slot >= 0) {
-    const int64_t blk = int64_t(cuda::block_of(slot, p.k_magic, p.k_shift));
-    k_row = p.k_cache + slot * p.k_token + blk * p.k_block_adj + h0 * p.k_head;
-  }
+  char* k_row = kIsK ? row_of(slot) : nullptr;
   // Rotated heads, each handed to store(u, y) where it is inside the head.
   const auto heads = [&](const auto& store) {
 #pragma unroll
@@ -222,6 +235,9 @@ __device__ __forceinline__ void rope_heads(const typename S::Args& p, int64_t t,
   };
   if constexpr (kIsK) {  // a scale per head: a divider branch per head
     heads([&](int u, const float (&y)[kV]) {
+      if constexpr (S::kPaged) {
+        if (u == 0) k_row = row_of(kept_slot(p, walk.value(), p.k_num_slots));
+      }
       cuda::with_divider(scale[u], [&](const auto& div) {
         if (p.k_out != nullptr) {
           store_floats_lane<S::kSrc, KvFormat::kCopy, R>(p.k_out + t * p.k_out_token + (h0 + u) * p.k_out_head, j, y,

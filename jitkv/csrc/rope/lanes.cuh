@@ -393,27 +393,8 @@ __device__ __forceinline__ int64_t clamp_position(int64_t p, int64_t max_pos) {
   return p < 0 ? 0 : p >= max_pos ? max_pos - 1 : p;
 }
 
-__device__ __forceinline__ int64_t load_index(const void* p, bool i64, int64_t i) {
-  return i64 ? cuda::load(static_cast<const int64_t*>(p) + i) : int64_t{cuda::load(static_cast<const int32_t*>(p) + i)};
-}
-
-// An int32 or int64 index loaded and not yet used: value() (the int32 one widened) comes after the PDL
-// trigger (kernels.cuh: the order of the loads, the trigger and their uses).
-struct LoadedIndex {
-  int64_t wide;
-  int32_t narrow;
-  bool i64;
-  __device__ __forceinline__ int64_t value() const { return i64 ? wide : int64_t{narrow}; }
-};
-
-__device__ __forceinline__ LoadedIndex load_index_later(const void* p, bool i64, int64_t i) {
-  LoadedIndex r{0, 0, i64};
-  if (i64) {
-    r.wide = cuda::load(static_cast<const int64_t*>(p) + i);
-  } else {
-    r.narrow = cuda::load(static_cast<const int32_t*>(p) + i);
-  }
-  return r;
-}
+using cuda::load_index;
+using cuda::load_index_later;
+using cuda::LoadedIndex;
 
 }  // namespace jitkv::rope

@@ -117,18 +117,17 @@ __device__ __forceinline__ int64_t indptr_guess(const PageTable& table, int64_t 
   return clamp_index(t, table.num_indptr);
 }
 
-// The slot of a token of request b at sequence position pos in table t (jitkv/page_table.h), -1 for
-// none: two dependent loads (kv_indptr, then kv_indices), by load() after the caller's PDL wait, the
-// first skipped where b is guess_b, whose kv_indptr entry the caller loaded beside b as guess_start
+// The entry of kv_indices that holds the page of a token of request b >= 0 at sequence position pos in
+// table t (jitkv/page_table.h; a non-empty kv_indices), and in `row` its row in that page: a kv_indptr
+// load, skipped where b is guess_b, whose kv_indptr entry the caller loaded beside b as guess_start
 // (indptr_guess: in decode every request has one token, batch_indices[t] = t, so the walk is one load
 // deep after batch_indices, as a slot_mapping's store is). A position in [0, 2^32) divides as block_of
 // does (exact there: block_division_exact), others by the 64-bit division (a call of ~70 instructions).
 // In rope_store_cache's paged build a 32-bit division here measured 0.09 µs slower at n <= 64 than a
 // shift, and the guess 0.07-0.17 µs faster at n = 1-128 (docs/performance.md "FlashInfer page slots").
-__device__ __forceinline__ int64_t page_table_slot(const PageTable& t, int64_t b, int64_t pos, int64_t guess_b,
-                                                   int64_t guess_start) {
-  if (b < 0 || t.num_indices <= 0) return -1;
-  int64_t page_of, row;
+__device__ __forceinline__ int64_t page_entry(const PageTable& t, int64_t b, int64_t pos, int64_t guess_b,
+                                              int64_t guess_start, int64_t& row) {
+  int64_t page_of;
   if (uint64_t(pos) <= UINT32_MAX) {
     page_of = int64_t(block_of(pos, t.page_magic, t.page_shift));
     row = pos - page_of * t.page_size;
@@ -142,8 +141,38 @@ __device__ __forceinline__ int64_t page_table_slot(const PageTable& t, int64_t b
   }
   const int64_t start =
       b == guess_b ? guess_start : load_index(t.kv_indptr, t.indptr_i64, clamp_index(b, t.num_indptr));
-  const int64_t e = start + page_of;
-  return load_index(t.kv_indices, t.indices_i64, clamp_index(e, t.num_indices)) * t.page_size + row;
+  return clamp_index(start + page_of, t.num_indices);
+}
+
+// The slot of a token of request b at sequence position pos in table t, -1 for none: page_entry's, then
+// the kv_indices load, after the caller's PDL wait.
+__device__ __forceinline__ int64_t page_table_slot(const PageTable& t, int64_t b, int64_t pos, int64_t guess_b,
+                                                   int64_t guess_start) {
+  if (b < 0 || t.num_indices <= 0) return -1;
+  int64_t row;
+  const int64_t e = page_entry(t, b, pos, guess_b, guess_start, row);
+  return load_index(t.kv_indices, t.indices_i64, e) * t.page_size + row;
+}
+
+// page_table_slot issued up to its kv_indices load: value() is the slot. A caller with work that does not
+// need the slot (rope_store_cache's rotation) reads value() after that work, which then does not wait for
+// the load (docs/performance.md "FlashInfer page slots").
+struct PageWalk {
+  LoadedIndex page = {0, 0, false};
+  int64_t row = 0, page_size = 0;
+  bool none = true;
+  __device__ __forceinline__ int64_t value() const { return none ? -1 : page.value() * page_size + row; }
+};
+
+__device__ __forceinline__ PageWalk page_table_walk(const PageTable& t, int64_t b, int64_t pos, int64_t guess_b,
+                                                    int64_t guess_start) {
+  PageWalk w;
+  if (b < 0 || t.num_indices <= 0) return w;
+  const int64_t e = page_entry(t, b, pos, guess_b, guess_start, w.row);
+  w.page = load_index_later(t.kv_indices, t.indices_i64, e);
+  w.page_size = t.page_size;
+  w.none = false;
+  return w;
 }
 
 // A token's entries of table `table`, loaded together after the caller's PDL wait (batch_indices[t],

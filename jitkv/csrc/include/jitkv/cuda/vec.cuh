@@ -57,6 +57,25 @@ __device__ __forceinline__ int64_t load_index(const void* p, bool i64, int64_t i
   return i64 ? load(static_cast<const long long*>(p) + i) : int64_t(load(static_cast<const int*>(p) + i));
 }
 
+// An int32 or int64 index loaded and not yet used: value() (the int32 one widened) comes where the caller
+// needs it (after the PDL trigger, or after work that does not need it), so the load is in flight meanwhile.
+struct LoadedIndex {
+  int64_t wide;
+  int32_t narrow;
+  bool i64;
+  __device__ __forceinline__ int64_t value() const { return i64 ? wide : int64_t{narrow}; }
+};
+
+__device__ __forceinline__ LoadedIndex load_index_later(const void* p, bool i64, int64_t i) {
+  LoadedIndex r{0, 0, i64};
+  if (i64) {
+    r.wide = load(static_cast<const long long*>(p) + i);
+  } else {
+    r.narrow = load(static_cast<const int*>(p) + i);
+  }
+  return r;
+}
+
 template <int V>
 struct VecOf;
 template <>
