@@ -991,8 +991,9 @@ def _runner(fn, refused):
 def paged_runner(device, v: Variant):
     """A runner of rope_store_cache's CUDA build that reads FlashInfer's page table itself
     (jitkv/page_table.h): run(*op args, table=(positions, kv_indices, kv_indptr, page_size)) with the
-    table's batch_indices as slot_mapping; True where the kernel declined the call (nothing written),
-    else None. Raises BackendUnavailable for a variant the kernel cannot take; a build's JitUnavailable
+    table's batch_indices as slot_mapping, no loc_map and no skip_slot (ValueError); True where the kernel
+    declined the call (views it cannot address, a page_size that is not the caches' block size: nothing
+    written), else None. Raises BackendUnavailable for a variant the kernel cannot take; a build's JitUnavailable
     or CaptureBuildError propagates."""
     return _runner(jit_function(_taken_cuda_spec(device, v._replace(page_table=True)), TABLE_ENTRY)[0], True)
 

@@ -134,6 +134,17 @@ __device__ __forceinline__ int64_t kept_slot(const StoreArgs& p, int64_t s, int6
   return uint64_t(s) < uint64_t(num_slots) ? s : -1;
 }
 
+// The cache row of a paged build's walk (SlotIn::walk) plus head_offset, or nullptr for none: the page's
+// row at page * block_stride + row * token, the page checked against the cache's blocks. The page size is
+// the caches' block size and the build takes no loc_map or skip_slot (the binding's checks), so the slot
+// is not divided into its block again.
+__device__ __forceinline__ char* paged_row(const cuda::PageWalk& w, char* cache, int64_t block_stride, int64_t token,
+                                           int64_t blocks, int64_t head_offset) {
+  const int64_t page = w.page.value();
+  if (w.none || uint64_t(page) >= uint64_t(blocks)) return nullptr;
+  return cache + page * block_stride + w.row * token + head_offset;
+}
+
 // A token's slot as loaded before the trigger: slots[t], or in a paged build (kPaged) the token's request,
 // its sequence position and kv_indptr[t] (cuda::indptr_guess), whose table walk follows the trigger: walk()
 // issues it up to its kv_indices load (cuda::page_table_walk), value() is the slot. rope_heads issues its
@@ -236,7 +247,7 @@ __device__ __forceinline__ void rope_heads(const typename S::Args& p, int64_t t,
   if constexpr (kIsK) {  // a scale per head: a divider branch per head
     heads([&](int u, const float (&y)[kV]) {
       if constexpr (S::kPaged) {
-        if (u == 0) k_row = row_of(kept_slot(p, walk.value(), p.k_num_slots));
+        if (u == 0) k_row = paged_row(walk, p.k_cache, p.k_block_stride, p.k_token, p.k_blocks, h0 * p.k_head);
       }
       cuda::with_divider(scale[u], [&](const auto& div) {
         if (p.k_out != nullptr) {
@@ -272,10 +283,16 @@ __device__ __forceinline__ void store_v(const typename S::Args& p, int64_t t, in
     }
   }
   cuda::pdl_launch_dependents();
-  const int64_t slot = kept_slot(p, slot_in.value(p), p.v_num_slots);
-  if (!inside || slot < 0) return;
-  const int64_t blk = int64_t(cuda::block_of(slot, p.v_magic, p.v_shift));
-  char* row = p.v_cache + slot * p.v_token + blk * p.v_block_adj + h0 * p.v_head;
+  char* row;
+  if constexpr (S::kPaged) {
+    row = paged_row(slot_in.walk(p), p.v_cache, p.v_block_stride, p.v_token, p.v_blocks, h0 * p.v_head);
+    if (!inside || row == nullptr) return;
+  } else {
+    const int64_t slot = kept_slot(p, slot_in.value(p), p.v_num_slots);
+    if (!inside || slot < 0) return;
+    const int64_t blk = int64_t(cuda::block_of(slot, p.v_magic, p.v_shift));
+    row = p.v_cache + slot * p.v_token + blk * p.v_block_adj + h0 * p.v_head;
+  }
 #pragma unroll
   for (int u = 0; u < kHpt; ++u) {
     cuda::with_divider(scale[u], [&](const auto& div) {

@@ -82,6 +82,9 @@ struct StoreArgs {
 // line: cuda::warm_params) stays as it is.
 struct PagedStoreArgs : StoreArgs {
   PageTable pages;
+  // The caches' block strides and block counts: a page's row at page * block_stride + row * token
+  // (kernels.cuh paged_row; the page size is the caches' block size).
+  int64_t k_block_stride, v_block_stride, k_blocks, v_blocks;
 };
 
 // rope_set_mla_kv_buffer's CUDA block.

@@ -13,8 +13,9 @@
 // of the sources' dtype).
 //
 // Returns codes::Status: kNeedsAnyAlignment, before launching, for views the kernel's 16-byte lanes
-// cannot address (a base address or stride that is not a multiple of a lane's bytes) or a paged cache
-// whose block division the kernel cannot do exactly; the op then runs the next backend (Triton).
+// cannot address (a base address or stride that is not a multiple of a lane's bytes), a paged cache
+// whose block division the kernel cannot do exactly, or (a page-table build) a page size that is not the
+// caches' block size; the op then runs the next backend (Triton), the FlashInfer shim its two launches.
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
@@ -83,6 +84,15 @@ bool kernel_takes(const StoreParams& p) {
          jitkv::cuda::block_division_exact(v.block_size, v.num_slots);
 }
 
+// A paged build's block strides and block counts (kernels.cuh paged_row); the other builds' block has none.
+template <bool kPaged, class Block>
+void set_paged_rows(Block& a, const StoreParams& p) {
+  if constexpr (kPaged) {
+    a.k_block_stride = p.kv.k.dst_stride_block, a.v_block_stride = p.kv.v.dst_stride_block;
+    a.k_blocks = p.kv.k.num_slots / p.kv.k.block_size, a.v_blocks = p.kv.v.num_slots / p.kv.v.block_size;
+  }
+}
+
 Shape::Args kernel_args(const StoreParams& p, const jitkv::PageTable& pages) {
   const auto& k = p.kv.k;
   const auto& v = p.kv.v;
@@ -128,6 +138,7 @@ Shape::Args kernel_args(const StoreParams& p, const jitkv::PageTable& pages) {
   a.q_heads = static_cast<int32_t>(p.q.heads), a.kv_heads = static_cast<int32_t>(p.kv.num_heads);
   a.slot_i64 = p.kv.slot_i64, a.loc_i64 = p.kv.loc_i64, a.pos_i64 = p.rot.pos_i64;
   jitkv::cuda::set_page_table<Shape::kPaged>(a, pages);
+  set_paged_rows<Shape::kPaged>(a, p);
   return a;
 }
 
@@ -182,8 +193,13 @@ int64_t rope_store_cache_table(TensorView q, TensorView k, TensorView v, TensorV
                   q_norm_weight, k_norm_weight, eps, q_dst, q_mode, q_scale, q_scale_value, k_out, loc_map, skip_slot,
                   kv_format, k_scale, v_scale, k_scale_value, v_scale_value);
   check_module(p, p.kv.device);
-  return run(p, jitkv::cuda::parse_page_table(kOp, batch_indices, page_positions, kv_indices, kv_indptr, page_size,
-                                              p.kv.n, p.kv.device, "k_cache"));
+  // The kernel addresses a page's rows by the caches' block stride (kernels.cuh paged_row).
+  if (p.kv.loc_map != nullptr) mismatch("loc_map", "slot source (a page table, with no loc_map)");
+  if (p.kv.skip_slot != jitkv::codes::kNoSlot) mismatch("skip_slot", "slot source (a page table, with no skip_slot)");
+  const jitkv::PageTable pages = jitkv::cuda::parse_page_table(kOp, batch_indices, page_positions, kv_indices,
+                                                               kv_indptr, page_size, p.kv.n, p.kv.device, "k_cache");
+  if (page_size != p.kv.k.block_size || page_size != p.kv.v.block_size) return status(Status::kNeedsAnyAlignment);
+  return run(p, pages);
 }
 #else
 int64_t rope_store_cache(TensorView q, TensorView k, TensorView v, TensorView k_cache, TensorView v_cache,

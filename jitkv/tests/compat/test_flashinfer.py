@@ -397,6 +397,35 @@ def test_rope_quantize_above_the_token_bound_runs_two_launches(monkeypatch):
 
 
 @gpu
+def test_rope_quantize_takes_two_launches_for_a_page_size_not_the_caches(monkeypatch):
+    """The page-table build addresses a page's rows by the caches' block stride, so a page_size that is not
+    the caches' block size takes page_slots' slots, then rope_store_cache: the same bytes as that form."""
+    n, ps = 12, 4
+    batch, pos, indices, indptr, _ = _one_token_per_slot(n, 9, ps, torch.int32, False)
+    q_rope, _, k_rope, _, v = _rope_inputs("cuda", n, 2, 2, 16, 0, False)
+    caches = tuple(rand((5, 2 * ps, 2, 16), E4M3, "cuda") for _ in "kv")
+    want = [c.clone() for c in caches]
+    made = []
+    real = flashinfer._page_slots
+    monkeypatch.setattr(flashinfer, "_page_slots", lambda *a: made.append(a) or real(*a))
+    head = (q_rope, k_rope, None, None, v, table(64, 16).cuda(), torch.randint(0, 64, (n,), device="cuda"))
+
+    def call(paged):
+        return flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+            *head, paged, indices, indptr, batch, pos, page_size=ps
+        )
+
+    with monkeypatch.context() as m:
+        m.setattr(flashinfer, "_paged", lambda *a: False)
+        want_q = call(want)
+    made.clear()
+    got_q = call(caches)
+    assert len(made) == 1
+    for got, w in zip((*got_q, *caches), (*want_q, *want)):
+        assert_bitwise(got, w)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("page_size", [4, 5])
 @pytest.mark.parametrize("case", ["NHD", "HND", "mla", "bulk", "empty table"])
@@ -505,6 +534,11 @@ def test_page_table_builds_check_their_tables(op):
         given = dict(b=batch, p=pos, i=indices, ip=indptr, size=ps) | change
         with pytest.raises(error, match=rf"^{op}: {message}"):
             call(**given)
+    if op == "rope_store_cache":  # its kernel addresses pages by the caches' block stride: no loc_map, no skip_slot
+        for at, name, value in ((19, "loc_map", torch.arange(pages * ps, device="cuda")), (20, "skip_slot", 0)):
+            changed = args[:at] + (value,) + args[at + 1 :]
+            with pytest.raises(ValueError, match=rf"^{op}: {name}: this module was built for another slot source"):
+                fn(*changed[:5], batch, *changed[6:], table=(pos, indices, indptr, ps))
     torch.cuda.synchronize()
     for got, want in zip(caches, before):
         assert_bitwise(got, want)
