@@ -27,6 +27,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "jitkv/codes.h"
 #include "jitkv/cuda/fp8.cuh"
@@ -145,22 +146,18 @@ __device__ __forceinline__ int64_t resolve_slot(const StoreCacheArgs& p, int64_t
   return load_index(p.loc_map, p.loc_i64, slot);
 }
 
-// A token's slot_mapping entry, or in a page-table build (kTable) its table entries (cuda::TableEntries):
-// loaded after the PDL wait, value() after the trigger.
-template <bool kTable>
-struct SlotEntry {
+// A token's slot_mapping entry: loaded after the PDL wait, value() after the trigger.
+struct SlotMappingEntry {
   int64_t entry;
-  __device__ __forceinline__ SlotEntry(const StoreCacheArgs& p, int64_t t)
+  __device__ __forceinline__ SlotMappingEntry(const StoreCacheArgs& p, int64_t t)
       : entry(load_index(p.slots, p.slot_i64, t)) {}
   __device__ __forceinline__ int64_t value(const StoreCacheArgs&) const { return entry; }
 };
 
-template <>
-struct SlotEntry<true> {
-  cuda::TableEntries entries;
-  __device__ __forceinline__ SlotEntry(const TableStoreCacheArgs& p, int64_t t) : entries(p.pages, t) {}
-  __device__ __forceinline__ int64_t value(const TableStoreCacheArgs& p) const { return entries.slot(p.pages); }
-};
+// The latency and bulk kernels' slot source: slot_mapping, or in a page-table build (kTable) the
+// token's table entries (cuda::TableSlot).
+template <bool kTable>
+using SlotEntry = std::conditional_t<kTable, cuda::TableSlot, SlotMappingEntry>;
 
 // Latency kernel: one vector per lane and side. Addresses are computed before the PDL wait (they
 // read only the parameter block); after it a warp issues the slot load and its source loads together

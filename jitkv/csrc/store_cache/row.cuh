@@ -97,13 +97,12 @@ struct RowArgsOf : std::conditional_t<kQuant, RowFp8Args, RowArgs>,
                    std::conditional_t<kPaged, RowBlocks, NoBlocks>,
                    std::conditional_t<kTable, RowTable, NoTable> {};
 
-// A row kernel's slot: slots[token] of TSlot, or (kTable) the token's page-table entries, walked in
-// value() after the trigger.
-template <bool kTable, typename TSlot>
-struct RowSlot {
+// A row kernel's slots[token] of TSlot: loaded after the PDL wait, value() after the trigger.
+template <typename TSlot>
+struct RowSlotMapping {
   int64_t entry;
   template <class Args>
-  __device__ __forceinline__ RowSlot(const Args& p, int64_t token)
+  __device__ __forceinline__ RowSlotMapping(const Args& p, int64_t token)
       : entry(cuda::load(static_cast<const TSlot*>(p.slots) + token)) {}
   template <class Args>
   __device__ __forceinline__ int64_t value(const Args&) const {
@@ -111,16 +110,9 @@ struct RowSlot {
   }
 };
 
-template <typename TSlot>
-struct RowSlot<true, TSlot> {
-  cuda::TableEntries entries;
-  template <class Args>
-  __device__ __forceinline__ RowSlot(const Args& p, int64_t token) : entries(p.pages, token) {}
-  template <class Args>
-  __device__ __forceinline__ int64_t value(const Args& p) const {
-    return entries.slot(p.pages);
-  }
-};
+// A row kernel's slot source: slots of TSlot, or (kTable) the token's page-table entries (cuda::TableSlot).
+template <bool kTable, typename TSlot>
+using RowSlot = std::conditional_t<kTable, cuda::TableSlot, RowSlotMapping<TSlot>>;
 
 // grid = (ceil(n / warps_per_block), chunks, sides) as the latency kernel; lane l of chunk c moves
 // kVec-byte vector 32 c + l of the K row and of the V row (or, with split sides, of the side

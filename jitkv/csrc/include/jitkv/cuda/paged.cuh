@@ -190,5 +190,18 @@ struct TableEntries {
   }
 };
 
+// TableEntries as a kernel's slot source, the shape of its slot_mapping forms (store_cache's SlotEntry
+// and RowSlot): constructed from the kernel's block (whose `pages` is the call's table) after the PDL
+// wait, value() after the trigger.
+struct TableSlot {
+  TableEntries entries;
+  template <class Args>
+  __device__ __forceinline__ TableSlot(const Args& p, int64_t t) : entries(p.pages, t) {}
+  template <class Args>
+  __device__ __forceinline__ int64_t value(const Args& p) const {
+    return entries.slot(p.pages);
+  }
+};
+
 }  // namespace cuda
 }  // namespace jitkv
