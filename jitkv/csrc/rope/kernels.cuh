@@ -145,10 +145,10 @@ __device__ __forceinline__ char* paged_row(const cuda::PageWalk& w, char* cache,
   return cache + page * block_stride + w.row * token + head_offset;
 }
 
-// A token's slot as loaded before the trigger: slots[t], or in a paged build (kPaged) the token's request,
-// its sequence position and kv_indptr[t] (cuda::indptr_guess), whose table walk follows the trigger: walk()
-// issues it up to its kv_indices load (cuda::page_table_walk), value() is the slot. rope_heads issues its
-// cos/sin loads first, or they would wait on the walk's branches.
+// A token's slot as loaded before the trigger: slots[t] (value()), or in a paged build (kPaged) the token's
+// request, its sequence position and kv_indptr[t] (cuda::indptr_guess), whose table walk follows the
+// trigger: walk() issues it up to its kv_indices load (cuda::page_table_walk; paged_row reads it).
+// rope_heads issues its cos/sin loads first, or they would wait on the walk's branches.
 template <bool kPaged>
 struct SlotIn {
   LoadedIndex entry = {}, pos = {}, start = {};
@@ -162,11 +162,11 @@ struct SlotIn {
       start = load_index_later(p.pages.kv_indptr, p.pages.indptr_i64, cuda::indptr_guess(p.pages, t));
     }
   }
-  template <class Args>
-  __device__ __forceinline__ int64_t value(const Args& p) const {
-    return walk(p).value();
+  __device__ __forceinline__ int64_t value() const {
+    static_assert(!kPaged, "a paged build's slot is its walk's (paged_row)");
+    return entry.value();
   }
-  // The slot as a pending load (value()): in a paged build the walk issued up to its kv_indices load.
+  // The slot as a pending load: slots[t], or in a paged build the walk issued up to its kv_indices load.
   template <class Args>
   __device__ __forceinline__ auto walk(const Args& p) const {
     if constexpr (kPaged) {
@@ -223,7 +223,8 @@ __device__ __forceinline__ void rope_heads(const typename S::Args& p, int64_t t,
   // K's slot: a paged build reads its walk's after the first head's rotation (in the store below), so
   // that the rotation does not wait for the kv_indices load.
   const auto walk = kIsK ? slot_in.walk(p) : decltype(slot_in.walk(p)){};
-  const int64_t slot = kIsK && !S::kPaged ? kept_slot(p, walk.value(), p.k_num_slots) : -1;
+  int64_t slot = -1;
+  if constexpr (kIsK && !S::kPaged) slot = kept_slot(p, walk.value(), p.k_num_slots);
   const auto row_of = [&](int64_t at) -> char* {
     if (at < 0) return nullptr;
     const int64_t blk = int64_t(cuda::block_of(at, p.k_magic, p.k_shift));
@@ -232,7 +233,7 @@ __device__ __forceinline__ void rope_heads(const typename S::Args& p, int64_t t,
   float w[kV];
   if constexpr (kNorm) w_in.floats(w);
   if constexpr (!S::kPaged) load_cos_sin<R, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
-  char* k_row = kIsK ? row_of(slot) : nullptr;
+  char* k_row = kIsK && !S::kPaged ? row_of(slot) : nullptr;
   // Rotated heads, each handed to store(u, y) where it is inside the head.
   const auto heads = [&](const auto& store) {
 #pragma unroll
@@ -288,7 +289,7 @@ __device__ __forceinline__ void store_v(const typename S::Args& p, int64_t t, in
     row = paged_row(slot_in.walk(p), p.v_cache, p.v_block_stride, p.v_token, p.v_blocks, h0 * p.v_head);
     if (!inside || row == nullptr) return;
   } else {
-    const int64_t slot = kept_slot(p, slot_in.value(p), p.v_num_slots);
+    const int64_t slot = kept_slot(p, slot_in.value(), p.v_num_slots);
     if (!inside || slot < 0) return;
     const int64_t blk = int64_t(cuda::block_of(slot, p.v_magic, p.v_shift));
     row = p.v_cache + slot * p.v_token + blk * p.v_block_adj + h0 * p.v_head;

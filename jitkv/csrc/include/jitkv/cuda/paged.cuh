@@ -154,14 +154,13 @@ __device__ __forceinline__ int64_t page_table_slot(const PageTable& t, int64_t b
   return load_index(t.kv_indices, t.indices_i64, e) * t.page_size + row;
 }
 
-// page_table_slot issued up to its kv_indices load: value() is the slot. A caller with work that does not
-// need the slot (rope_store_cache's rotation) reads value() after that work, which then does not wait for
-// the load (docs/performance.md "FlashInfer page slots").
+// page_table_slot issued up to its kv_indices load: the page (page.value()) and the row in it, or none. A
+// caller with work that does not need the row (rope_store_cache's rotation) reads the page after that
+// work, which then does not wait for the load (docs/performance.md "FlashInfer page slots").
 struct PageWalk {
   LoadedIndex page = {0, 0, false};
-  int64_t row = 0, page_size = 0;
+  int64_t row = 0;
   bool none = true;
-  __device__ __forceinline__ int64_t value() const { return none ? -1 : page.value() * page_size + row; }
 };
 
 __device__ __forceinline__ PageWalk page_table_walk(const PageTable& t, int64_t b, int64_t pos, int64_t guess_b,
@@ -170,7 +169,6 @@ __device__ __forceinline__ PageWalk page_table_walk(const PageTable& t, int64_t 
   if (b < 0 || t.num_indices <= 0) return w;
   const int64_t e = page_entry(t, b, pos, guess_b, guess_start, w.row);
   w.page = load_index_later(t.kv_indices, t.indices_i64, e);
-  w.page_size = t.page_size;
   w.none = false;
   return w;
 }
