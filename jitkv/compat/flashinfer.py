@@ -90,13 +90,21 @@ def page_slots_torch(batch_indices, positions, kv_indices, kv_indptr, page_size)
 
 def _check_page_table(batch_indices, positions, kv_indices, kv_indptr, page_size) -> int:
     """Raises page_slots' errors; returns page_size as an int (any integer type is taken)."""
-    tables = (("batch_indices", batch_indices), ("positions", positions), ("kv_indices", kv_indices))
-    for name, t in (*tables, ("kv_indptr", kv_indptr)):
-        if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+    device = None  # batch_indices', checked first
+    for name, t in (
+        ("batch_indices", batch_indices),
+        ("positions", positions),
+        ("kv_indices", kv_indices),
+        ("kv_indptr", kv_indptr),
+    ):
+        if not isinstance(t, torch.Tensor) or t.dtype not in _INTEGER_DTYPES:
             raise TypeError(f"page_slots: {name}: expected an integer tensor, got {_kind(t)}")
         if t.dim() != 1:
             raise ValueError(f"page_slots: {name}: expected a 1-D tensor, got shape {list(t.shape)}")
-        checks.same_device("page_slots", name, t, batch_indices.device, "batch_indices")
+        if device is None:
+            device = t.device
+        else:
+            checks.same_device("page_slots", name, t, device, "batch_indices")
     if positions.shape[0] != batch_indices.shape[0]:
         raise ValueError(
             f"page_slots: positions: expected {batch_indices.shape[0]} entries (batch_indices'), "
@@ -110,6 +118,12 @@ def _check_page_table(batch_indices, positions, kv_indices, kv_indptr, page_size
     if page_size < 1:
         raise ValueError(f"page_slots: page_size: expected >= 1, got {page_size}")
     return page_size
+
+
+# The integer dtypes an index may have (the page table is checked on every call: a set lookup is cheap).
+_INTEGER_DTYPES = frozenset(
+    (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64)
+)
 
 
 def _kind(t):
@@ -310,8 +324,8 @@ def append_paged_mla_kv_cache(
 
 def _joined(a, b):
     """[..., wa + wb] view of two tensors when b's columns follow a's in memory (``x[..., :r]``,
-    ``x[..., r:]`` of one tensor), else None."""
-    if b.shape[-1] == 0:
+    ``x[..., r:]`` of one tensor; b None or of no columns: a), else None."""
+    if b is None or b.shape[-1] == 0:
         return a
     if (
         a.dtype != b.dtype
@@ -331,17 +345,19 @@ def _join(a, b):
 
 def _q_outputs(q_rope, q_nope, q_rope_out, q_nope_out, dtype):
     """(q_out [nnz, H, rope + nope] the op writes, the (q_rope_out, q_nope_out) returned, whether they
-    are copies of q_out's columns to write back)."""
+    are copies of q_out's columns to write back); q_nope None: no nope columns."""
     r = q_rope.shape[-1]
+    shape = (*q_rope.shape[:-1], r + (q_nope.shape[-1] if q_nope is not None else 0))
     if q_rope_out is None and q_nope_out is None:
-        q_out = torch.empty(*q_rope.shape[:-1], r + q_nope.shape[-1], dtype=dtype, device=q_rope.device)
+        q_out = torch.empty(shape, dtype=dtype, device=q_rope.device)
         return q_out, (q_out[..., :r], q_out[..., r:]), False
     q_rope_out = q_rope_out if q_rope_out is not None else torch.empty_like(q_rope, dtype=dtype)
-    q_nope_out = q_nope_out if q_nope_out is not None else torch.empty_like(q_nope, dtype=dtype)
+    if q_nope_out is None:
+        q_nope_out = torch.empty((*shape[:-1], shape[-1] - r), dtype=dtype, device=q_rope.device)
     joined = _joined(q_rope_out, q_nope_out)
     if joined is not None:
         return joined, (q_rope_out, q_nope_out), False
-    q_out = torch.empty(*q_rope.shape[:-1], r + q_nope.shape[-1], dtype=dtype, device=q_rope.device)
+    q_out = torch.empty(shape, dtype=dtype, device=q_rope.device)
     return q_out, (q_rope_out, q_nope_out), True
 
 
@@ -410,9 +426,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
             f"{op}: quantize_dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {quantize_dtype}"
         )
     mla = k_rope.dim() == 2
-    if q_nope is None:
-        q_nope = q_rope.new_empty(*q_rope.shape[:-1], 0)
-    if k_nope is None:
+    if mla and k_nope is None:
         k_nope = k_rope.new_empty(*k_rope.shape[:-1], 0)
     k_cache, v_cache = paged_kv_cache
     for name, cache in (("paged_kv_cache[0]", k_cache), ("paged_kv_cache[1]", v_cache)):
@@ -446,7 +460,8 @@ def rope_quantize_fp8_append_paged_kv_cache(
             q_scale,
             kv_scale,
         )
-        q_out[..., r:].copy_(reference.quantize_fp8(q_nope, quantize_dtype, q_scale))
+        if q_nope is not None:
+            q_out[..., r:].copy_(reference.quantize_fp8(q_nope, quantize_dtype, q_scale))
     else:
         _rope_store(
             table,

@@ -205,6 +205,37 @@ def test_other_scales_differ_from_multiplying_only_at_ties():
     assert int(step.max()) <= 1 and float((step != 0).float().mean()) < 0.01
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("given", [False, True])
+def test_rope_quantize_without_nope_parts(device, given):
+    """GQA with q_nope and k_nope None (FlashInfer's call for heads rotated whole): every Q value
+    fp8(rope(q) * quant_scale_q), K as rope(k) and V quantized into the pages; the q_nope_out returned has
+    no columns. With q_rope_out given, it is the tensor written."""
+    ps, pages, hq, hk, d = 4, 12, 4, 2, 32
+    indices, indptr, batch, pos = _page_table([5, 9, 2], ps, pages, device)
+    n = batch.numel()
+    q_rope, k_rope, v = rand((n, hq, d), BF16, device), rand((n, hk, d), BF16, device), rand((n, hk, d), BF16, device)
+    cs, pos_ids = table(64, d).to(device), torch.randint(0, 64, (n,), device=device)
+    caches = tuple(rand((pages, ps, hk, d), E4M3, device) for _ in "kv")
+    want = [c.clone() for c in caches]
+    want_q = torch.stack([_quant(rotate(q_rope[i], pos_ids[i], cs, True), 2.0, E4M3) for i in range(n)])
+    for i in range(n):
+        at = _slot(i, indices, indptr, batch, pos, ps)
+        if at is not None:
+            want[0][at] = _quant(rotate(k_rope[i], pos_ids[i], cs, True), 0.5, E4M3)
+            want[1][at] = _quant(v[i], 0.5, E4M3)
+    out = rand((n, hq, d), E4M3, device) if given else None
+    got_q, got_nope = flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+        q_rope, k_rope, None, None, v, cs, pos_ids, caches, indices, indptr, batch, pos,
+        quant_scale_q=2.0, quant_scale_kv=0.5, page_size=ps, q_rope_out=out,
+    )  # fmt: skip
+    assert_bitwise(got_q, want_q)
+    assert got_nope.shape == (n, hq, 0) and got_nope.dtype == E4M3
+    assert not given or got_q.data_ptr() == out.data_ptr()
+    for got, w in zip(caches, want):
+        assert_bitwise(got, w)
+
+
 def test_bad_input():
     indices, indptr, batch, pos = _page_table([3], 4, 4, "cpu")
     q, qn, k, kn, v = _rope_inputs("cpu", batch.numel(), 2, 2, 16, 0, False)
