@@ -1,6 +1,6 @@
 // tvm-ffi binding of rope_set_mla_kv_buffer on CUDA: parses and checks the arguments (parse.h), checks
 // them against this module's template arguments, builds the kernel's block (params.h MlaArgs) and
-// launches rope_set_mla_kv_buffer_kernel (kernels.cuh) on the caller's current stream, with PDL from
+// launches rope_set_mla_kv_buffer_kernel (mla_kernels.cuh) on the caller's current stream, with PDL from
 // sm_90.
 //
 // Template arguments (JitSpec args; ops/rope.py cuda_mla_spec): JITKV_NOPE, JITKV_ROPE (values per row of
@@ -17,7 +17,7 @@
 
 #include "jitkv/codes.h"
 #include "jitkv/cuda/launch.cuh"
-#include "rope/kernels.cuh"
+#include "rope/mla_kernels.cuh"
 #include "rope/params.h"
 #include "rope/parse.h"
 
