@@ -165,8 +165,7 @@ _TABLE_BUILDS: dict = {}  # (op, CUDA device index, Variant) -> its page-table b
 # 0.95x at n = 4096, 0.99x at 8192 and 1.01x at 16384. Re-measure: both forms at those n.
 _PAGED_MAX_TOKENS = 8192
 _INT32_MAX = 2**31 - 1
-# What a page-table build's variant or binding raises for a call it refuses; the op's check then raises first,
-# naming the argument as every backend does (ops/_op.py).
+# What a page-table build's variant or binding raises for a call it refuses (_table_call).
 _REFUSALS = (AttributeError, IndexError, KeyError, TypeError, ValueError, RuntimeError)
 _ROPE_ARGS = tuple(p.name for p in rope.ROPE_STORE_CACHE.params)  # rope_store_cache's, in schema order
 
@@ -194,14 +193,24 @@ def _paged(table, page_size, args) -> bool:
     slot_mapping the table's batch_indices); False where it did not and wrote nothing."""
     if table[0].shape[0] > _PAGED_MAX_TOKENS or not _table_builds_run(page_size):
         return False
+
+    def call(fn, batch_indices, positions, kv_indices, kv_indptr):
+        return fn(*args[:5], batch_indices, *args[6:], table=(positions, kv_indices, kv_indptr, page_size))
+
+    return _table_call(rope.ROPE_STORE_CACHE, rope.paged_runner, args[0].device, args, table, call)
+
+
+def _table_call(op, make, device, args, table, call) -> bool:
+    """Whether op's page-table build on device (``make(device, variant)`` builds it: _table_build) ran a
+    call of op's arguments ``args`` (schema order) with FlashInfer's ``table``: ``call(fn, batch_indices,
+    positions, kv_indices, kv_indptr)`` runs it and returns whether the build declined (nothing written).
+    Where the variant or the binding refuses the call, op's check raises first, naming the argument, as
+    the op itself does (ops/_op.py)."""
     try:
-        fn = _table_build("rope_store_cache", args[0].device, rope.Variant(*rope.variant(*args)), rope.paged_runner)
-        if fn is None:
-            return False
-        batch_indices, positions, kv_indices, kv_indptr = (_int32_or_64(t) for t in table[:4])
-        return fn(*args[:5], batch_indices, *args[6:], table=(positions, kv_indices, kv_indptr, page_size)) is None
+        fn = _table_build(op.name, device, op.variant_type(*op.variant(*args)), make)
+        return fn is not None and not call(fn, *(_int32_or_64(t) for t in table[:4]))
     except _REFUSALS:
-        rope.check(*args)  # as the op does (ops/_op.py): its check names the argument refused
+        op.check(*args)
         raise
 
 
@@ -238,16 +247,12 @@ def _append(table, k, v, k_cache, v_cache):
     page_size = _check_page_table(*table)
     if k_cache.is_cuda and table[0].device == k_cache.device and _table_builds_run(page_size):
         args = (k, v, k_cache, v_cache, table[0], "auto", None, None, None, None)
-        try:
-            variant = store_cache_op.Variant(*store_cache_op.variant(*args))
-            fn = _table_build("store_cache", k_cache.device, variant, store_cache_op.table_runner)
-            if fn is not None:
-                batch_indices, positions, kv_indices, kv_indptr = (_int32_or_64(t) for t in table[:4])
-                if not fn(k, v, k_cache, v_cache, batch_indices, positions, kv_indices, kv_indptr, page_size):
-                    return
-        except _REFUSALS:
-            store_cache_op.check(*args)  # as the op does (ops/_op.py): its check names the argument refused
-            raise
+
+        def call(fn, batch_indices, positions, kv_indices, kv_indptr):
+            return fn(k, v, k_cache, v_cache, batch_indices, positions, kv_indices, kv_indptr, page_size)
+
+        if _table_call(store_cache_op.STORE_CACHE, store_cache_op.table_runner, k_cache.device, args, table, call):
+            return
     store_cache(k, v, k_cache, v_cache, _page_slots(*table[:4], page_size))
 
 
