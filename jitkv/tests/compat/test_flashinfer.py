@@ -298,6 +298,14 @@ def _one_token_per_slot(n, pages, page_size, dtype, empty, device="cuda"):
     return batch, pos, indices, indptr, slots
 
 
+def _record_page_slots(monkeypatch):
+    """A list that gets the arguments of each call of flashinfer's _page_slots (the two-launch form's
+    first launch), which still runs."""
+    made, real = [], flashinfer._page_slots
+    monkeypatch.setattr(flashinfer, "_page_slots", lambda *a: made.append(a) or real(*a))
+    return made
+
+
 def _refuse(monkeypatch, *names):
     """flashinfer's functions ``names`` made to fail the test if called (the two-launch form's)."""
 
@@ -415,9 +423,7 @@ def test_rope_quantize_above_the_token_bound_runs_two_launches(monkeypatch):
     batch, pos, indices, indptr = _random_page_table(n, 3, 9, ps, torch.int32, "cuda")
     q_rope, _, k_rope, _, v = _rope_inputs("cuda", n, 2, 2, 16, 0, False)
     caches = tuple(rand((9, ps, 2, 16), E4M3, "cuda") for _ in "kv")
-    made = []
-    real = flashinfer._page_slots
-    monkeypatch.setattr(flashinfer, "_page_slots", lambda *a: made.append(a) or real(*a))
+    made = _record_page_slots(monkeypatch)
     args = (q_rope, k_rope, None, None, v, table(64, 16).cuda(), torch.zeros(n, dtype=torch.int64, device="cuda"))
     args += (caches, indices, indptr, batch, pos)
     flashinfer.rope_quantize_fp8_append_paged_kv_cache(*args, page_size=ps)
@@ -436,9 +442,7 @@ def test_rope_quantize_takes_two_launches_for_a_page_size_not_the_caches(monkeyp
     q_rope, _, k_rope, _, v = _rope_inputs("cuda", n, 2, 2, 16, 0, False)
     caches = tuple(rand((5, 2 * ps, 2, 16), E4M3, "cuda") for _ in "kv")
     want = [c.clone() for c in caches]
-    made = []
-    real = flashinfer._page_slots
-    monkeypatch.setattr(flashinfer, "_page_slots", lambda *a: made.append(a) or real(*a))
+    made = _record_page_slots(monkeypatch)
     head = (q_rope, k_rope, None, None, v, table(64, 16).cuda(), torch.randint(0, 64, (n,), device="cuda"))
 
     def call(paged):
@@ -501,9 +505,7 @@ def test_append_takes_two_launches_where_the_table_build_cannot_run(monkeypatch)
     take page_slots, then store_cache; the bytes are the same."""
     ps, pages = 4, 12
     indices, indptr, batch, pos = _page_table([5, 9, 2], ps, pages, "cuda")
-    made = []
-    real = flashinfer._page_slots
-    monkeypatch.setattr(flashinfer, "_page_slots", lambda *a: made.append(a) or real(*a))
+    made = _record_page_slots(monkeypatch)
     for d, env in ((4, {}), (64, {"JITKV_DEBUG": "1"}), (64, {"JITKV_BACKEND": "triton"})):
         key, value = rand((batch.numel(), 2, d), BF16, "cuda"), rand((batch.numel(), 2, d), BF16, "cuda")
         cache = rand((pages, 2, ps, 2, d), BF16, "cuda")
