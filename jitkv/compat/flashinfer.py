@@ -7,9 +7,10 @@ Same names, argument order and results as ``flashinfer.page`` and ``flashinfer.r
 FlashInfer's page table: token i of the batch belongs to request ``b = batch_indices[i]`` (b < 0: a
 padding token, not written) at ``positions[i]`` of it; its page is ``kv_indices[kv_indptr[b] +
 positions[i] // page_size]``, its row ``positions[i] % page_size`` (csrc/include/jitkv/page_table.h).
-On CUDA each shim is one launch: a build of store_cache's kernels (16-byte heads) or of
-rope_store_cache's (up to 8,192 tokens) that walks the table itself (prebuilt for head_dim 128 bf16
-copies and bf16 -> e4m3 RoPE; other shapes build on first call, outside graph capture). Otherwise the
+On CUDA each shim is one launch: a build of store_cache's kernels (16-byte heads), of
+rope_store_cache's (up to 8,192 tokens) or of rope_set_mla_kv_buffer's (the MLA form) that walks the
+table itself (prebuilt for head_dim 128 bf16 copies, bf16 -> e4m3 RoPE and DeepSeek's 512 + 64 e4m3 MLA
+rows; other shapes build on first call, outside graph capture). Otherwise the
 shims turn the table into jitkv's slots (``page * page_size + row``) on the indices' device, with no
 host sync (graph-safe), then write: on CUDA by one kernel (csrc/compat/page_slots_cuda.cu, built on
 first call like every jitkv module and prebuilt with them), elsewhere, or where that module cannot be
@@ -29,7 +30,7 @@ import operator
 
 import torch
 
-from .. import checks, reference, rope_store_cache, store_cache
+from .. import checks, reference, rope_set_mla_kv_buffer, rope_store_cache, store_cache
 from .._warn import warn
 from ..jit import CaptureBuildError, JitUnavailable
 from ..ops import rope
@@ -168,6 +169,7 @@ _INT32_MAX = 2**31 - 1
 # What a page-table build's variant or binding raises for a call it refuses (_table_call).
 _REFUSALS = (AttributeError, IndexError, KeyError, TypeError, ValueError, RuntimeError)
 _ROPE_ARGS = tuple(p.name for p in rope.ROPE_STORE_CACHE.params)  # rope_store_cache's, in schema order
+_MLA_ARGS = tuple(p.name for p in rope.ROPE_SET_MLA_KV_BUFFER.params)  # rope_set_mla_kv_buffer's
 
 
 def _rope_store(
@@ -348,22 +350,67 @@ def _join(a, b):
     return joined if joined is not None else torch.cat([a, b], dim=-1)
 
 
-def _q_outputs(q_rope, q_nope, q_rope_out, q_nope_out, dtype):
-    """(q_out [nnz, H, rope + nope] the op writes, the (q_rope_out, q_nope_out) returned, whether they
-    are copies of q_out's columns to write back); q_nope None: no nope columns."""
-    r = q_rope.shape[-1]
-    shape = (*q_rope.shape[:-1], r + (q_nope.shape[-1] if q_nope is not None else 0))
-    if q_rope_out is None and q_nope_out is None:
-        q_out = torch.empty(shape, dtype=dtype, device=q_rope.device)
-        return q_out, (q_out[..., :r], q_out[..., r:]), False
-    q_rope_out = q_rope_out if q_rope_out is not None else torch.empty_like(q_rope, dtype=dtype)
-    if q_nope_out is None:
-        q_nope_out = torch.empty((*shape[:-1], shape[-1] - r), dtype=dtype, device=q_rope.device)
-    joined = _joined(q_rope_out, q_nope_out)
+def _q_outputs(first, second, first_out, second_out, dtype):
+    """(q_out [nnz, H, w1 + w2] the op writes as [first | second], the (first_out, second_out) returned,
+    whether they are copies of q_out's columns to write back: _write_back); second None: no columns."""
+    w = first.shape[-1]
+    shape = (*first.shape[:-1], w + (second.shape[-1] if second is not None else 0))
+    if first_out is None and second_out is None:
+        q_out = torch.empty(shape, dtype=dtype, device=first.device)
+        return q_out, (q_out[..., :w], q_out[..., w:]), False
+    first_out = first_out if first_out is not None else torch.empty_like(first, dtype=dtype)
+    if second_out is None:
+        second_out = torch.empty((*shape[:-1], shape[-1] - w), dtype=dtype, device=first.device)
+    joined = _joined(first_out, second_out)
     if joined is not None:
-        return joined, (q_rope_out, q_nope_out), False
-    q_out = torch.empty(shape, dtype=dtype, device=q_rope.device)
-    return q_out, (q_rope_out, q_nope_out), True
+        return joined, (first_out, second_out), False
+    q_out = torch.empty(shape, dtype=dtype, device=first.device)
+    return q_out, (first_out, second_out), True
+
+
+def _write_back(q_out, outs):
+    """The (first_out, second_out) copies from q_out's columns [first | second]."""
+    w = outs[0].shape[-1]
+    outs[0].copy_(q_out[..., :w])
+    outs[1].copy_(q_out[..., w:])
+
+
+def _mla_rows(ckv_cache, kpe_cache):
+    """``[pages * page_size, nope + rope]``: set_mla_kv_buffer's kv_buffer rows when kpe_cache's columns
+    follow ckv_cache's in one buffer (the engines' MLA cache seen as two views), else None."""
+    joined = _joined(ckv_cache, kpe_cache) if ckv_cache.shape[-1] and kpe_cache.shape[-1] else None
+    if joined is None:
+        return None
+    try:
+        return joined.view(-1, joined.shape[-1])
+    except RuntimeError:  # pages not one row stride apart
+        return None
+
+
+def _rope_mla(table, kv_buffer, k_nope, k_rope, pos_ids, cos_sin_cache, is_neox, q_rope, q_nope, q_out, fmt, scales):
+    """rope_set_mla_kv_buffer (rows ``kv_buffer``, q_out = [q_nope | rope(q_rope)], fp8 format ``fmt``,
+    scales = (q_scale, kv_scale)) at the slots of FlashInfer's page table ``table``. On CUDA one launch:
+    the op's build that reads the table itself (ops/rope.py mla_paged_runner), where the op would run
+    its CUDA kernel and that kernel takes the call; else page_slots' slots, then the op."""
+    page_size = _check_page_table(*table)
+    args = (kv_buffer, table[0], k_nope, k_rope, pos_ids, cos_sin_cache, is_neox, q_rope, q_nope, q_out)
+    args += (scales[0], None, fmt, scales[1], None)
+    if kv_buffer.is_cuda and _mla_paged(table, page_size, args):
+        return
+    slots = _page_slots(*table[:4], page_size)
+    rope_set_mla_kv_buffer(**dict(zip(_MLA_ARGS, (kv_buffer, slots, *args[2:]))))
+
+
+def _mla_paged(table, page_size, args) -> bool:
+    """As _paged, for rope_set_mla_kv_buffer's arguments (its loc the table's batch_indices), at any
+    token count: only the row's threads (kv_c's and k_pe's lanes) walk the table, not the query heads'."""
+    if not _table_builds_run(page_size):
+        return False
+
+    def call(fn, batch_indices, positions, kv_indices, kv_indptr):
+        return fn(args[0], batch_indices, *args[2:], table=(positions, kv_indices, kv_indptr, page_size))
+
+    return _table_call(rope.ROPE_SET_MLA_KV_BUFFER, rope.mla_paged_runner, args[0].device, args, table, call)
 
 
 def rope_quantize_fp8_append_paged_kv_cache(
@@ -396,7 +443,11 @@ def rope_quantize_fp8_append_paged_kv_cache(
     MHA / GQA (k_rope 3-D): a K head is ``[rope(k_rope) | k_nope]`` (rotated dims first), V ``[nnz, Hk,
     rope + nope]``; ``paged_kv_cache = (k_cache, v_cache)`` in NHD or HND. MLA (k_rope 2-D ``[nnz, rope]``,
     k_nope ``[nnz, nope]``, v None): ``paged_kv_cache = (ckv_cache [pages, page_size, nope], kpe_cache
-    [pages, page_size, rope])``.
+    [pages, page_size, rope])``; where they are the column views of one ``[pages, page_size, nope + rope]``
+    buffer (the engines' MLA cache) and q_nope is given, ``jitkv.rope_set_mla_kv_buffer`` writes the
+    rows and both query parts in one launch (the returned outputs are then views of one ``[nnz, Hq, nope
+    + rope]`` tensor, or those given, whose copies are made only where they are not adjacent in that
+    order); separate caches take ``jitkv.rope_store_cache`` with q_nope quantized by torch ops after it.
 
     Args:
         q_rope ``[nnz, Hq, rope]``, q_nope ``[nnz, Hq, nope]`` (None: no nope dims), k_rope, k_nope, v: bf16
@@ -444,9 +495,30 @@ def rope_quantize_fp8_append_paged_kv_cache(
         raise ValueError(f"{op}: v: " + ("MLA takes no V (pass None)" if mla else "GQA/MHA needs V, got None"))
     table = (batch_indices, positions, kv_indices, kv_indptr, page_size)
     fmt, q_scale, kv_scale = _FORMATS[quantize_dtype], 1.0 / quant_scale_q, 1.0 / quant_scale_kv
+    rows = _mla_rows(k_cache, v_cache) if mla and q_nope is not None else None
+    if rows is not None:  # one launch for the queries' both parts (after page_slots')
+        q_out, (q_nope_out, q_rope_out), copy_back = _q_outputs(q_nope, q_rope, q_nope_out, q_rope_out, quantize_dtype)
+        _rope_mla(
+            table,
+            rows,
+            k_nope,
+            k_rope,
+            pos_ids,
+            cos_sin_cache,
+            is_neox,
+            q_rope,
+            q_nope,
+            q_out,
+            fmt,
+            (q_scale, kv_scale),
+        )
+        if copy_back:
+            _write_back(q_out, (q_nope_out, q_rope_out))
+        return q_rope_out, q_nope_out
     q_out, returned, copy_back = _q_outputs(q_rope, q_nope, q_rope_out, q_nope_out, quantize_dtype)
     if mla:
-        # The latent rides as a one-head V beside the one-head rope K; the caches are separate tensors.
+        # Separate caches: the latent rides as a one-head V beside the one-head rope K, and q_nope is
+        # quantized by torch ops after the launch.
         r = q_rope.shape[-1]
         ckv_cache, kpe_cache = k_cache, v_cache
         _rope_store(
@@ -485,7 +557,5 @@ def rope_quantize_fp8_append_paged_kv_cache(
             kv_scale,
         )
     if copy_back:
-        r = q_rope.shape[-1]
-        returned[0].copy_(q_out[..., :r])
-        returned[1].copy_(q_out[..., r:])
+        _write_back(q_out, returned)
     return returned

@@ -21,6 +21,7 @@ __all__ = ["rope_set_mla_kv_buffer", "rope_store_cache"]
 OP = "rope_store_cache"
 MLA_OP = "rope_set_mla_kv_buffer"
 TABLE_ENTRY = "rope_store_cache_table"  # a page-table build's only entry point (paged_runner)
+MLA_TABLE_ENTRY = "rope_set_mla_kv_buffer_table"  # the same for rope_set_mla_kv_buffer (mla_paged_runner)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NORM_GROUP = 8  # the fixed-order RMSNorm sums squares in groups of 8 dims (docs/design.md §9)
 
@@ -717,6 +718,7 @@ class MlaVariant(NamedTuple):
     q_mode: RopeQ
     kv_format: KvFormat
     aligned: bool = True  # False: a call whose views the CUDA kernel refused
+    page_table: bool = False  # True: slots from FlashInfer's page table, read in the kernel (mla_paged_runner)
 
 
 def variant_mla(
@@ -813,10 +815,11 @@ def cuda_mla_spec(arch: str, v: MlaVariant, *, pdl: bool = True) -> JitSpec:
             ("src_dtype", int(v.src_dtype)),
             ("q_mode", int(v.q_mode)),
             ("kv_dtype", int(v.kv_format)),
+            ("page_table", int(v.page_table)),
             ("pdl", int(pdl)),
         ),
         target=arch,
-        exports=(MLA_OP,),
+        exports=(MLA_TABLE_ENTRY,) if v.page_table else (MLA_OP,),
     )
 
 
@@ -862,7 +865,7 @@ def cuda_mla_refusal(v: MlaVariant):
 # Prebuilt CUDA modules: head_dim 128 bf16 (Llama-3 without norms, Qwen3 with both and bf16 weights; NeoX or
 # GPT-J) with q in place and bf16 caches or an e4m3 q_out and e4m3 caches, and the page-table build of the
 # Llama e4m3 one (FlashInfer's fused shim: jitkv.compat.flashinfer); DeepSeek MLA 512 + 64 bf16, e4m3 and
-# fp8_ds_mla rows.
+# fp8_ds_mla rows, and the page-table build of e4m3 rows with an e4m3 q_out (the same shim's MLA form).
 CUDA_PREBUILD = tuple(
     Variant(128, 128, 128, True, norm, norm, SrcDtype.BF16, SrcDtype.F32, w, q_mode, kv)
     for norm, w in ((False, SrcDtype.NONE), (True, SrcDtype.BF16))
@@ -886,7 +889,7 @@ CUDA_PREBUILD = tuple(
 CUDA_MLA_PREBUILD = tuple(
     MlaVariant(512, 64, False, SrcDtype.BF16, SrcDtype.F32, RopeQ.IN_PLACE, kv)
     for kv in (KvFormat.COPY, KvFormat.E4M3, KvFormat.DS_MLA)
-)
+) + (MlaVariant(512, 64, False, SrcDtype.BF16, SrcDtype.F32, RopeQ.E4M3, KvFormat.E4M3, page_table=True),)
 
 
 def specs(target: str) -> list[JitSpec]:
@@ -1017,13 +1020,17 @@ def _kv_format(op, kv_cache_dtype) -> int:
 def _jit_mla(device, variant):
     """As _jit, for rope_set_mla_kv_buffer."""
     if device.type == "cuda":
-        why = cuda_mla_refusal(variant)
-        if why:
-            raise BackendUnavailable(f"the CUDA kernel cannot take this call: {why}")
-        spec, retry = cuda_mla_spec(cuda_arch(device), variant), tuple(variant._replace(aligned=False))
+        spec, retry = _taken_cuda_mla_spec(device, variant), tuple(variant._replace(aligned=False))
     else:
         spec, retry = cpu_spec(), None
     fn, info = jit_function(spec, MLA_OP)
+    return ROPE_SET_MLA_KV_BUFFER.with_debug_checks(device, _mla_runner(fn, retry)), info
+
+
+def _mla_runner(fn, refused):
+    """As _runner, for rope_set_mla_kv_buffer: run(*op args, table=()) calls the binding ``fn`` with q's
+    mode and the scales as tensor or value, then ``table`` (mla_paged_runner's: the page table's four
+    entries); returns ``refused`` where the binding declined the call, else None."""
 
     def run(
         kv_buffer,
@@ -1041,6 +1048,7 @@ def _jit_mla(device, variant):
         kv_cache_dtype,
         scale,
         skip_slot,
+        table=(),
     ):
         _flag(MLA_OP, "is_neox", is_neox)
         q_mode = int(_Q_NONE) if q_pe is None else int(_q_mode(q_out))
@@ -1067,10 +1075,29 @@ def _jit_mla(device, variant):
             _kv_format(MLA_OP, kv_cache_dtype),
             s,
             s_value,
+            *table,
         )
-        return retry if status else None
+        return refused if status else None
 
-    return ROPE_SET_MLA_KV_BUFFER.with_debug_checks(device, run), info
+    return run
+
+
+def mla_paged_runner(device, v: MlaVariant):
+    """As paged_runner, for rope_set_mla_kv_buffer: run(*op args, table=(positions, kv_indices, kv_indptr,
+    page_size)) with the table's batch_indices as loc and no skip_slot (ValueError); kv_buffer's rows are
+    the pages' rows, page after page (any page_size). True where the kernel declined the call (views it
+    cannot address: nothing written), else None. Raises BackendUnavailable for a variant the kernel
+    cannot take; a build's JitUnavailable or CaptureBuildError propagates."""
+    spec = _taken_cuda_mla_spec(device, v._replace(page_table=True))
+    return _mla_runner(jit_function(spec, MLA_TABLE_ENTRY)[0], True)
+
+
+def _taken_cuda_mla_spec(device, v: MlaVariant) -> JitSpec:
+    """cuda_mla_spec of v on device's arch; BackendUnavailable for a variant the kernel cannot take."""
+    why = cuda_mla_refusal(v)
+    if why:
+        raise BackendUnavailable(f"the CUDA kernel cannot take this call: {why}")
+    return cuda_mla_spec(cuda_arch(device), v)
 
 
 # ------------------------------------------------------------------------------ sample and bench

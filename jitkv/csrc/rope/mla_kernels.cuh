@@ -5,10 +5,12 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "jitkv/codes.h"
 #include "jitkv/cuda/fp8.cuh"
 #include "jitkv/cuda/launch.cuh"
+#include "jitkv/cuda/paged.cuh"
 #include "jitkv/cuda/vec.cuh"
 #include "rope/kernels.cuh"
 #include "rope/lanes.cuh"
@@ -19,10 +21,13 @@ namespace jitkv::rope {
 using codes::DsMla;
 
 // rope_set_mla_kv_buffer's build: kv_c and k_pe widths (values), the source dtype, the queries'
-// destination and the row format; NeoX or GPT-J and the cos/sin dtype pick the kernel.
-template <int kNope_, int kRope_, SrcDtype kSrc_, RopeQ kQ_, KvFormat kFmt_>
+// destination, the row format and whether the rows' slots come from FlashInfer's page table (kPaged);
+// NeoX or GPT-J and the cos/sin dtype pick the kernel.
+template <int kNope_, int kRope_, SrcDtype kSrc_, RopeQ kQ_, KvFormat kFmt_, bool kPaged_>
 struct MlaShape {
   static constexpr int kNope = kNope_, kRope = kRope_;
+  static constexpr bool kPaged = kPaged_;
+  using Args = std::conditional_t<kPaged, PagedMlaArgs, MlaArgs>;  // the kernel's parameter block
   static constexpr SrcDtype kSrc = kSrc_;
   static constexpr RopeQ kQ = kQ_;
   static constexpr KvFormat kFmt = kFmt_;
@@ -64,12 +69,23 @@ __device__ __forceinline__ int64_t kept_slot(const MlaArgs& p, int64_t s) {
   return s < 0 || s == p.skip_slot || s >= p.num_slots ? -1 : s;
 }
 
+// A token's loc entry, loaded before the trigger, value() after it.
+struct LocEntry {
+  LoadedIndex entry;
+  __device__ __forceinline__ LocEntry(const MlaArgs& p, int64_t t) : entry(load_index_later(p.loc, p.loc_i64, t)) {}
+  __device__ __forceinline__ int64_t value(const MlaArgs&) const { return entry.value(); }
+};
+
+// A row's slot source: loc, or (a paged build) the token's page-table entries (cuda::TableSlot).
+template <class S>
+using MlaSlot = std::conditional_t<S::kPaged, cuda::TableSlot, LocEntry>;
+
 // Lane c of kv_c: copied, quantized by the per-tensor scale, or into an fp8_ds_mla tile (the tile's
 // amax over its 16 lanes: the first two warps of the token hold the four tiles).
 template <class S>
-__device__ __forceinline__ void store_kv_c(const MlaArgs& p, int64_t t, int c) {
+__device__ __forceinline__ void store_kv_c(const typename S::Args& p, int64_t t, int c) {
   const bool inside = c < S::kNopeLanes;
-  const LoadedIndex slot_in = load_index_later(p.loc, p.loc_i64, t);
+  const MlaSlot<S> slot_in(p, t);
   cuda::Pack<16> v = {};
   if (inside) v = cuda::load_pack<16>(p.kv_c + t * p.kv_c_stride + c * 16);
   float scale = 1.0f;
@@ -77,7 +93,7 @@ __device__ __forceinline__ void store_kv_c(const MlaArgs& p, int64_t t, int c) {
     scale = load_scale(p.scale_ptr, 0, p.scale);
   }
   cuda::pdl_launch_dependents();
-  const int64_t slot = kept_slot(p, slot_in.value());
+  const int64_t slot = kept_slot(p, slot_in.value(p));
   if constexpr (S::kDs) {
     uint32_t amax = cuda::vec_amax_no_nan<S::kSrc>(make_uint4(v.w[0], v.w[1], v.w[2], v.w[3]));
 #pragma unroll
@@ -98,13 +114,13 @@ __device__ __forceinline__ void store_kv_c(const MlaArgs& p, int64_t t, int c) {
 
 // Lane j of k_pe: rotated, into k_pe_out and the row's rope part.
 template <class S, bool kNeox, SrcDtype kCs>
-__device__ __forceinline__ void rope_k_pe(const MlaArgs& p, int64_t t, int j) {
+__device__ __forceinline__ void rope_k_pe(const typename S::Args& p, int64_t t, int j) {
   constexpr int kV = S::kV;
   using R = LaneRotationFor<S::kRope, kNeox, kV>;
   const unsigned mask = group_mask<S::kG>();
   const bool inside = j < S::kRopeLanes;
   const LoadedIndex pos_in = load_index_later(p.positions, p.pos_i64, t);
-  const LoadedIndex slot_in = load_index_later(p.loc, p.loc_i64, t);
+  const MlaSlot<S> slot_in(p, t);
   cuda::Pack<16> v = {};
   if (inside) v = load_lane<R, elem_bytes_of<S::kSrc>()>(p.k_pe + t * p.k_pe_stride, j);
   float scale = 1.0f;
@@ -113,7 +129,7 @@ __device__ __forceinline__ void rope_k_pe(const MlaArgs& p, int64_t t, int j) {
   }
   cuda::pdl_launch_dependents();
   const int64_t pos = clamp_position(pos_in.value(), p.max_pos);
-  const int64_t slot = kept_slot(p, slot_in.value());
+  const int64_t slot = kept_slot(p, slot_in.value(p));
   float c[R::kCs] = {}, s[R::kCs] = {};
   load_cos_sin<R, kCs>(p.cos_sin + pos * p.cs_stride, j, c, s);
   float y[kV];
@@ -193,7 +209,8 @@ __device__ __forceinline__ void rope_q_pe(const MlaArgs& p, int64_t t, int h0, i
 
 // kHpt, kNeox, kCs: as rope_store_cache_kernel's.
 template <class S, int kHpt, bool kNeox, SrcDtype kCs>
-__global__ void __launch_bounds__(kBlockThreads) rope_set_mla_kv_buffer_kernel(const __grid_constant__ MlaArgs p) {
+__global__ void __launch_bounds__(kBlockThreads)
+    rope_set_mla_kv_buffer_kernel(const __grid_constant__ typename S::Args p) {
   cuda::warm_params(p, p.n);
   const int64_t t = blockIdx.x;
   const int r = int(blockIdx.y * blockDim.x + threadIdx.x);

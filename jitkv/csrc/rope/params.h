@@ -103,4 +103,10 @@ struct MlaArgs {
   int32_t loc_i64, pos_i64;
 };
 
+// The block of builds reading FlashInfer's page table (mla_kernels.cuh MlaShape kPaged): loc is its
+// batch_indices, a row's slot the one page_table_slot gives.
+struct PagedMlaArgs : MlaArgs {
+  PageTable pages;
+};
+
 }  // namespace jitkv::rope

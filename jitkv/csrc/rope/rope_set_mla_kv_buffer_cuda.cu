@@ -5,8 +5,10 @@
 //
 // Template arguments (JitSpec args; ops/rope.py cuda_mla_spec): JITKV_NOPE, JITKV_ROPE (values per row of
 // kv_c and k_pe), JITKV_SRC_DTYPE (codes::SrcDtype), JITKV_Q_MODE (codes::RopeQ), JITKV_KV_DTYPE
-// (codes::KvFormat), JITKV_PDL. One module serves NeoX and GPT-J and both cos/sin dtypes (a kernel each,
-// kernel_of). Which variants build is decided in Python before building (ops/rope.py cuda_mla_refusal).
+// (codes::KvFormat), JITKV_PAGE_TABLE (1: the rows' slots come from FlashInfer's page table, read in the
+// kernel: jitkv/page_table.h; such a build exports rope_set_mla_kv_buffer_table only), JITKV_PDL. One
+// module serves NeoX and GPT-J and both cos/sin dtypes (a kernel each, kernel_of). Which variants build
+// is decided in Python before building (ops/rope.py cuda_mla_refusal).
 //
 // Returns codes::Status: kNeedsAnyAlignment, before launching, for views the kernel's 16-byte lanes
 // cannot address, or a q_nope width that is no whole number of lanes; the op then runs Triton.
@@ -17,6 +19,7 @@
 
 #include "jitkv/codes.h"
 #include "jitkv/cuda/launch.cuh"
+#include "jitkv/cuda/paged.cuh"
 #include "rope/mla_kernels.cuh"
 #include "rope/params.h"
 #include "rope/parse.h"
@@ -30,7 +33,7 @@ using tvm::ffi::TensorView;
 
 constexpr const char* kOp = "rope_set_mla_kv_buffer";
 using Shape = MlaShape<JITKV_NOPE, JITKV_ROPE, static_cast<SrcDtype>(JITKV_SRC_DTYPE), static_cast<RopeQ>(JITKV_Q_MODE),
-                       static_cast<KvFormat>(JITKV_KV_DTYPE)>;
+                       static_cast<KvFormat>(JITKV_KV_DTYPE), JITKV_PAGE_TABLE != 0>;
 constexpr bool kPdl = JITKV_PDL != 0;
 constexpr int kEs = elem_bytes_of<Shape::kSrc>();
 
@@ -65,8 +68,8 @@ bool kernel_takes(const MlaParams& p) {
          aligned(p.rot.cos_sin, 16, {p.rot.cs_stride}) && p.nope_q % Shape::kV == 0;
 }
 
-MlaArgs kernel_args(const MlaParams& p) {
-  MlaArgs a;
+Shape::Args kernel_args(const MlaParams& p, const jitkv::PageTable& pages) {
+  Shape::Args a;
   a.dst = p.kv.dst;
   a.kv_c = p.kv.nope;
   a.k_pe = p.kv.rope;
@@ -97,6 +100,7 @@ MlaArgs kernel_args(const MlaParams& p) {
   a.q_heads = static_cast<int32_t>(p.q.heads);
   a.nope_q_lanes = static_cast<int32_t>(p.nope_q / Shape::kV);
   a.loc_i64 = p.kv.loc_i64, a.pos_i64 = p.rot.pos_i64;
+  jitkv::cuda::set_page_table<Shape::kPaged>(a, pages);
   return a;
 }
 
@@ -109,14 +113,9 @@ auto kernel_of(const Rotation& rot, int hpt) {
 
 int64_t status(Status s) { return static_cast<int64_t>(s); }
 
-int64_t rope_set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView kv_c, TensorView k_pe,
-                               TensorView positions, TensorView cos_sin_cache, bool is_neox, Optional<TensorView> q_pe,
-                               Optional<TensorView> q_nope, Optional<TensorView> q_out, int64_t q_mode,
-                               Optional<TensorView> q_scale, double q_scale_value, Optional<TensorView> k_pe_out,
-                               int64_t skip_slot, int64_t kv_format, Optional<TensorView> scale, double scale_value) {
-  const MlaParams p = parse_mla(kOp, kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out,
-                                q_mode, q_scale, q_scale_value, k_pe_out, skip_slot, kv_format, scale, scale_value);
-  check_module(p);
+// The parsed call's launch (pages: a paged build's table, else unused): kNeedsAnyAlignment for views the
+// kernel cannot address, else kDone after the launch.
+int64_t run(const MlaParams& p, const jitkv::PageTable& pages) {
   if (!kernel_takes(p)) return status(Status::kNeedsAnyAlignment);
   if (p.kv.n == 0) return status(Status::kDone);
   const int device = p.kv.device.device_id;
@@ -134,11 +133,48 @@ int64_t rope_set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView 
   const dim3 grid(static_cast<unsigned>(p.kv.n), static_cast<unsigned>((threads + block - 1) / block));
   jitkv::cuda::DeviceGuard guard(device);
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
-  jitkv::cuda::check_launch(
-      kOp, jitkv::cuda::launch(kernel_of(p.rot, hpt), grid, dim3(block), stream, kPdl && info.pdl(), kernel_args(p)));
+  jitkv::cuda::check_launch(kOp, jitkv::cuda::launch(kernel_of(p.rot, hpt), grid, dim3(block), stream,
+                                                     kPdl && info.pdl(), kernel_args(p, pages)));
   return status(Status::kDone);
 }
 
+#if JITKV_PAGE_TABLE
+// A paged build's entry: rope_set_mla_kv_buffer with the rows' slots FlashInfer's table gives
+// (jitkv/page_table.h: batch_indices in loc's place, page_positions the rows' positions in their
+// requests; kv_buffer's rows are the pages' rows, page after page), walked in the kernel.
+int64_t rope_set_mla_kv_buffer_table(TensorView kv_buffer, TensorView batch_indices, TensorView kv_c, TensorView k_pe,
+                                     TensorView positions, TensorView cos_sin_cache, bool is_neox,
+                                     Optional<TensorView> q_pe, Optional<TensorView> q_nope, Optional<TensorView> q_out,
+                                     int64_t q_mode, Optional<TensorView> q_scale, double q_scale_value,
+                                     Optional<TensorView> k_pe_out, int64_t skip_slot, int64_t kv_format,
+                                     Optional<TensorView> scale, double scale_value, TensorView page_positions,
+                                     TensorView kv_indices, TensorView kv_indptr, int64_t page_size) {
+  const MlaParams p =
+      parse_mla(kOp, kv_buffer, batch_indices, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out,
+                q_mode, q_scale, q_scale_value, k_pe_out, skip_slot, kv_format, scale, scale_value);
+  check_module(p);
+  if (p.kv.skip_slot != jitkv::codes::kNoSlot) mismatch("skip_slot", "slot source (a page table, with no skip_slot)");
+  const jitkv::PageTable pages = jitkv::cuda::parse_page_table(kOp, batch_indices, page_positions, kv_indices,
+                                                               kv_indptr, page_size, p.kv.n, p.kv.device, "kv_buffer");
+  return run(p, pages);
+}
+#else
+int64_t rope_set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView kv_c, TensorView k_pe,
+                               TensorView positions, TensorView cos_sin_cache, bool is_neox, Optional<TensorView> q_pe,
+                               Optional<TensorView> q_nope, Optional<TensorView> q_out, int64_t q_mode,
+                               Optional<TensorView> q_scale, double q_scale_value, Optional<TensorView> k_pe_out,
+                               int64_t skip_slot, int64_t kv_format, Optional<TensorView> scale, double scale_value) {
+  const MlaParams p = parse_mla(kOp, kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out,
+                                q_mode, q_scale, q_scale_value, k_pe_out, skip_slot, kv_format, scale, scale_value);
+  check_module(p);
+  return run(p, jitkv::PageTable{});
+}
+#endif
+
 }  // namespace
 
+#if JITKV_PAGE_TABLE
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(rope_set_mla_kv_buffer_table, rope_set_mla_kv_buffer_table);
+#else
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(rope_set_mla_kv_buffer, rope_set_mla_kv_buffer);
+#endif

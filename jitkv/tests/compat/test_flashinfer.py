@@ -105,14 +105,15 @@ def _rope_inputs(device, n, hq, hk, rope, nope, mla):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("mla", [False, "apart", "one buffer"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("outputs", ["allocated", "given apart", "given adjacent"])
-def test_rope_quantize_fp8_append_paged_kv_cache(device, mla, layout, is_neox, outputs):
+def test_rope_quantize_fp8_append_paged_kv_cache(device, mla, layout, is_neox, outputs, monkeypatch):
     """FlashInfer's rule: RoPE on q_rope / k_rope at pos_ids, every Q value fp8(q * quant_scale_q), K as
-    [rope | nope] and V quantized with quant_scale_kv into the pages (MLA: ckv / kpe caches); scales that
-    are powers of two (the module docstring: then the bytes are FlashInfer's)."""
+    [rope | nope] and V quantized with quant_scale_kv into the pages (MLA: ckv / kpe caches, separate
+    tensors or the column views of one buffer, which rope_set_mla_kv_buffer writes); scales that are
+    powers of two (the module docstring: then the bytes are FlashInfer's)."""
     if mla and layout == "HND":
         pytest.skip("kv_layout applies to GQA/MHA only")
     ps, pages, hq, hk, rope, nope = 4, 12, 4, 2, 32, 48
@@ -121,7 +122,10 @@ def test_rope_quantize_fp8_append_paged_kv_cache(device, mla, layout, is_neox, o
     q_rope, q_nope, k_rope, k_nope, v = _rope_inputs(device, n, hq, hk, rope, nope, mla)
     cs, pos_ids = table(64, rope).to(device), torch.randint(0, 64, (n,), device=device)
     sq, skv = 0.5, 4.0
-    if mla:
+    if mla == "one buffer":
+        buf = rand((pages, ps, nope + rope), E4M3, device)
+        caches = (buf[..., :nope], buf[..., nope:])
+    elif mla:
         caches = (rand((pages, ps, nope), E4M3, device), rand((pages, ps, rope), E4M3, device))
     else:
         shape = (pages, hk, ps, rope + nope) if layout == "HND" else (pages, ps, hk, rope + nope)
@@ -146,6 +150,9 @@ def test_rope_quantize_fp8_append_paged_kv_cache(device, mla, layout, is_neox, o
     elif outputs == "given adjacent":
         both = rand((n, hq, rope + nope), E4M3, device)
         kw = dict(q_rope_out=both[..., :rope], q_nope_out=both[..., rope:])
+    mla_calls = []
+    real = flashinfer.rope_set_mla_kv_buffer
+    monkeypatch.setattr(flashinfer, "rope_set_mla_kv_buffer", lambda *a, **kw: mla_calls.append(1) or real(*a, **kw))
     got_qr, got_qn = flashinfer.rope_quantize_fp8_append_paged_kv_cache(
         q_rope,
         k_rope,
@@ -170,6 +177,8 @@ def test_rope_quantize_fp8_append_paged_kv_cache(device, mla, layout, is_neox, o
     assert_bitwise(got_qn, want_qn)
     if kw:
         assert got_qr.data_ptr() == kw["q_rope_out"].data_ptr() and got_qn.data_ptr() == kw["q_nope_out"].data_ptr()
+    if device == "cpu":  # one buffer's rows: rope_set_mla_kv_buffer, q_nope quantized in the same call
+        assert mla_calls == [1] * (mla == "one buffer")
     for got, w in zip(caches, want):
         assert_bitwise(got, w)
 
@@ -365,13 +374,14 @@ def test_page_slots_bad_input():
 @gpu
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("page_size", [4, 5])
-@pytest.mark.parametrize("case", ["gqa NHD", "gqa HND", "mla", "e5m2", "empty table"])
+@pytest.mark.parametrize("case", ["gqa NHD", "gqa HND", "mla", "mla one buffer", "e5m2", "empty table"])
 def test_rope_quantize_reads_the_page_table_in_its_kernel(dtype, page_size, case, monkeypatch):
     """On CUDA the fused shim is one launch: rope_store_cache's page-table build (csrc/rope, JITKV_PAGE_TABLE)
-    walks the table itself. Its q_out and whole caches against the two-launch form (page_slots, then
-    rope_store_cache) on the same inputs, the table's every edge included (_random_page_table)."""
+    walks the table itself, or rope_set_mla_kv_buffer's for MLA caches in one buffer. Its q_out and whole
+    caches against the two-launch form (page_slots, then the op) on the same inputs, the table's every
+    edge included (_random_page_table)."""
     n, pages, hq, hk, rope, nope = 300, 9, 4, 2, 32, 48
-    mla, fp8 = case == "mla", torch.float8_e5m2 if case == "e5m2" else E4M3
+    mla, fp8 = case.startswith("mla"), torch.float8_e5m2 if case == "e5m2" else E4M3
     batch, pos, indices, indptr, slots = _one_token_per_slot(n, pages, page_size, dtype, case == "empty table")
     q_rope, q_nope, k_rope, k_nope, v = _rope_inputs("cuda", n, hq, hk, rope, nope, mla)
     cs, pos_ids = table(64, rope).cuda(), torch.randint(0, 64, (n,), device="cuda")
@@ -381,7 +391,13 @@ def test_rope_quantize_reads_the_page_table_in_its_kernel(dtype, page_size, case
         inner = (hk, page_size) if case == "gqa HND" else (page_size, hk)
         shapes = ((pages, *inner, rope + nope),) * 2
     caches = tuple(rand(s, fp8, "cuda") for s in shapes)
+    if case == "mla one buffer":
+        buf = rand((pages, page_size, nope + rope), fp8, "cuda")
+        caches = (buf[..., :nope], buf[..., nope:])
     want = [c.clone() for c in caches]
+    if case == "mla one buffer":  # the two-launch form writes the same buffer's clone
+        want_buf = buf.clone()
+        want = [want_buf[..., :nope], want_buf[..., nope:]]
 
     def call(paged):
         return flashinfer.rope_quantize_fp8_append_paged_kv_cache(
@@ -406,9 +422,10 @@ def test_rope_quantize_reads_the_page_table_in_its_kernel(dtype, page_size, case
 
     with monkeypatch.context() as m:
         m.setattr(flashinfer, "_paged", lambda *a: False)
+        m.setattr(flashinfer, "_mla_paged", lambda *a: False)
         want_q = call(want)
 
-    _refuse(monkeypatch, "_page_slots", "rope_store_cache")
+    _refuse(monkeypatch, "_page_slots", "rope_store_cache", "rope_set_mla_kv_buffer")
     got_q = call(caches)
     for got, w in zip((*got_q, *caches), (*want_q, *want)):
         assert_bitwise(got, w)
@@ -523,7 +540,7 @@ def test_append_takes_two_launches_where_the_table_build_cannot_run(monkeypatch)
 
 
 @gpu
-@pytest.mark.parametrize("op", ["store_cache", "rope_store_cache"])
+@pytest.mark.parametrize("op", ["store_cache", "rope_store_cache", "rope_set_mla_kv_buffer"])
 def test_page_table_builds_check_their_tables(op):
     """The page-table builds' bindings check the table themselves (cuda/paged.cuh parse_page_table), where
     only a direct call meets them (the shims check it first): each bad entry raises, naming it, before
@@ -540,6 +557,18 @@ def test_page_table_builds_check_their_tables(op):
         def call(b, p, i, ip, size):
             return fn(k, v, *caches, b, p, i, ip, size)
 
+    elif op == "rope_set_mla_kv_buffer":
+        kv_c, k_pe, q_pe, q_nope = (rand(s, BF16, "cuda") for s in ((n, d), (n, 32), (n, 4, 32), (n, 4, d)))
+        caches = (rand((pages * ps, d + 32), E4M3, "cuda"),)
+        q_out = torch.empty(n, 4, d + 32, dtype=E4M3, device="cuda")
+        pos_ids = torch.randint(0, 64, (n,), device="cuda")
+        args = (*caches, batch, kv_c, k_pe, pos_ids, table(64, 32).cuda(), True, q_pe, q_nope, q_out, 1.0, None)
+        args += ("fp8_e4m3", 1.0, None)
+        fn = rope.mla_paged_runner(dev, rope.MlaVariant(*rope.variant_mla(*args)))
+
+        def call(b, p, i, ip, size):
+            return fn(args[0], b, *args[2:], table=(p, i, ip, size))
+
     else:
         q, k, v = rand((n, 4, d), BF16, "cuda"), rand((n, h, d), BF16, "cuda"), rand((n, h, d), BF16, "cuda")
         caches = tuple(rand((pages, ps, h, d), E4M3, "cuda") for _ in "kv")
@@ -553,11 +582,12 @@ def test_page_table_builds_check_their_tables(op):
             return fn(*args[:5], b, *args[6:], table=(p, i, ip, size))
 
     before = [c.clone() for c in caches]
+    home = "kv_buffer" if op == "rope_set_mla_kv_buffer" else "k_cache"
     bad = [
         (dict(i=indices.float()), TypeError, "kv_indices: expected dtype int32 or int64, got float32"),
         (dict(ip=indptr.view(1, -1)), ValueError, r"kv_indptr: expected a 1-D tensor, got shape \[1, 4\]"),
         (dict(p=torch.arange(2 * n, device="cuda")[::2]), ValueError, "positions: expected a contiguous tensor"),
-        (dict(ip=indptr.cpu()), ValueError, "kv_indptr: expected a tensor on cuda:0 like k_cache, got one on cpu"),
+        (dict(ip=indptr.cpu()), ValueError, f"kv_indptr: expected a tensor on cuda:0 like {home}, got one on cpu"),
         (dict(p=pos[:-1]), ValueError, f"batch_indices, positions: expected {n} entries each, got {n} and {n - 1}"),
         (dict(ip=indptr[:0]), ValueError, "kv_indptr: expected at least 1 entry, got 0"),
         (dict(size=0), ValueError, r"page_size: expected 1 \.\.\. 2\^31 - 1, got 0"),
@@ -572,6 +602,9 @@ def test_page_table_builds_check_their_tables(op):
             changed = args[:at] + (value,) + args[at + 1 :]
             with pytest.raises(ValueError, match=rf"^{op}: {name}: this module was built for another slot source"):
                 fn(*changed[:5], batch, *changed[6:], table=(pos, indices, indptr, ps))
+    if op == "rope_set_mla_kv_buffer":  # no skip_slot either: FlashInfer's padding is batch_indices < 0
+        with pytest.raises(ValueError, match=rf"^{op}: skip_slot: this module was built for another slot source"):
+            fn(*args[:-1], 0, table=(pos, indices, indptr, ps))
     torch.cuda.synchronize()
     for got, want in zip(caches, before):
         assert_bitwise(got, want)
