@@ -28,6 +28,21 @@ constexpr int kBulkHpt = 4, kPairHpt = 2;
 constexpr int64_t kMhaThreadsPerSm = 2048, kMlaThreadsPerSm = 128;
 constexpr int64_t kPairThreadsPerSm = 256, kPairEndPerSm = 1536;
 
+// rope_set_mla_kv_buffer's blocks: kBlockThreads, or kMlaWideBlockThreads for its kBulkHpt kernel once
+// the launch gives every SM kMlaWideBlocksPerSm such blocks: with an fp8 q_out (FlashInfer's MLA case) the
+// larger blocks moved the same bytes 3-8 % faster at n >= 2048 on an H200, level at n = 512. Re-measure:
+// docs/performance.md "rope MLA blocks".
+constexpr int kMlaWideBlockThreads = 512, kMlaWideBlocksPerSm = 4;
+
+constexpr int mla_block_bounds(int hpt) { return hpt == kBulkHpt ? kMlaWideBlockThreads : kBlockThreads; }
+
+// threads: the launch's threads in all.
+inline int mla_block_threads(int hpt, int64_t threads, int sms) {
+  const int64_t per_sm = threads / (sms > 1 ? sms : 1);
+  const bool wide = mla_block_bounds(hpt) == kMlaWideBlockThreads;
+  return wide && per_sm >= int64_t{kMlaWideBlocksPerSm} * kMlaWideBlockThreads ? kMlaWideBlockThreads : kBlockThreads;
+}
+
 constexpr int block_bounds(bool normed, int hpt) {
   return !normed && hpt <= kPairHpt ? kWideBlockThreads : kBlockThreads;
 }

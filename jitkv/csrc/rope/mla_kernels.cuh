@@ -209,7 +209,7 @@ __device__ __forceinline__ void rope_q_pe(const MlaArgs& p, int64_t t, int h0, i
 
 // kHpt, kNeox, kCs: as rope_store_cache_kernel's.
 template <class S, int kHpt, bool kNeox, SrcDtype kCs>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(mla_block_bounds(kHpt))
     rope_set_mla_kv_buffer_kernel(const __grid_constant__ typename S::Args p) {
   cuda::warm_params(p, p.n);
   const int64_t t = blockIdx.x;

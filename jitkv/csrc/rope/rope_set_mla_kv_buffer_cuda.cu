@@ -129,7 +129,8 @@ int64_t run(const MlaParams& p, const jitkv::PageTable& pages) {
     TVM_FFI_THROW(ValueError) << kOp << ": q_pe: " << p.kv.n << " tokens of " << p.q.heads
                               << " query heads are too many for the CUDA kernel";
   }
-  const int block = static_cast<int>(threads < kBlockThreads ? threads : kBlockThreads);
+  const int most = mla_block_threads(hpt, p.kv.n * threads, info.sms);
+  const int block = static_cast<int>(threads < most ? threads : most);
   const dim3 grid(static_cast<unsigned>(p.kv.n), static_cast<unsigned>((threads + block - 1) / block));
   jitkv::cuda::DeviceGuard guard(device);
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));

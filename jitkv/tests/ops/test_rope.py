@@ -339,13 +339,14 @@ def _mla(
     cs_dtype=torch.float32,
     idx=torch.int64,
     width=None,
+    num_slots=NUM_SLOTS,
 ):
     widths = {"fp8_ds_mla": 656}
     width = width or widths.get(kv, nope + rope + 8)
     buf_dtype = buf_dtype or (src if kv == "auto" else torch.uint8)
     kw = dict(
-        kv_buffer=rand((NUM_SLOTS, width), buf_dtype, device),
-        loc=slots(NUM_SLOTS, n, idx, device),
+        kv_buffer=rand((num_slots, width), buf_dtype, device),
+        loc=slots(num_slots, n, idx, device),
         kv_c=rand((n + extra, nope), src, device),
         k_pe=rand((n + extra, rope), src, device),
         positions=torch.randint(0, MAX_POS, (n + extra,), dtype=idx).to(device),
@@ -946,6 +947,25 @@ def test_cuda_kernel_runs_by_default_and_unaligned_views_take_triton():
     info = jitkv.backend_info("rope_store_cache")["cuda:0"]
     assert info["backend"] == "triton" and "not aligned" in info["reason"]
     jitkv.ops.reset()
+
+
+@gpu
+@pytest.mark.parametrize("geometry", ["one head", "four heads", "below wide blocks", "wide blocks"])
+@pytest.mark.parametrize("q", ["in_place", "e4m3"])
+def test_mla_launch_geometries(geometry, q):
+    """The MLA kernel's heads per thread and blocks (rope/geometry.h heads_per_thread, kMlaThreadsPerSm =
+    128; mla_block_threads: 512-thread blocks at kBulkHpt heads once they give every SM 2048 threads):
+    DeepSeek's 128 query heads at the fewest tokens of each geometry (one token under each threshold
+    for "below"), with padding rows."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    # A token's threads at one and at four heads per thread (mla_kernels.cuh MlaShape::token_threads).
+    at_one, at_four = (9312, 2400) if q == "e4m3" else (1120, 352)
+    wide = -(-2048 * sms // at_four)
+    n = {"one head": 1, "four heads": -(-128 * sms // at_one), "below wide blocks": wide - 1, "wide blocks": wide}
+    n = n[geometry]
+    kw = _mla("cuda", n=n, h=128, kv="fp8_e4m3", q=E4M3 if q == "e4m3" else q, num_slots=2 * n + 64)
+    kw["loc"][::5] = -1
+    assert _run_mla("jit", kw) is not None
 
 
 @gpu
