@@ -749,6 +749,7 @@ def variant_mla(
             _Q_NONE if q_pe is None else _q_mode(q_out),
             KV_FORMATS[kv_cache_dtype],
             True,
+            False,
         )
     except (AttributeError, IndexError, KeyError, TypeError):
         check_mla(
