@@ -35,7 +35,7 @@ from .._warn import warn
 from ..jit import CaptureBuildError, JitUnavailable
 from ..ops import rope
 from ..ops import store_cache as store_cache_op
-from ..ops._op import BackendUnavailable, debug_checks, forced_backend
+from ..ops._op import RESET_HOOKS, BackendUnavailable, debug_checks, forced_backend
 
 __all__ = [
     "append_paged_kv_cache",
@@ -161,11 +161,12 @@ def _page_slots_kernel(device):
 
 
 _TABLE_BUILDS: dict = {}  # (op, CUDA device index, Variant) -> its page-table build's runner, or None
+RESET_HOOKS.append(_TABLE_BUILDS.clear)  # decided once, as the ops decide their backends: jitkv.ops.reset()
 # Above this many tokens each K/V thread's walk of the table costs more than page_slots' launch: on an H200
 # the one launch against the two, FlashInfer's case (docs/performance.md "FlashInfer page slots"), measured
 # 0.95x at n = 4096, 0.99x at 8192 and 1.01x at 16384. Re-measure: both forms at those n.
 _PAGED_MAX_TOKENS = 8192
-_INT32_MAX = 2**31 - 1
+_INT32_MAX = 2**31 - 1  # the largest page size the kernels' 32-bit page division takes
 # What a page-table build's variant or binding raises for a call it refuses (_table_call).
 _REFUSALS = (AttributeError, IndexError, KeyError, TypeError, ValueError, RuntimeError)
 _ROPE_ARGS = tuple(p.name for p in rope.ROPE_STORE_CACHE.params)  # rope_store_cache's, in schema order
@@ -193,7 +194,7 @@ def _rope_store(
 def _paged(table, page_size, args) -> bool:
     """Whether the page-table build ran the call (rope_store_cache's arguments in schema order, its
     slot_mapping the table's batch_indices); False where it did not and wrote nothing."""
-    if table[0].shape[0] > _PAGED_MAX_TOKENS or not _table_builds_run(page_size):
+    if table[0].shape[0] > _PAGED_MAX_TOKENS or page_size > _INT32_MAX:
         return False
 
     def call(fn, batch_indices, positions, kv_indices, kv_indptr):
@@ -216,19 +217,17 @@ def _table_call(op, make, device, args, table, call) -> bool:
         raise
 
 
-def _table_builds_run(page_size) -> bool:
-    """Whether a call may take a page-table build: where the op would run its CUDA kernel (no backend
-    forced but jit; not under JITKV_DEBUG=1, whose host checks take slots), for a page size the kernels'
-    32-bit division takes."""
-    return page_size <= _INT32_MAX and not debug_checks() and forced_backend(None) in (None, "jit")
-
-
 def _table_build(op, device, variant, make):
     """The runner of op's page-table build for variant on device (``make(device, variant)`` builds it),
-    made once; None where there is none: a variant the kernel cannot take, or a build that is
-    unavailable (one warning says why). A build refused under graph capture is made on a later call."""
+    made once; None where there is none: where the op would not run its CUDA kernel (a backend forced
+    but jit, or JITKV_DEBUG=1, whose host checks take slots; read once, as the ops read them, until
+    jitkv.ops.reset()), a variant the kernel cannot take, or a build that is unavailable (one warning
+    says why). A build refused under graph capture is made on a later call."""
     key = (op, device.index, variant)
     if key not in _TABLE_BUILDS:
+        if debug_checks() or forced_backend(None) not in (None, "jit"):
+            _TABLE_BUILDS[key] = None
+            return None
         try:
             _TABLE_BUILDS[key] = make(device, variant)
         except CaptureBuildError:  # not built yet, and a graph is being captured: built on a later call
@@ -247,7 +246,7 @@ def _append(table, k, v, k_cache, v_cache):
     that reads the table itself (ops/store_cache.py table_runner), where the op would run its CUDA kernel
     and that build takes the views; else page_slots' slots, then store_cache."""
     page_size = _check_page_table(*table)
-    if k_cache.is_cuda and table[0].device == k_cache.device and _table_builds_run(page_size):
+    if k_cache.is_cuda and table[0].device == k_cache.device and page_size <= _INT32_MAX:
         args = (k, v, k_cache, v_cache, table[0], "auto", None, None, None, None)
 
         def call(fn, batch_indices, positions, kv_indices, kv_indptr):
@@ -404,7 +403,7 @@ def _rope_mla(table, kv_buffer, k_nope, k_rope, pos_ids, cos_sin_cache, is_neox,
 def _mla_paged(table, page_size, args) -> bool:
     """As _paged, for rope_set_mla_kv_buffer's arguments (its loc the table's batch_indices), at any
     token count: only the row's threads (kv_c's and k_pe's lanes) walk the table, not the query heads'."""
-    if not _table_builds_run(page_size):
+    if page_size > _INT32_MAX:
         return False
 
     def call(fn, batch_indices, positions, kv_indices, kv_indptr):

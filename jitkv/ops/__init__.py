@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from ._op import OPS, BackendUnavailable, JitkvFallbackWarning, Op, backend_info  # noqa: F401  (jitkv's API)
+from ._op import OPS, RESET_HOOKS, BackendUnavailable, JitkvFallbackWarning, Op, backend_info  # noqa: F401
 
 PUBLIC: dict[str, object] = {}
 for _module in pkgutil.iter_modules(__path__):
@@ -18,6 +18,9 @@ for _module in pkgutil.iter_modules(__path__):
 
 
 def reset() -> None:
-    """Forget every op's backend decisions (tests that change the environment or a factory)."""
+    """Forget every op's backend decisions, and the shims' (RESET_HOOKS): tests that change the
+    environment or a factory."""
     for op in OPS.values():
         op.reset()
+    for hook in RESET_HOOKS:
+        hook()

@@ -35,6 +35,9 @@ logger = logging.getLogger("jitkv")
 BACKENDS = ("jit", "triton", "torch")
 DEFAULT_ORDER = {"cpu": ("jit", "torch"), "cuda": ("jit", "triton", "torch")}
 OPS: dict[str, Op] = {}  # the registry, by op name, in declaration order
+# What else decides once what the environment asks and forgets it with the ops' decisions (ops.reset):
+# jitkv.compat.flashinfer's page-table builds.
+RESET_HOOKS: list[Callable[[], None]] = []
 
 _CPU = torch.device("cpu")
 _WARNED: set[tuple[str, str]] = set()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import jitkv
 from jitkv.compat import flashinfer
 from jitkv.ops import rope
 from jitkv.ops import store_cache as store_cache_op
@@ -516,6 +517,35 @@ def test_append_reads_the_page_table_in_its_kernel(dtype, page_size, case, monke
         assert -1 in slots and max(slots) >= 0
 
 
+def test_table_builds_read_the_environment_once_until_reset(monkeypatch):
+    """Whether a page-table build may run (JITKV_DEBUG, JITKV_BACKEND) is decided once per op, device and
+    variant, as the ops decide their backends, and forgotten with theirs by jitkv.ops.reset()."""
+    made = []
+
+    def make(device, variant):
+        made.append(variant)
+        return "runner"
+
+    dev = torch.device("cuda", 0)  # only its index is read
+    try:
+        for env, value in (("JITKV_DEBUG", "1"), ("JITKV_BACKEND", "triton")):
+            monkeypatch.setenv(env, value)
+            jitkv.ops.reset()
+            assert flashinfer._table_build("test op", dev, "v", make) is None
+            monkeypatch.delenv(env)
+            assert flashinfer._table_build("test op", dev, "v", make) is None and made == []
+            jitkv.ops.reset()
+            assert flashinfer._table_build("test op", dev, "v", make) == "runner" and made == ["v"]
+            monkeypatch.setenv(env, value)
+            assert flashinfer._table_build("test op", dev, "v", make) == "runner" and made == ["v"]
+            monkeypatch.delenv(env)
+            jitkv.ops.reset()
+            made.clear()
+    finally:
+        monkeypatch.undo()
+        jitkv.ops.reset()
+
+
 @gpu
 def test_append_takes_two_launches_where_the_table_build_cannot_run(monkeypatch):
     """Views the page-table build cannot address (heads of 8 bytes), JITKV_DEBUG=1 and a forced backend
@@ -534,7 +564,9 @@ def test_append_takes_two_launches_where_the_table_build_cannot_run(monkeypatch)
         with monkeypatch.context() as m:
             for name, value_ in env.items():
                 m.setenv(name, value_)
+            jitkv.ops.reset()  # the shims read the environment once, as the ops do
             flashinfer.append_paged_kv_cache(key, value, batch, pos, cache, indices, indptr, None)
+        jitkv.ops.reset()
         assert len(made) == 1, (d, env)
         assert_bitwise(cache, want)
 
