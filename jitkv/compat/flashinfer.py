@@ -495,7 +495,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
     table = (batch_indices, positions, kv_indices, kv_indptr, page_size)
     fmt, q_scale, kv_scale = _FORMATS[quantize_dtype], 1.0 / quant_scale_q, 1.0 / quant_scale_kv
     rows = _mla_rows(k_cache, v_cache) if mla and q_nope is not None else None
-    if rows is not None:  # one launch for the queries' both parts (after page_slots')
+    if rows is not None:  # rope_set_mla_kv_buffer: the rows and both query parts in one call
         q_out, (q_nope_out, q_rope_out), copy_back = _q_outputs(q_nope, q_rope, q_nope_out, q_rope_out, quantize_dtype)
         _rope_mla(
             table,
