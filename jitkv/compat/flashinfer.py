@@ -30,7 +30,7 @@ import operator
 
 import torch
 
-from .. import checks, reference, rope_set_mla_kv_buffer, rope_store_cache, store_cache
+from .. import checks, rope_set_mla_kv_buffer, rope_store_cache, store_cache
 from .._warn import warn
 from ..jit import CaptureBuildError, JitUnavailable
 from ..ops import rope
@@ -400,6 +400,35 @@ def _rope_mla(table, kv_buffer, k_nope, k_rope, pos_ids, cos_sin_cache, is_neox,
     rope_set_mla_kv_buffer(**dict(zip(_MLA_ARGS, (kv_buffer, slots, *args[2:]))))
 
 
+def _rope_mla_apart(table, ckv_cache, kpe_cache, *args):
+    """_rope_mla for separate caches (args: its arguments after kv_buffer): rope_set_mla_kv_buffer writes
+    token t's row [ckv | kpe] into row t of a scratch buffer and q_out, then store_cache's append copies
+    the two parts into their pages (_append; padding tokens are not written). On CUDA three launches (the
+    scratch rows' indices, the op, the append), the rows' bytes once more through memory."""
+    _check_page_table(*table)  # its errors before anything is written (_append checks it again)
+    n, nope = table[0].shape[0], ckv_cache.shape[-1]
+    rows = torch.empty((n, nope + kpe_cache.shape[-1]), dtype=ckv_cache.dtype, device=ckv_cache.device)
+    k_nope, k_rope, pos_ids, cos_sin_cache, is_neox, q_rope, q_nope, q_out, fmt, scales = args
+    rope_set_mla_kv_buffer(
+        rows,
+        torch.arange(n, device=rows.device),
+        k_nope,
+        k_rope,
+        pos_ids,
+        cos_sin_cache,
+        is_neox=is_neox,
+        q_pe=q_rope,
+        q_nope=q_nope,
+        q_out=q_out,
+        q_scale=scales[0],
+        kv_cache_dtype=fmt,
+        scale=scales[1],
+    )
+    _append(
+        table, rows[:, :nope].unsqueeze(1), rows[:, nope:].unsqueeze(1), ckv_cache.unsqueeze(2), kpe_cache.unsqueeze(2)
+    )
+
+
 def _mla_paged(table, page_size, args) -> bool:
     """As _paged, for rope_set_mla_kv_buffer's arguments (its loc the table's batch_indices), at any
     token count: only the row's threads (kv_c's and k_pe's lanes) walk the table, not the query heads'."""
@@ -442,11 +471,11 @@ def rope_quantize_fp8_append_paged_kv_cache(
     MHA / GQA (k_rope 3-D): a K head is ``[rope(k_rope) | k_nope]`` (rotated dims first), V ``[nnz, Hk,
     rope + nope]``; ``paged_kv_cache = (k_cache, v_cache)`` in NHD or HND. MLA (k_rope 2-D ``[nnz, rope]``,
     k_nope ``[nnz, nope]``, v None): ``paged_kv_cache = (ckv_cache [pages, page_size, nope], kpe_cache
-    [pages, page_size, rope])``; where they are the column views of one ``[pages, page_size, nope + rope]``
-    buffer (the engines' MLA cache) and q_nope is given, ``jitkv.rope_set_mla_kv_buffer`` writes the
-    rows and both query parts in one launch (the returned outputs are then views of one ``[nnz, Hq, nope
-    + rope]`` tensor, or those given, whose copies are made only where they are not adjacent in that
-    order); separate caches take ``jitkv.rope_store_cache`` with q_nope quantized by torch ops after it.
+    [pages, page_size, rope])``: ``jitkv.rope_set_mla_kv_buffer`` writes the rows and both query parts
+    (the returned outputs are then views of one ``[nnz, Hq, nope + rope]`` tensor, or those given, copied
+    into only where they are not adjacent in that order), in one launch where the two caches are the
+    column views of one ``[pages, page_size, nope + rope]`` buffer (the engines' MLA cache), else into
+    scratch rows that store_cache's append copies into the pages.
 
     Args:
         q_rope ``[nnz, Hq, rope]``, q_nope ``[nnz, Hq, nope]`` (None: no nope dims), k_rope, k_nope, v: bf16
@@ -494,39 +523,28 @@ def rope_quantize_fp8_append_paged_kv_cache(
         raise ValueError(f"{op}: v: " + ("MLA takes no V (pass None)" if mla else "GQA/MHA needs V, got None"))
     table = (batch_indices, positions, kv_indices, kv_indptr, page_size)
     fmt, q_scale, kv_scale = _FORMATS[quantize_dtype], 1.0 / quant_scale_q, 1.0 / quant_scale_kv
-    rows = _mla_rows(k_cache, v_cache) if mla and q_nope is not None else None
-    if rows is not None:  # rope_set_mla_kv_buffer: the rows and both query parts in one call
+    if mla and q_nope is not None and q_nope.shape[-1]:  # rope_set_mla_kv_buffer: rows and both query parts
         q_out, (q_nope_out, q_rope_out), copy_back = _q_outputs(q_nope, q_rope, q_nope_out, q_rope_out, quantize_dtype)
-        _rope_mla(
-            table,
-            rows,
-            k_nope,
-            k_rope,
-            pos_ids,
-            cos_sin_cache,
-            is_neox,
-            q_rope,
-            q_nope,
-            q_out,
-            fmt,
-            (q_scale, kv_scale),
-        )
+        args = (k_nope, k_rope, pos_ids, cos_sin_cache, is_neox, q_rope, q_nope, q_out, fmt, (q_scale, kv_scale))
+        rows = _mla_rows(k_cache, v_cache)
+        if rows is not None:
+            _rope_mla(table, rows, *args)
+        else:
+            _rope_mla_apart(table, k_cache, v_cache, *args)
         if copy_back:
             _write_back(q_out, (q_nope_out, q_rope_out))
         return q_rope_out, q_nope_out
     q_out, returned, copy_back = _q_outputs(q_rope, q_nope, q_rope_out, q_nope_out, quantize_dtype)
     if mla:
-        # Separate caches: the latent rides as a one-head V beside the one-head rope K, and q_nope is
-        # quantized by torch ops after the launch.
+        # No nope columns: the rope part rides as a one-head K beside an empty one-head V.
         r = q_rope.shape[-1]
-        ckv_cache, kpe_cache = k_cache, v_cache
         _rope_store(
             table,
             q_rope,
             k_rope.unsqueeze(1),
             k_nope.unsqueeze(1),
-            kpe_cache.unsqueeze(2),
-            ckv_cache.unsqueeze(2),
+            v_cache.unsqueeze(2),
+            k_cache.unsqueeze(2),
             pos_ids,
             cos_sin_cache,
             is_neox,
@@ -536,8 +554,6 @@ def rope_quantize_fp8_append_paged_kv_cache(
             q_scale,
             kv_scale,
         )
-        if q_nope is not None:
-            q_out[..., r:].copy_(reference.quantize_fp8(q_nope, quantize_dtype, q_scale))
     else:
         _rope_store(
             table,

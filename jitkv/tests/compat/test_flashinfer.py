@@ -178,8 +178,8 @@ def test_rope_quantize_fp8_append_paged_kv_cache(device, mla, layout, is_neox, o
     assert_bitwise(got_qn, want_qn)
     if kw:
         assert got_qr.data_ptr() == kw["q_rope_out"].data_ptr() and got_qn.data_ptr() == kw["q_nope_out"].data_ptr()
-    if device == "cpu":  # one buffer's rows: rope_set_mla_kv_buffer, q_nope quantized in the same call
-        assert mla_calls == [1] * (mla == "one buffer")
+    if device == "cpu":  # MLA: rope_set_mla_kv_buffer, q_nope quantized in the same call
+        assert mla_calls == [1] * bool(mla)
     for got, w in zip(caches, want):
         assert_bitwise(got, w)
 
@@ -377,10 +377,11 @@ def test_page_slots_bad_input():
 @pytest.mark.parametrize("page_size", [4, 5])
 @pytest.mark.parametrize("case", ["gqa NHD", "gqa HND", "mla", "mla one buffer", "e5m2", "empty table"])
 def test_rope_quantize_reads_the_page_table_in_its_kernel(dtype, page_size, case, monkeypatch):
-    """On CUDA the fused shim is one launch: rope_store_cache's page-table build (csrc/rope, JITKV_PAGE_TABLE)
-    walks the table itself, or rope_set_mla_kv_buffer's for MLA caches in one buffer. Its q_out and whole
-    caches against the two-launch form (page_slots, then the op) on the same inputs, the table's every
-    edge included (_random_page_table)."""
+    """On CUDA the fused shim reads the page table in a kernel: one launch of rope_store_cache's page-table
+    build (csrc/rope, JITKV_PAGE_TABLE), or rope_set_mla_kv_buffer's for MLA caches in one buffer; separate
+    MLA caches get their rows from store_cache's page-table build. Its q_out and whole caches against the
+    form without page-table builds (page_slots, then the ops) on the same inputs, the table's every edge
+    included (_random_page_table)."""
     n, pages, hq, hk, rope, nope = 300, 9, 4, 2, 32, 48
     mla, fp8 = case.startswith("mla"), torch.float8_e5m2 if case == "e5m2" else E4M3
     batch, pos, indices, indptr, slots = _one_token_per_slot(n, pages, page_size, dtype, case == "empty table")
@@ -422,11 +423,11 @@ def test_rope_quantize_reads_the_page_table_in_its_kernel(dtype, page_size, case
         )
 
     with monkeypatch.context() as m:
-        m.setattr(flashinfer, "_paged", lambda *a: False)
-        m.setattr(flashinfer, "_mla_paged", lambda *a: False)
+        m.setattr(flashinfer, "_table_build", lambda *a: None)
         want_q = call(want)
 
-    _refuse(monkeypatch, "_page_slots", "rope_store_cache", "rope_set_mla_kv_buffer")
+    # Separate MLA caches: the op into scratch rows, then store_cache's page-table build appends them.
+    _refuse(monkeypatch, "_page_slots", "rope_store_cache", *(() if case == "mla" else ("rope_set_mla_kv_buffer",)))
     got_q = call(caches)
     for got, w in zip((*got_q, *caches), (*want_q, *want)):
         assert_bitwise(got, w)
