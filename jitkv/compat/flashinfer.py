@@ -495,8 +495,8 @@ def rope_quantize_fp8_append_paged_kv_cache(
 
     Raises:
         ValueError: a cos_sin_cache that is not float32, a quantize_dtype that is not fp8, caches of another
-        dtype or rank, V given for MLA or missing for MHA; and the errors of ``page_slots`` and
-        ``jitkv.rope_store_cache``.
+        dtype or rank (MLA: rows of other widths than k_nope's and k_rope's), V given for MLA or missing for
+        MHA; and the errors of ``page_slots``, ``jitkv.rope_store_cache`` and ``jitkv.rope_set_mla_kv_buffer``.
         IndexError: a position or slot out of range (CPU; CUDA under JITKV_DEBUG=1).
     """
     op = "rope_quantize_fp8_append_paged_kv_cache"
@@ -521,6 +521,13 @@ def rope_quantize_fp8_append_paged_kv_cache(
             )
     if mla == (v is not None):
         raise ValueError(f"{op}: v: " + ("MLA takes no V (pass None)" if mla else "GQA/MHA needs V, got None"))
+    if mla:  # the ops take wider rows (padding after them): FlashInfer's widths are the parts'
+        for name, cache, part, part_name in (("0", k_cache, k_nope, "k_nope"), ("1", v_cache, k_rope, "k_rope")):
+            if cache.shape[-1] != part.shape[-1]:
+                raise ValueError(
+                    f"{op}: paged_kv_cache[{name}]: expected rows of {part.shape[-1]} values like {part_name}, "
+                    f"got {cache.shape[-1]}"
+                )
     table = (batch_indices, positions, kv_indices, kv_indptr, page_size)
     fmt, q_scale, kv_scale = _FORMATS[quantize_dtype], 1.0 / quant_scale_q, 1.0 / quant_scale_kv
     if mla and q_nope is not None and q_nope.shape[-1]:  # rope_set_mla_kv_buffer: rows and both query parts

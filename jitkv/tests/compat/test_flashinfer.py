@@ -273,6 +273,21 @@ def test_bad_input():
         flashinfer.rope_quantize_fp8_append_paged_kv_cache(*args, quantize_dtype=torch.float8_e5m2, page_size=4)
     with pytest.raises(ValueError, match=r"^append_paged_kv_cache: kv_layout: expected one of NHD, HND"):
         flashinfer.append_paged_kv_cache(k, v, batch, pos, caches, indices, indptr, None, kv_layout="NDH")
+    # MLA: rows of other widths than the parts' (the ops take wider rows), one buffer's views or apart.
+    q, qn, k, kn, _ = _rope_inputs("cpu", batch.numel(), 2, 1, 16, 32, True)
+    for ckv, kpe, at, want in (
+        (40, 16, 0, "32 values like k_nope, got 40"),
+        (32, 24, 1, "16 values like k_rope, got 24"),
+    ):
+        buf = rand((4, 4, ckv + kpe), E4M3, "cpu")
+        for mla_caches in ((buf[..., :ckv], buf[..., ckv:]), (buf[..., :ckv].clone(), buf[..., ckv:].clone())):
+            before = [c.clone() for c in mla_caches]
+            with pytest.raises(ValueError, match=rf"^{op}: paged_kv_cache\[{at}\]: expected rows of {want}$"):
+                flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+                    q, k, qn, kn, None, *args[5:7], mla_caches, *args[8:], page_size=4
+                )
+            for c, b in zip(mla_caches, before):
+                assert_bitwise(c, b)
 
 
 def _random_page_table(n, requests, pages, page_size, dtype, device):
