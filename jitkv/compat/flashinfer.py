@@ -160,7 +160,7 @@ def _page_slots_kernel(device):
     return _KERNELS[index]
 
 
-_TABLE_BUILDS: dict = {}  # (op, CUDA device index, Variant) -> its page-table build's runner, or None
+_TABLE_BUILDS: dict = {}  # (op name, CUDA device index, variant fields) -> its page-table build's runner, or None
 RESET_HOOKS.append(_TABLE_BUILDS.clear)  # decided once, as the ops decide their backends: jitkv.ops.reset()
 # Above this many tokens each K/V thread's walk of the table costs more than page_slots' launch: on an H200
 # the one launch against the two, FlashInfer's case (docs/performance.md "FlashInfer page slots"), measured
@@ -204,40 +204,42 @@ def _paged(table, page_size, args) -> bool:
 
 
 def _table_call(op, make, device, args, table, call) -> bool:
-    """Whether op's page-table build on device (``make(device, variant)`` builds it: _table_build) ran a
+    """Whether op's page-table build on device (``make(device, Variant)`` builds it: _table_build) ran a
     call of op's arguments ``args`` (schema order) with FlashInfer's ``table``: ``call(fn, batch_indices,
     positions, kv_indices, kv_indptr)`` runs it and returns whether the build declined (nothing written).
     Where the variant or the binding refuses the call, op's check raises first, naming the argument, as
     the op itself does (ops/_op.py)."""
     try:
-        fn = _table_build(op.name, device, op.variant_type(*op.variant(*args)), make)
+        fn = _table_build(op, device, op.variant(*args), make)
         return fn is not None and not call(fn, *(_int32_or_64(t) for t in table[:4]))
     except _REFUSALS:
         op.check(*args)
         raise
 
 
-def _table_build(op, device, variant, make):
-    """The runner of op's page-table build for variant on device (``make(device, variant)`` builds it),
-    made once; None where there is none: where the op would not run its CUDA kernel (a backend forced
+def _table_build(op, device, key, make):
+    """The runner of op's page-table build for the variant of fields ``key`` on device (``make(device,
+    op.variant_type(*key))`` builds it; keyed by the fields, as the ops key their runners), made once;
+    None where there is none: where the op would not run its CUDA kernel (a backend forced
     but jit, or JITKV_DEBUG=1, whose host checks take slots; read once, as the ops read them, until
     jitkv.ops.reset()), a variant the kernel cannot take, or a build that is unavailable (one warning
     says why). A build refused under graph capture is made on a later call."""
-    key = (op, device.index, variant)
-    if key not in _TABLE_BUILDS:
+    at = (op.name, device.index, key)
+    if at not in _TABLE_BUILDS:
         if debug_checks() or forced_backend(None) not in (None, "jit"):
-            _TABLE_BUILDS[key] = None
+            _TABLE_BUILDS[at] = None
             return None
         try:
-            _TABLE_BUILDS[key] = make(device, variant)
+            _TABLE_BUILDS[at] = make(device, op.variant_type(*key))
         except CaptureBuildError:  # not built yet, and a graph is being captured: built on a later call
             return None
         except BackendUnavailable:
-            _TABLE_BUILDS[key] = None
+            _TABLE_BUILDS[at] = None
         except JitUnavailable as e:
-            _TABLE_BUILDS[key] = None
-            warn(f"jitkv.compat.flashinfer: {op}'s page-table build is unavailable ({e}); page_slots makes the slots")
-    return _TABLE_BUILDS[key]
+            _TABLE_BUILDS[at] = None
+            name = op.name
+            warn(f"jitkv.compat.flashinfer: {name}'s page-table build is unavailable ({e}); page_slots makes the slots")
+    return _TABLE_BUILDS[at]
 
 
 def _append(table, k, v, k_cache, v_cache):

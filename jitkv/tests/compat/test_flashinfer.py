@@ -4,6 +4,8 @@ poisoned caches and outputs."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -543,17 +545,18 @@ def test_table_builds_read_the_environment_once_until_reset(monkeypatch):
         return "runner"
 
     dev = torch.device("cuda", 0)  # only its index is read
+    op = types.SimpleNamespace(name="test op", variant_type=lambda *fields: "v")  # a variant from its fields
     try:
         for env, value in (("JITKV_DEBUG", "1"), ("JITKV_BACKEND", "triton")):
             monkeypatch.setenv(env, value)
             jitkv.ops.reset()
-            assert flashinfer._table_build("test op", dev, "v", make) is None
+            assert flashinfer._table_build(op, dev, ("f",), make) is None
             monkeypatch.delenv(env)
-            assert flashinfer._table_build("test op", dev, "v", make) is None and made == []
+            assert flashinfer._table_build(op, dev, ("f",), make) is None and made == []
             jitkv.ops.reset()
-            assert flashinfer._table_build("test op", dev, "v", make) == "runner" and made == ["v"]
+            assert flashinfer._table_build(op, dev, ("f",), make) == "runner" and made == ["v"]
             monkeypatch.setenv(env, value)
-            assert flashinfer._table_build("test op", dev, "v", make) == "runner" and made == ["v"]
+            assert flashinfer._table_build(op, dev, ("f",), make) == "runner" and made == ["v"]
             monkeypatch.delenv(env)
             jitkv.ops.reset()
             made.clear()
