@@ -402,6 +402,18 @@ def _rope_mla(table, kv_buffer, k_nope, k_rope, pos_ids, cos_sin_cache, is_neox,
     rope_set_mla_kv_buffer(**dict(zip(_MLA_ARGS, (kv_buffer, slots, *args[2:]))))
 
 
+def _check_apart(op, ckv_cache, kpe_cache):
+    """Raises ValueError, before anything is written, for MLA caches that _rope_mla_apart cannot take:
+    the column views of one buffer whose pages are not page_size rows apart (no one row stride for
+    rope_set_mla_kv_buffer), or caches that share memory otherwise."""
+    if _joined(ckv_cache, kpe_cache) is not None:
+        raise ValueError(
+            f"{op}: paged_kv_cache: the ckv and kpe views of one buffer need its pages page_size rows apart "
+            f"(one row stride); got a page stride of {ckv_cache.stride(0)} and a row stride of {ckv_cache.stride(1)}"
+        )
+    checks.disjoint(op, "paged_kv_cache[1]", kpe_cache, "paged_kv_cache[0]", ckv_cache)
+
+
 def _rope_mla_apart(table, ckv_cache, kpe_cache, *args):
     """_rope_mla for separate caches (args: its arguments after kv_buffer): rope_set_mla_kv_buffer writes
     token t's row [ckv | kpe] into row t of a scratch buffer and q_out, then store_cache's append copies
@@ -497,8 +509,10 @@ def rope_quantize_fp8_append_paged_kv_cache(
 
     Raises:
         ValueError: a cos_sin_cache that is not float32, a quantize_dtype that is not fp8, caches of another
-        dtype or rank (MLA: rows of other widths than k_nope's and k_rope's), V given for MLA or missing for
-        MHA; and the errors of ``page_slots``, ``jitkv.rope_store_cache`` and ``jitkv.rope_set_mla_kv_buffer``.
+        dtype or rank (MLA: rows of other widths than k_nope's and k_rope's; caches that share memory other
+        than as the column views of one buffer whose pages are page_size rows apart), V given for MLA or
+        missing for MHA; and the errors of ``page_slots``, ``jitkv.rope_store_cache`` and
+        ``jitkv.rope_set_mla_kv_buffer``.
         IndexError: a position or slot out of range (CPU; CUDA under JITKV_DEBUG=1).
     """
     op = "rope_quantize_fp8_append_paged_kv_cache"
@@ -539,6 +553,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
         if rows is not None:
             _rope_mla(table, rows, *args)
         else:
+            _check_apart(op, k_cache, v_cache)
             _rope_mla_apart(table, k_cache, v_cache, *args)
         if copy_back:
             _write_back(q_out, (q_nope_out, q_rope_out))

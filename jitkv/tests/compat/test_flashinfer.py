@@ -125,8 +125,12 @@ def test_rope_quantize_fp8_append_paged_kv_cache(device, mla, layout, is_neox, o
     q_rope, q_nope, k_rope, k_nope, v = _rope_inputs(device, n, hq, hk, rope, nope, mla)
     cs, pos_ids = table(64, rope).to(device), torch.randint(0, 64, (n,), device=device)
     sq, skv = 0.5, 4.0
-    if mla == "one buffer":
-        buf = rand((pages, ps, nope + rope), E4M3, device)
+    if mla in ("one buffer", "one buffer, every other page"):  # the latter: no one row stride (scratch rows)
+        buf = (
+            rand((pages, ps, nope + rope), E4M3, device)
+            if mla == "one buffer"
+            else rand((2 * pages, ps, nope + rope), E4M3, device)[::2]
+        )
         caches = (buf[..., :nope], buf[..., nope:])
     elif mla:
         caches = (rand((pages, ps, nope), E4M3, device), rand((pages, ps, rope), E4M3, device))
@@ -290,6 +294,21 @@ def test_bad_input():
                 )
             for c, b in zip(mla_caches, before):
                 assert_bitwise(c, b)
+    # MLA caches the scratch-row form cannot take: one buffer's views with pages apart, overlapping caches.
+    buf = rand((8, 4, 48), E4M3, "cpu")
+    q_out = rand((batch.numel(), 2, 48), E4M3, "cpu")
+    for mla_caches, want in (
+        ((buf[::2, :, :32], buf[::2, :, 32:]), r"paged_kv_cache: the ckv and kpe views of one buffer need its pages"),
+        ((buf[:4, :, :32], buf[:4, :, 16:32]), r"paged_kv_cache\[1\]: shares memory with paged_kv_cache\[0\]"),
+    ):
+        before, q_before = buf.clone(), q_out.clone()
+        with pytest.raises(ValueError, match=rf"^{op}: {want}"):
+            flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+                q, k, qn, kn, None, *args[5:7], mla_caches, *args[8:], page_size=4,
+                q_rope_out=q_out[..., 32:], q_nope_out=q_out[..., :32],
+            )  # fmt: skip
+        assert_bitwise(buf, before)
+        assert_bitwise(q_out, q_before)
 
 
 def _random_page_table(n, requests, pages, page_size, dtype, device):
