@@ -169,38 +169,39 @@ _PAGED_MAX_TOKENS = 8192
 _INT32_MAX = 2**31 - 1  # the largest page size the kernels' 32-bit page division takes
 # What a page-table build's variant or binding raises for a call it refuses (_table_call).
 _REFUSALS = (AttributeError, IndexError, KeyError, TypeError, ValueError, RuntimeError)
-_ROPE_ARGS = tuple(p.name for p in rope.ROPE_STORE_CACHE.params)  # rope_store_cache's, in schema order
-_MLA_ARGS = tuple(p.name for p in rope.ROPE_SET_MLA_KV_BUFFER.params)  # rope_set_mla_kv_buffer's
+# The ops' argument names in schema order (the public functions take most of them by keyword only).
+_NAMES = {op.name: tuple(p.name for p in op.params) for op in (rope.ROPE_STORE_CACHE, rope.ROPE_SET_MLA_KV_BUFFER)}
 
 
 def _rope_store(
     table, q, k, v, k_cache, v_cache, pos_ids, cos_sin_cache, is_neox, rotary_dim, q_out, fmt, q_scale, kv_scale
 ):
     """rope_store_cache (into q_out, fp8 caches of format ``fmt``) at the slots of FlashInfer's page
-    table ``table`` = (batch_indices, positions, kv_indices, kv_indptr, page_size). On CUDA one launch:
-    the op's build that reads the table itself (ops/rope.py paged_runner), wherever the op would run
-    its CUDA kernel (no backend forced but jit; not under JITKV_DEBUG=1, whose host checks take slots),
-    up to _PAGED_MAX_TOKENS tokens, where that kernel takes the call; else page_slots' slots, then
-    rope_store_cache."""
-    page_size = _check_page_table(*table)
+    table ``table`` (_on_table; its page-table build up to _PAGED_MAX_TOKENS tokens)."""
     args = (q, k, v, k_cache, v_cache, table[0], pos_ids, cos_sin_cache, is_neox, rotary_dim, None, None, 1e-6)
     args += (q_out, q_scale, None, fmt, kv_scale, kv_scale, None, None)
-    if q.is_cuda and _paged(table, page_size, args):
-        return
-    slots = _page_slots(*table[:4], page_size)
-    rope_store_cache(**dict(zip(_ROPE_ARGS, (*args[:5], slots, *args[6:]))))
+    _on_table(rope.ROPE_STORE_CACHE, rope.paged_runner, rope_store_cache, 5, table, args, _PAGED_MAX_TOKENS)
 
 
-def _paged(table, page_size, args) -> bool:
-    """Whether the page-table build ran the call (rope_store_cache's arguments in schema order, its
-    slot_mapping the table's batch_indices); False where it did not and wrote nothing."""
-    if table[0].shape[0] > _PAGED_MAX_TOKENS or page_size > _INT32_MAX:
-        return False
+def _on_table(op, make, fn, slot_at, table, args, max_tokens=None):
+    """``fn``, op's public function, at the slots of FlashInfer's page table ``table`` = (batch_indices,
+    positions, kv_indices, kv_indptr, page_size): ``args`` are op's arguments in schema order, the table's
+    batch_indices at ``slot_at``, its slot index. On CUDA one launch: op's build that reads the table
+    itself (``make``: ops/rope.py paged_runner, mla_paged_runner), wherever the op would run its CUDA
+    kernel (no backend forced but jit; not under JITKV_DEBUG=1, whose host checks take slots; _table_build),
+    for a page size the kernels' 32-bit division takes, up to max_tokens tokens (None: any), where that
+    kernel takes the call; else page_slots' slots, then fn."""
+    page_size = _check_page_table(*table)
+    head, tail = args[:slot_at], args[slot_at + 1 :]
+    bounded = max_tokens is None or table[0].shape[0] <= max_tokens
+    if args[0].is_cuda and page_size <= _INT32_MAX and bounded:
 
-    def call(fn, batch_indices, positions, kv_indices, kv_indptr):
-        return fn(*args[:5], batch_indices, *args[6:], table=(positions, kv_indices, kv_indptr, page_size))
+        def call(run, batch_indices, positions, kv_indices, kv_indptr):
+            return run(*head, batch_indices, *tail, table=(positions, kv_indices, kv_indptr, page_size))
 
-    return _table_call(rope.ROPE_STORE_CACHE, rope.paged_runner, args[0].device, args, table, call)
+        if _table_call(op, make, args[0].device, args, table, call):
+            return
+    fn(**dict(zip(_NAMES[op.name], (*head, _page_slots(*table[:4], page_size), *tail))))
 
 
 def _table_call(op, make, device, args, table, call) -> bool:
@@ -242,12 +243,14 @@ def _table_build(op, device, key, make):
     return _TABLE_BUILDS[at]
 
 
-def _append(table, k, v, k_cache, v_cache):
+def _append(table, k, v, k_cache, v_cache, page_size=None):
     """store_cache's copy of k and v (``[n, H, D]``) at the slots of FlashInfer's page table ``table`` =
-    (batch_indices, positions, kv_indices, kv_indptr, page_size). On CUDA one launch: store_cache's build
-    that reads the table itself (ops/store_cache.py table_runner), where the op would run its CUDA kernel
-    and that build takes the views; else page_slots' slots, then store_cache."""
-    page_size = _check_page_table(*table)
+    (batch_indices, positions, kv_indices, kv_indptr, page_size); ``page_size``: the table's as
+    _check_page_table returned it, where the caller checked the table (None: checked here). On CUDA one
+    launch: store_cache's build that reads the table itself (ops/store_cache.py table_runner), where the op
+    would run its CUDA kernel and that build takes the views; else page_slots' slots, then store_cache."""
+    if page_size is None:
+        page_size = _check_page_table(*table)
     if k_cache.is_cuda and table[0].device == k_cache.device and page_size <= _INT32_MAX:
         args = (k, v, k_cache, v_cache, table[0], "auto", None, None, None, None)
 
@@ -388,18 +391,19 @@ def _mla_rows(ckv_cache, kpe_cache):
         return None
 
 
-def _rope_mla(table, kv_buffer, k_nope, k_rope, pos_ids, cos_sin_cache, is_neox, q_rope, q_nope, q_out, fmt, scales):
-    """rope_set_mla_kv_buffer (rows ``kv_buffer``, q_out = [q_nope | rope(q_rope)], fp8 format ``fmt``,
-    scales = (q_scale, kv_scale)) at the slots of FlashInfer's page table ``table``. On CUDA one launch:
-    the op's build that reads the table itself (ops/rope.py mla_paged_runner), where the op would run
-    its CUDA kernel and that kernel takes the call; else page_slots' slots, then the op."""
-    page_size = _check_page_table(*table)
-    args = (kv_buffer, table[0], k_nope, k_rope, pos_ids, cos_sin_cache, is_neox, q_rope, q_nope, q_out)
-    args += (scales[0], None, fmt, scales[1], None)
-    if kv_buffer.is_cuda and _mla_paged(table, page_size, args):
-        return
-    slots = _page_slots(*table[:4], page_size)
-    rope_set_mla_kv_buffer(**dict(zip(_MLA_ARGS, (kv_buffer, slots, *args[2:]))))
+def _mla_args(kv_buffer, loc, k_nope, k_rope, pos_ids, cos_sin_cache, is_neox, q_rope, q_nope, q_out, fmt, scales):
+    """rope_set_mla_kv_buffer's arguments in schema order: rows ``kv_buffer`` at ``loc``, q_out = [q_nope |
+    rope(q_rope)], fp8 format ``fmt``, scales = (q_scale, kv_scale)."""
+    args = (kv_buffer, loc, k_nope, k_rope, pos_ids, cos_sin_cache, is_neox, q_rope, q_nope, q_out)
+    return args + (scales[0], None, fmt, scales[1], None)
+
+
+def _rope_mla(table, kv_buffer, *args):
+    """rope_set_mla_kv_buffer (_mla_args' arguments after loc) at the slots of FlashInfer's page table
+    ``table`` (_on_table; its page-table build at any token count: only the row's threads, kv_c's and
+    k_pe's lanes, walk the table, not the query heads')."""
+    args = _mla_args(kv_buffer, table[0], *args)
+    _on_table(rope.ROPE_SET_MLA_KV_BUFFER, rope.mla_paged_runner, rope_set_mla_kv_buffer, 1, table, args)
 
 
 def _check_apart(op, ckv_cache, kpe_cache):
@@ -415,44 +419,17 @@ def _check_apart(op, ckv_cache, kpe_cache):
 
 
 def _rope_mla_apart(table, ckv_cache, kpe_cache, *args):
-    """_rope_mla for separate caches (args: its arguments after kv_buffer): rope_set_mla_kv_buffer writes
+    """_rope_mla for separate caches (args: _mla_args' after loc): rope_set_mla_kv_buffer writes
     token t's row [ckv | kpe] into row t of a scratch buffer and q_out, then store_cache's append copies
     the two parts into their pages (_append; padding tokens are not written). On CUDA three launches (the
     scratch rows' indices, the op, the append), the rows' bytes once more through memory."""
-    _check_page_table(*table)  # its errors before anything is written (_append checks it again)
+    page_size = _check_page_table(*table)  # its errors before anything is written
     n, nope = table[0].shape[0], ckv_cache.shape[-1]
     rows = torch.empty((n, nope + kpe_cache.shape[-1]), dtype=ckv_cache.dtype, device=ckv_cache.device)
-    k_nope, k_rope, pos_ids, cos_sin_cache, is_neox, q_rope, q_nope, q_out, fmt, scales = args
-    rope_set_mla_kv_buffer(
-        rows,
-        torch.arange(n, device=rows.device),
-        k_nope,
-        k_rope,
-        pos_ids,
-        cos_sin_cache,
-        is_neox=is_neox,
-        q_pe=q_rope,
-        q_nope=q_nope,
-        q_out=q_out,
-        q_scale=scales[0],
-        kv_cache_dtype=fmt,
-        scale=scales[1],
-    )
-    _append(
-        table, rows[:, :nope].unsqueeze(1), rows[:, nope:].unsqueeze(1), ckv_cache.unsqueeze(2), kpe_cache.unsqueeze(2)
-    )
-
-
-def _mla_paged(table, page_size, args) -> bool:
-    """As _paged, for rope_set_mla_kv_buffer's arguments (its loc the table's batch_indices), at any
-    token count: only the row's threads (kv_c's and k_pe's lanes) walk the table, not the query heads'."""
-    if page_size > _INT32_MAX:
-        return False
-
-    def call(fn, batch_indices, positions, kv_indices, kv_indptr):
-        return fn(args[0], batch_indices, *args[2:], table=(positions, kv_indices, kv_indptr, page_size))
-
-    return _table_call(rope.ROPE_SET_MLA_KV_BUFFER, rope.mla_paged_runner, args[0].device, args, table, call)
+    mla_args = _mla_args(rows, torch.arange(n, device=rows.device), *args)
+    rope_set_mla_kv_buffer(**dict(zip(_NAMES[rope.MLA_OP], mla_args)))
+    k, v = rows[:, :nope].unsqueeze(1), rows[:, nope:].unsqueeze(1)
+    _append(table, k, v, ckv_cache.unsqueeze(2), kpe_cache.unsqueeze(2), page_size)
 
 
 def rope_quantize_fp8_append_paged_kv_cache(
