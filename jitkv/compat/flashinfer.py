@@ -169,6 +169,7 @@ _PAGED_MAX_TOKENS = 8192
 _INT32_MAX = 2**31 - 1  # the largest page size the kernels' 32-bit page division takes
 # What a page-table build's variant or binding raises for a call it refuses (_table_call).
 _REFUSALS = (AttributeError, IndexError, KeyError, TypeError, ValueError, RuntimeError)
+_MLA = rope.ROPE_SET_MLA_KV_BUFFER
 # The ops' argument names in schema order (the public functions take most of them by keyword only).
 _NAMES = {op.name: tuple(p.name for p in op.params) for op in (rope.ROPE_STORE_CACHE, rope.ROPE_SET_MLA_KV_BUFFER)}
 
@@ -183,38 +184,47 @@ def _rope_store(
     _on_table(rope.ROPE_STORE_CACHE, rope.paged_runner, rope_store_cache, 5, table, args, _PAGED_MAX_TOKENS)
 
 
-def _on_table(op, make, fn, slot_at, table, args, max_tokens=None):
+def _on_table(op, make, fn, slot_at, table, args, max_tokens=None, more=()):
     """``fn``, op's public function, at the slots of FlashInfer's page table ``table`` = (batch_indices,
     positions, kv_indices, kv_indptr, page_size): ``args`` are op's arguments in schema order, the table's
-    batch_indices at ``slot_at``, its slot index. On CUDA one launch: op's build that reads the table
-    itself (``make``: ops/rope.py paged_runner, mla_paged_runner), wherever the op would run its CUDA
-    kernel (no backend forced but jit; not under JITKV_DEBUG=1, whose host checks take slots; _table_build),
-    for a page size the kernels' 32-bit division takes, up to max_tokens tokens (None: any), where that
-    kernel takes the call; else page_slots' slots, then fn."""
+    batch_indices at ``slot_at``, its slot index. On CUDA one launch where _table_ran runs op's build that
+    reads the table itself; else page_slots' slots, then fn."""
     page_size = _check_page_table(*table)
-    head, tail = args[:slot_at], args[slot_at + 1 :]
+    if not _table_ran(op, make, slot_at, table, page_size, args, max_tokens, more):
+        head, tail = args[:slot_at], args[slot_at + 1 :]
+        fn(**dict(zip(_NAMES[op.name], (*head, _page_slots(*table[:4], page_size), *tail))))
+
+
+def _table_ran(op, make, slot_at, table, page_size, args, max_tokens=None, more=(), checked=None) -> bool:
+    """Whether op's build that reads FlashInfer's page table itself (``make``: ops/rope.py paged_runner,
+    mla_paged_runner) ran op's arguments ``args`` (_on_table's; ``more``: the build's arguments after the
+    table; ``checked``: the arguments op's check takes in their place, None: args), the table checked
+    (_check_page_table gave ``page_size``): wherever the op would run its CUDA kernel (no backend forced
+    but jit; not under JITKV_DEBUG=1, whose host checks take slots; _table_build), for a page size the
+    kernels' 32-bit division takes, up to max_tokens tokens (None: any), where that kernel takes the
+    call. Nothing is written where it did not."""
     bounded = max_tokens is None or table[0].shape[0] <= max_tokens
-    if args[0].is_cuda and page_size <= _INT32_MAX and bounded:
+    if not (args[0].is_cuda and page_size <= _INT32_MAX and bounded):
+        return False
+    head, tail = args[:slot_at], args[slot_at + 1 :]
 
-        def call(run, batch_indices, positions, kv_indices, kv_indptr):
-            return run(*head, batch_indices, *tail, table=(positions, kv_indices, kv_indptr, page_size))
+    def call(run, batch_indices, positions, kv_indices, kv_indptr):
+        return run(*head, batch_indices, *tail, table=(positions, kv_indices, kv_indptr, page_size, *more))
 
-        if _table_call(op, make, args[0].device, args, table, call):
-            return
-    fn(**dict(zip(_NAMES[op.name], (*head, _page_slots(*table[:4], page_size), *tail))))
+    return _table_call(op, make, args[0].device, args, table, call, checked)
 
 
-def _table_call(op, make, device, args, table, call) -> bool:
+def _table_call(op, make, device, args, table, call, checked=None) -> bool:
     """Whether op's page-table build on device (``make(device, Variant)`` builds it: _table_build) ran a
     call of op's arguments ``args`` (schema order) with FlashInfer's ``table``: ``call(fn, batch_indices,
     positions, kv_indices, kv_indptr)`` runs it and returns whether the build declined (nothing written).
-    Where the variant or the binding refuses the call, op's check raises first, naming the argument, as
-    the op itself does (ops/_op.py)."""
+    Where the variant or the binding refuses the call, op's check of ``checked`` (None: args) raises
+    first, naming the argument, as the op itself does (ops/_op.py)."""
     try:
         fn = _table_build(op, device, op.variant(*args), make)
         return fn is not None and not call(fn, *(_int32_or_64(t) for t in table[:4]))
     except _REFUSALS:
-        op.check(*args)
+        op.check(*(args if checked is None else checked))
         raise
 
 
@@ -383,11 +393,15 @@ def _mla_rows(ckv_cache, kpe_cache):
     """``[pages * page_size, nope + rope]``: set_mla_kv_buffer's kv_buffer rows when kpe_cache's columns
     follow ckv_cache's in one buffer (the engines' MLA cache seen as two views), else None."""
     joined = _joined(ckv_cache, kpe_cache) if ckv_cache.shape[-1] and kpe_cache.shape[-1] else None
-    if joined is None:
-        return None
+    return None if joined is None else _flat_rows(joined)
+
+
+def _flat_rows(cache):
+    """A ``[pages, page_size, w]`` cache as ``[pages * page_size, w]`` rows, None where its pages are not
+    page_size rows apart (no one row stride)."""
     try:
-        return joined.view(-1, joined.shape[-1])
-    except RuntimeError:  # pages not one row stride apart
+        return cache.view(-1, cache.shape[-1])
+    except RuntimeError:
         return None
 
 
@@ -398,12 +412,27 @@ def _mla_args(kv_buffer, loc, k_nope, k_rope, pos_ids, cos_sin_cache, is_neox, q
     return args + (scales[0], None, fmt, scales[1], None)
 
 
-def _rope_mla(table, kv_buffer, *args):
-    """rope_set_mla_kv_buffer (_mla_args' arguments after loc) at the slots of FlashInfer's page table
-    ``table`` (_on_table; its page-table build at any token count: only the row's threads, kv_c's and
-    k_pe's lanes, walk the table, not the query heads')."""
-    args = _mla_args(kv_buffer, table[0], *args)
-    _on_table(rope.ROPE_SET_MLA_KV_BUFFER, rope.mla_paged_runner, rope_set_mla_kv_buffer, 1, table, args)
+def _rope_mla(op, table, ckv_cache, kpe_cache, *args):
+    """rope_set_mla_kv_buffer (_mla_args' arguments after loc) into FlashInfer's MLA caches at the slots of
+    its page table ``table``, by its page-table build at any token count (only the row's threads, kv_c's
+    and k_pe's lanes, walk the table, not the query heads'): the column views of one buffer are its
+    kv_buffer rows (_on_table), separate caches its kv_buffer and kpe_rows (_rope_mla_apart where that
+    build does not run). Raises op's ValueError for caches neither form takes (_check_apart)."""
+    rows = _mla_rows(ckv_cache, kpe_cache)
+    if rows is not None:
+        args = _mla_args(rows, table[0], *args)
+        _on_table(_MLA, rope.mla_paged_runner, rope_set_mla_kv_buffer, 1, table, args, more=(None,))
+        return
+    _check_apart(op, ckv_cache, kpe_cache)
+    page_size = _check_page_table(*table)  # its errors before anything is written
+    ckv_rows, kpe_rows = _flat_rows(ckv_cache), _flat_rows(kpe_cache)
+    if ckv_rows is not None and kpe_rows is not None:
+        width = ckv_cache.shape[-1] + kpe_cache.shape[-1]
+        checked = _mla_args(ckv_rows.new_empty((1, width)), table[0], *args)  # the op's rows: [ckv | kpe]
+        mla_args = _mla_args(ckv_rows, table[0], *args)
+        if _table_ran(_MLA, rope.mla_paged_runner, 1, table, page_size, mla_args, more=(kpe_rows,), checked=checked):
+            return
+    _rope_mla_apart(table, page_size, ckv_cache, kpe_cache, *args)
 
 
 def _check_apart(op, ckv_cache, kpe_cache):
@@ -418,12 +447,12 @@ def _check_apart(op, ckv_cache, kpe_cache):
     checks.disjoint(op, "paged_kv_cache[1]", kpe_cache, "paged_kv_cache[0]", ckv_cache)
 
 
-def _rope_mla_apart(table, ckv_cache, kpe_cache, *args):
-    """_rope_mla for separate caches (args: _mla_args' after loc): rope_set_mla_kv_buffer writes
-    token t's row [ckv | kpe] into row t of a scratch buffer and q_out, then store_cache's append copies
-    the two parts into their pages (_append; padding tokens are not written). On CUDA three launches (the
-    scratch rows' indices, the op, the append), the rows' bytes once more through memory."""
-    page_size = _check_page_table(*table)  # its errors before anything is written
+def _rope_mla_apart(table, page_size, ckv_cache, kpe_cache, *args):
+    """_rope_mla for separate caches where its page-table build does not run (args: _mla_args' after loc;
+    page_size: the checked table's): rope_set_mla_kv_buffer writes token t's row [ckv | kpe] into row t of
+    a scratch buffer and q_out, then store_cache's append copies the two parts into their pages (_append;
+    padding tokens are not written). On CUDA three launches (the scratch rows' indices, the op, the
+    append), the rows' bytes once more through memory."""
     n, nope = table[0].shape[0], ckv_cache.shape[-1]
     rows = torch.empty((n, nope + kpe_cache.shape[-1]), dtype=ckv_cache.dtype, device=ckv_cache.device)
     mla_args = _mla_args(rows, torch.arange(n, device=rows.device), *args)
@@ -464,9 +493,10 @@ def rope_quantize_fp8_append_paged_kv_cache(
     k_nope ``[nnz, nope]``, v None): ``paged_kv_cache = (ckv_cache [pages, page_size, nope], kpe_cache
     [pages, page_size, rope])``: ``jitkv.rope_set_mla_kv_buffer`` writes the rows and both query parts
     (the returned outputs are then views of one ``[nnz, Hq, nope + rope]`` tensor, or those given, copied
-    into only where they are not adjacent in that order), in one launch where the two caches are the
-    column views of one ``[pages, page_size, nope + rope]`` buffer (the engines' MLA cache), else into
-    scratch rows that store_cache's append copies into the pages.
+    into only where they are not adjacent in that order), in one launch on CUDA, whether the two caches
+    are the column views of one ``[pages, page_size, nope + rope]`` buffer (the engines' MLA cache) or
+    two tensors (where that build does not run: into scratch rows that store_cache's append copies into
+    the pages).
 
     Args:
         q_rope ``[nnz, Hq, rope]``, q_nope ``[nnz, Hq, nope]`` (None: no nope dims), k_rope, k_nope, v: bf16
@@ -526,12 +556,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
     if mla and q_nope is not None and q_nope.shape[-1]:  # rope_set_mla_kv_buffer: rows and both query parts
         q_out, (q_nope_out, q_rope_out), copy_back = _q_outputs(q_nope, q_rope, q_nope_out, q_rope_out, quantize_dtype)
         args = (k_nope, k_rope, pos_ids, cos_sin_cache, is_neox, q_rope, q_nope, q_out, fmt, (q_scale, kv_scale))
-        rows = _mla_rows(k_cache, v_cache)
-        if rows is not None:
-            _rope_mla(table, rows, *args)
-        else:
-            _check_apart(op, k_cache, v_cache)
-            _rope_mla_apart(table, k_cache, v_cache, *args)
+        _rope_mla(op, table, k_cache, v_cache, *args)
         if copy_back:
             _write_back(q_out, (q_nope_out, q_rope_out))
         return q_rope_out, q_nope_out

@@ -1031,7 +1031,7 @@ def _jit_mla(device, variant):
 def _mla_runner(fn, refused):
     """As _runner, for rope_set_mla_kv_buffer: run(*op args, table=()) calls the binding ``fn`` with q's
     mode and the scales as tensor or value, then ``table`` (mla_paged_runner's: the page table's four
-    entries); returns ``refused`` where the binding declined the call, else None."""
+    entries and kpe_rows); returns ``refused`` where the binding declined the call, else None."""
 
     def run(
         kv_buffer,
@@ -1085,8 +1085,10 @@ def _mla_runner(fn, refused):
 
 def mla_paged_runner(device, v: MlaVariant):
     """As paged_runner, for rope_set_mla_kv_buffer: run(*op args, table=(positions, kv_indices, kv_indptr,
-    page_size)) with the table's batch_indices as loc and no skip_slot (ValueError); kv_buffer's rows are
-    the pages' rows, page after page (any page_size). True where the kernel declined the call (views it
+    page_size, kpe_rows)) with the table's batch_indices as loc and no skip_slot (ValueError); kv_buffer's
+    rows are the pages' rows, page after page (any page_size); kpe_rows None, or ``[rows, >= rope]`` of
+    kv_buffer's dtype and row count: the rows' rope parts (FlashInfer's separate kpe cache; kv_buffer's
+    rows then hold kv_c only). True where the kernel declined the call (views it
     cannot address: nothing written), else None. Raises BackendUnavailable for a variant the kernel
     cannot take; a build's JitUnavailable or CaptureBuildError propagates."""
     spec = _taken_cuda_mla_spec(device, v._replace(page_table=True))

@@ -85,8 +85,21 @@ inline MlaParams parse_rows(const char* op, const TensorView& kv_buffer, const T
   return p;
 }
 
+// The row-width rule of the copy and per-tensor fp8 formats: a row holds nope + rope values, or (rope_apart:
+// the rope part written into rows of its own, which their caller checks) nope.
+inline void check_row_width(const char* op, const RowWidths& w, bool rope_apart) {
+  if (rope_apart && w.buffer < w.nope) {
+    TVM_FFI_THROW(ValueError) << op << ": kv_buffer: row width " << w.buffer << " is smaller than nope = " << w.nope;
+  }
+  if (!rope_apart && w.buffer < w.nope + w.rope) {
+    TVM_FFI_THROW(ValueError) << op << ": kv_buffer: row width " << w.buffer
+                              << " is smaller than nope + rope = " << w.nope << " + " << w.rope;
+  }
+}
+
 inline MlaParams parse_params(const char* op, const TensorView& kv_buffer, const TensorView& loc,
-                              const TensorView& k_nope, const TensorView& k_rope, int64_t skip_slot) {
+                              const TensorView& k_nope, const TensorView& k_rope, int64_t skip_slot,
+                              bool rope_apart = false) {
   const DLDataType dt = kv_buffer.dtype();
   if (!is_copy_dtype(dt)) {
     TVM_FFI_THROW(TypeError) << op << ": kv_buffer: expected dtype bfloat16, float16, float32, uint8, "
@@ -96,10 +109,7 @@ inline MlaParams parse_params(const char* op, const TensorView& kv_buffer, const
   check_same_dtype(op, "cache_k_rope", k_rope, dt, "kv_buffer");
   RowWidths w;
   const MlaParams p = parse_rows(op, kv_buffer, loc, k_nope, k_rope, skip_slot, w);
-  if (w.buffer < w.nope + w.rope) {
-    TVM_FFI_THROW(ValueError) << op << ": kv_buffer: row width " << w.buffer
-                              << " is smaller than nope + rope = " << w.nope << " + " << w.rope;
-  }
+  check_row_width(op, w, rope_apart);
   return p;
 }
 
@@ -172,7 +182,8 @@ inline void parse_fp8_scale(const char* op, KvFormat f, const Optional<TensorVie
 // bytes, no scale.
 inline MlaParams parse_fp8_params(const char* op, const TensorView& kv_buffer, const TensorView& loc,
                                   const TensorView& k_nope, const TensorView& k_rope, int64_t skip_slot,
-                                  int64_t kv_format, const Optional<TensorView>& scale, double scale_value) {
+                                  int64_t kv_format, const Optional<TensorView>& scale, double scale_value,
+                                  bool rope_apart = false) {
   const KvFormat f = parse_fp8_format(op, kv_format);
   if (!is_fp8_source(k_nope.dtype())) {
     TVM_FFI_THROW(TypeError) << op << ": cache_k_nope: fp8 quantize-on-write takes bfloat16 or float16 sources, got "
@@ -183,6 +194,7 @@ inline MlaParams parse_fp8_params(const char* op, const TensorView& kv_buffer, c
   RowWidths w;
   MlaParams p = parse_rows(op, kv_buffer, loc, k_nope, k_rope, skip_slot, w);
   if (f == KvFormat::kDsMla) {
+    if (rope_apart) TVM_FFI_THROW(ValueError) << op << ": kv_buffer: fp8_ds_mla records hold their rope part";
     if (w.nope != DsMla::kNope) {
       TVM_FFI_THROW(ValueError) << op << ": cache_k_nope: fp8_ds_mla takes rows of " << DsMla::kNope << " values, got "
                                 << w.nope;
@@ -195,9 +207,8 @@ inline MlaParams parse_fp8_params(const char* op, const TensorView& kv_buffer, c
       TVM_FFI_THROW(ValueError) << op << ": kv_buffer: row width " << w.buffer << " is smaller than the "
                                 << DsMla::kBytes << "-byte fp8_ds_mla record";
     }
-  } else if (w.buffer < w.nope + w.rope) {
-    TVM_FFI_THROW(ValueError) << op << ": kv_buffer: row width " << w.buffer
-                              << " is smaller than nope + rope = " << w.nope << " + " << w.rope;
+  } else {
+    check_row_width(op, w, rope_apart);
   }
   parse_fp8_scale(op, f, scale, scale_value, p);
   p.kv_format = f;

@@ -112,6 +112,17 @@ __device__ __forceinline__ void store_kv_c(const typename S::Args& p, int64_t t,
   }
 }
 
+// Where slot's rope part starts: after the kv_c part in its row (at row), or at the paged block's rope_dst
+// row.
+template <class S>
+__device__ __forceinline__ char* rope_part(const typename S::Args& p, char* row, int64_t slot) {
+  if constexpr (S::kPaged) {
+    return p.rope_dst + slot * p.rope_dst_stride;
+  } else {
+    return row + S::kNopeLanes * dst_lane_bytes<S::kSrc, S::kFmt>();
+  }
+}
+
 // Lane j of k_pe: rotated, into k_pe_out and the row's rope part.
 template <class S, bool kNeox, SrcDtype kCs>
 __device__ __forceinline__ void rope_k_pe(const typename S::Args& p, int64_t t, int j) {
@@ -144,9 +155,8 @@ __device__ __forceinline__ void rope_k_pe(const typename S::Args& p, int64_t t, 
   if constexpr (S::kDs) {
     store_floats_lane<S::kSrc, KvFormat::kCopy, R>(row + DsMla::kRopeOffset, j, y, copy);
   } else {
-    cuda::with_divider(scale, [&](const auto& div) {
-      store_floats_lane<S::kSrc, S::kFmt, R>(row + S::kNopeLanes * dst_lane_bytes<S::kSrc, S::kFmt>(), j, y, div);
-    });
+    cuda::with_divider(
+        scale, [&](const auto& div) { store_floats_lane<S::kSrc, S::kFmt, R>(rope_part<S>(p, row, slot), j, y, div); });
   }
 }
 

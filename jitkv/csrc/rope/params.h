@@ -104,9 +104,13 @@ struct MlaArgs {
 };
 
 // The block of builds reading FlashInfer's page table (mla_kernels.cuh MlaShape kPaged): loc is its
-// batch_indices, a row's slot the one page_table_slot gives.
+// batch_indices, a row's slot the one page_table_slot gives. Slot s's rope part goes to rope_dst + s *
+// rope_dst_stride: after the kv_c part in dst's row, or into a cache of its own (FlashInfer's separate
+// ckv and kpe caches).
 struct PagedMlaArgs : MlaArgs {
   PageTable pages;
+  char* rope_dst;
+  int64_t rope_dst_stride;
 };
 
 }  // namespace jitkv::rope

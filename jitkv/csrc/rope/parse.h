@@ -219,11 +219,13 @@ inline MlaParams parse_mla(const char* op, const TensorView& kv_buffer, const Te
                            bool is_neox, const Optional<TensorView>& q_pe, const Optional<TensorView>& q_nope,
                            const Optional<TensorView>& q_out, int64_t q_mode, const Optional<TensorView>& q_scale,
                            double q_scale_value, const Optional<TensorView>& k_pe_out, int64_t skip_slot,
-                           int64_t kv_format, const Optional<TensorView>& scale, double scale_value) {
+                           int64_t kv_format, const Optional<TensorView>& scale, double scale_value,
+                           bool rope_apart = false) {
   MlaParams p;
-  p.kv = kv_format == static_cast<int64_t>(codes::KvFormat::kCopy)
-             ? mla::parse_params(op, kv_buffer, loc, kv_c, k_pe, skip_slot)
-             : mla::parse_fp8_params(op, kv_buffer, loc, kv_c, k_pe, skip_slot, kv_format, scale, scale_value);
+  p.kv =
+      kv_format == static_cast<int64_t>(codes::KvFormat::kCopy)
+          ? mla::parse_params(op, kv_buffer, loc, kv_c, k_pe, skip_slot, rope_apart)
+          : mla::parse_fp8_params(op, kv_buffer, loc, kv_c, k_pe, skip_slot, kv_format, scale, scale_value, rope_apart);
   const DLDataType src = p.kv.dtype;
   const DLDevice dev = p.kv.device;
   const int64_t n = p.kv.n, es = elem_bytes(src), r = p.kv.rope_bytes / es;

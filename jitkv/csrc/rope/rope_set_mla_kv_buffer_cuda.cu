@@ -6,7 +6,8 @@
 // Template arguments (JitSpec args; ops/rope.py cuda_mla_spec): JITKV_NOPE, JITKV_ROPE (values per row of
 // kv_c and k_pe), JITKV_SRC_DTYPE (codes::SrcDtype), JITKV_Q_MODE (codes::RopeQ), JITKV_KV_DTYPE
 // (codes::KvFormat), JITKV_PAGE_TABLE (1: the rows' slots come from FlashInfer's page table, read in the
-// kernel: jitkv/page_table.h; such a build exports rope_set_mla_kv_buffer_table only), JITKV_PDL. One
+// kernel: jitkv/page_table.h, and the rows' rope parts may go to a cache of their own; such a build exports
+// rope_set_mla_kv_buffer_table only), JITKV_PDL. One
 // module serves NeoX and GPT-J and both cos/sin dtypes (a kernel each, kernel_of). Which variants build
 // is decided in Python before building (ops/rope.py cuda_mla_refusal).
 //
@@ -53,22 +54,35 @@ void check_module(const MlaParams& p) {
 
 using jitkv::aligned;
 
+// Where a paged build writes the rows' rope parts: slot s's at dst + s * stride (PagedMlaArgs rope_dst).
+struct RopeRows {
+  char* dst;
+  int64_t stride;
+};
+
+// A paged build's block takes the rope rows; the others' have no room for them.
+template <bool kPaged, class Block>
+void set_rope_rows(Block& block, const RopeRows& rope) {
+  if constexpr (kPaged) block.rope_dst = rope.dst, block.rope_dst_stride = rope.stride;
+}
+
 // Every vector access at its width: the sources by 16 bytes, the row and q's destination by lanes
 // (fp8_ds_mla rows by 16: their rope part is 16-bit lanes), the cos/sin rows by 16 bytes; NeoX halves of
 // whole lanes.
-bool kernel_takes(const MlaParams& p) {
+bool kernel_takes(const MlaParams& p, const RopeRows& rope) {
   if (p.rot.neox && !LaneRotation<Shape::kRope, true, Shape::kV>::kOk) return false;
   constexpr int kRowLane = Shape::kDs ? 16 : dst_lane_bytes<Shape::kSrc, Shape::kFmt>();
   constexpr int kQLane = dst_lane_bytes<Shape::kSrc, q_format(Shape::kQ)>();
-  return aligned(p.kv.dst, kRowLane, {p.kv.dst_row_stride}) && aligned(p.kv.nope, 16, {p.kv.nope_row_stride}) &&
-         aligned(p.kv.rope, 16, {p.kv.rope_row_stride}) && aligned(p.k_pe_out.ptr, 16, {p.k_pe_out.stride_token}) &&
+  return aligned(p.kv.dst, kRowLane, {p.kv.dst_row_stride}) && aligned(rope.dst, kRowLane, {rope.stride}) &&
+         aligned(p.kv.nope, 16, {p.kv.nope_row_stride}) && aligned(p.kv.rope, 16, {p.kv.rope_row_stride}) &&
+         aligned(p.k_pe_out.ptr, 16, {p.k_pe_out.stride_token}) &&
          aligned(p.q.src.ptr, 16, {p.q.src.stride_token, p.q.src.stride_head}) &&
          aligned(p.q_nope.ptr, 16, {p.q_nope.stride_token, p.q_nope.stride_head}) &&
          aligned(p.q.dst.ptr, kQLane, {p.q.dst.stride_token, p.q.dst.stride_head}) &&
          aligned(p.rot.cos_sin, 16, {p.rot.cs_stride}) && p.nope_q % Shape::kV == 0;
 }
 
-Shape::Args kernel_args(const MlaParams& p, const jitkv::PageTable& pages) {
+Shape::Args kernel_args(const MlaParams& p, const jitkv::PageTable& pages, const RopeRows& rope) {
   Shape::Args a;
   a.dst = p.kv.dst;
   a.kv_c = p.kv.nope;
@@ -101,6 +115,7 @@ Shape::Args kernel_args(const MlaParams& p, const jitkv::PageTable& pages) {
   a.nope_q_lanes = static_cast<int32_t>(p.nope_q / Shape::kV);
   a.loc_i64 = p.kv.loc_i64, a.pos_i64 = p.rot.pos_i64;
   jitkv::cuda::set_page_table<Shape::kPaged>(a, pages);
+  set_rope_rows<Shape::kPaged>(a, rope);
   return a;
 }
 
@@ -113,10 +128,10 @@ auto kernel_of(const Rotation& rot, int hpt) {
 
 int64_t status(Status s) { return static_cast<int64_t>(s); }
 
-// The parsed call's launch (pages: a paged build's table, else unused): kNeedsAnyAlignment for views the
-// kernel cannot address, else kDone after the launch.
-int64_t run(const MlaParams& p, const jitkv::PageTable& pages) {
-  if (!kernel_takes(p)) return status(Status::kNeedsAnyAlignment);
+// The parsed call's launch (pages, rope: a paged build's table and rope rows, else unused):
+// kNeedsAnyAlignment for views the kernel cannot address, else kDone after the launch.
+int64_t run(const MlaParams& p, const jitkv::PageTable& pages, const RopeRows& rope) {
+  if (!kernel_takes(p, rope)) return status(Status::kNeedsAnyAlignment);
   if (p.kv.n == 0) return status(Status::kDone);
   const int device = p.kv.device.device_id;
   const jitkv::cuda::DeviceInfo info = jitkv::cuda::device_info(device);
@@ -135,29 +150,58 @@ int64_t run(const MlaParams& p, const jitkv::PageTable& pages) {
   jitkv::cuda::DeviceGuard guard(device);
   const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
   jitkv::cuda::check_launch(kOp, jitkv::cuda::launch(kernel_of(p.rot, hpt), grid, dim3(block), stream,
-                                                     kPdl && info.pdl(), kernel_args(p, pages)));
+                                                     kPdl && info.pdl(), kernel_args(p, pages, rope)));
   return status(Status::kDone);
 }
 
 #if JITKV_PAGE_TABLE
+// kpe_rows [num_slots, >= rope] of kv_buffer's dtype: the rows' rope parts, in memory no other output
+// shares.
+RopeRows rope_rows(const MlaParams& p, const TensorView& kv_buffer, const TensorView& kpe_rows,
+                   const Optional<TensorView>& q_pe, const Optional<TensorView>& q_out,
+                   const Optional<TensorView>& k_pe_out) {
+  jitkv::check_device(kOp, "kpe_rows", kpe_rows, p.kv.device, "kv_buffer");
+  jitkv::check_same_dtype(kOp, "kpe_rows", kpe_rows, kv_buffer.dtype(), "kv_buffer");
+  require(kpe_rows.ndim() == 2 && kpe_rows.size(0) == kv_buffer.size(0), kOp, "kpe_rows",
+          "expected 2-D rows, as many as kv_buffer's");
+  require(kpe_rows.size(1) >= Shape::kRope, kOp, "kpe_rows", "expected rows of at least k_pe's width");
+  jitkv::check_last_dim_contiguous(kOp, "kpe_rows", kpe_rows);
+  jitkv::check_written(kOp, "kpe_rows", kpe_rows);
+  jitkv::check_disjoint(kOp, "kpe_rows", kpe_rows, "kv_buffer", kv_buffer);
+  const Optional<TensorView>* outs[] = {&q_out, &k_pe_out, p.q.mode == RopeQ::kInPlace ? &q_pe : nullptr};
+  const char* names[] = {"q_out", "k_pe_out", "q_pe"};
+  for (int i = 0; i < 3; ++i) {
+    if (outs[i] != nullptr && outs[i]->has_value())
+      jitkv::check_disjoint(kOp, names[i], outs[i]->value(), "kpe_rows", kpe_rows);
+  }
+  return RopeRows{static_cast<char*>(kpe_rows.data_ptr()), kpe_rows.stride(0) * (kpe_rows.dtype().bits / 8)};
+}
+
 // A paged build's entry: rope_set_mla_kv_buffer with the rows' slots FlashInfer's table gives
 // (jitkv/page_table.h: batch_indices in loc's place, page_positions the rows' positions in their
-// requests; kv_buffer's rows are the pages' rows, page after page), walked in the kernel.
+// requests; kv_buffer's rows are the pages' rows, page after page), walked in the kernel. kpe_rows: the
+// rope parts' rows (FlashInfer's separate kpe cache; kv_buffer's rows then hold kv_c only), else
+// None: after kv_c in kv_buffer's rows.
 int64_t rope_set_mla_kv_buffer_table(TensorView kv_buffer, TensorView batch_indices, TensorView kv_c, TensorView k_pe,
                                      TensorView positions, TensorView cos_sin_cache, bool is_neox,
                                      Optional<TensorView> q_pe, Optional<TensorView> q_nope, Optional<TensorView> q_out,
                                      int64_t q_mode, Optional<TensorView> q_scale, double q_scale_value,
                                      Optional<TensorView> k_pe_out, int64_t skip_slot, int64_t kv_format,
                                      Optional<TensorView> scale, double scale_value, TensorView page_positions,
-                                     TensorView kv_indices, TensorView kv_indptr, int64_t page_size) {
-  const MlaParams p =
-      parse_mla(kOp, kv_buffer, batch_indices, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out,
-                q_mode, q_scale, q_scale_value, k_pe_out, skip_slot, kv_format, scale, scale_value);
+                                     TensorView kv_indices, TensorView kv_indptr, int64_t page_size,
+                                     Optional<TensorView> kpe_rows) {
+  const MlaParams p = parse_mla(kOp, kv_buffer, batch_indices, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe,
+                                q_nope, q_out, q_mode, q_scale, q_scale_value, k_pe_out, skip_slot, kv_format, scale,
+                                scale_value, kpe_rows.has_value());
   check_module(p);
   if (p.kv.skip_slot != jitkv::codes::kNoSlot) mismatch("skip_slot", "slot source (a page table, with no skip_slot)");
+  const RopeRows rope =
+      kpe_rows.has_value()
+          ? rope_rows(p, kv_buffer, kpe_rows.value(), q_pe, q_out, k_pe_out)
+          : RopeRows{p.kv.dst + Shape::kNopeLanes * dst_lane_bytes<Shape::kSrc, Shape::kFmt>(), p.kv.dst_row_stride};
   const jitkv::PageTable pages = jitkv::cuda::parse_page_table(kOp, batch_indices, page_positions, kv_indices,
                                                                kv_indptr, page_size, p.kv.n, p.kv.device, "kv_buffer");
-  return run(p, pages);
+  return run(p, pages, rope);
 }
 #else
 int64_t rope_set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView kv_c, TensorView k_pe,
@@ -168,7 +212,7 @@ int64_t rope_set_mla_kv_buffer(TensorView kv_buffer, TensorView loc, TensorView 
   const MlaParams p = parse_mla(kOp, kv_buffer, loc, kv_c, k_pe, positions, cos_sin_cache, is_neox, q_pe, q_nope, q_out,
                                 q_mode, q_scale, q_scale_value, k_pe_out, skip_slot, kv_format, scale, scale_value);
   check_module(p);
-  return run(p, jitkv::PageTable{});
+  return run(p, jitkv::PageTable{}, RopeRows{nullptr, 0});
 }
 #endif
 

@@ -411,12 +411,15 @@ def test_page_slots_bad_input():
 @gpu
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("page_size", [4, 5])
-@pytest.mark.parametrize("case", ["gqa NHD", "gqa HND", "mla", "mla one buffer", "e5m2", "empty table"])
+@pytest.mark.parametrize(
+    "case", ["gqa NHD", "gqa HND", "mla", "mla one buffer", "mla strided pages", "e5m2", "empty table"]
+)
 def test_rope_quantize_reads_the_page_table_in_its_kernel(dtype, page_size, case, monkeypatch):
     """On CUDA the fused shim reads the page table in a kernel: one launch of rope_store_cache's page-table
-    build (csrc/rope, JITKV_PAGE_TABLE), or rope_set_mla_kv_buffer's for MLA caches in one buffer; separate
-    MLA caches get their rows from store_cache's page-table build. Its q_out and whole caches against the
-    form without page-table builds (page_slots, then the ops) on the same inputs, the table's every edge
+    build (csrc/rope, JITKV_PAGE_TABLE), or rope_set_mla_kv_buffer's for MLA caches, one buffer's views or
+    two tensors (its kpe_rows); separate MLA caches whose pages are not page_size rows apart get their rows
+    from store_cache's page-table build (_rope_mla_apart). Its q_out and whole caches against the form
+    without page-table builds (page_slots, then the ops) on the same inputs, the table's every edge
     included (_random_page_table)."""
     n, pages, hq, hk, rope, nope = 300, 9, 4, 2, 32, 48
     mla, fp8 = case.startswith("mla"), torch.float8_e5m2 if case == "e5m2" else E4M3
@@ -432,7 +435,14 @@ def test_rope_quantize_reads_the_page_table_in_its_kernel(dtype, page_size, case
     if case == "mla one buffer":
         buf = rand((pages, page_size, nope + rope), fp8, "cuda")
         caches = (buf[..., :nope], buf[..., nope:])
+    bases = want_bases = ()
+    if case == "mla strided pages":  # a row's gap after each page, compared too
+        bases = tuple(rand((pages, page_size + 1, s[-1]), fp8, "cuda") for s in shapes)
+        caches = tuple(b[:, :page_size] for b in bases)
     want = [c.clone() for c in caches]
+    if bases:
+        want_bases = tuple(b.clone() for b in bases)
+        want = [b[:, :page_size] for b in want_bases]
     if case == "mla one buffer":  # the two-launch form writes the same buffer's clone
         want_buf = buf.clone()
         want = [want_buf[..., :nope], want_buf[..., nope:]]
@@ -462,10 +472,11 @@ def test_rope_quantize_reads_the_page_table_in_its_kernel(dtype, page_size, case
         m.setattr(flashinfer, "_table_build", lambda *a: None)
         want_q = call(want)
 
-    # Separate MLA caches: the op into scratch rows, then store_cache's page-table build appends them.
-    _refuse(monkeypatch, "_page_slots", "rope_store_cache", *(() if case == "mla" else ("rope_set_mla_kv_buffer",)))
+    # Strided pages: the op into scratch rows, then store_cache's page-table build appends them.
+    apart = ("rope_set_mla_kv_buffer",) if case != "mla strided pages" else ()
+    _refuse(monkeypatch, "_page_slots", "rope_store_cache", *apart)
     got_q = call(caches)
-    for got, w in zip((*got_q, *caches), (*want_q, *want)):
+    for got, w in zip((*got_q, *caches, *bases), (*want_q, *want, *want_bases)):
         assert_bitwise(got, w)
     if case != "empty table":  # the table had both kinds of token
         assert -1 in slots and max(slots) >= 0
@@ -637,7 +648,7 @@ def test_page_table_builds_check_their_tables(op):
         fn = rope.mla_paged_runner(dev, rope.MlaVariant(*rope.variant_mla(*args)))
 
         def call(b, p, i, ip, size):
-            return fn(args[0], b, *args[2:], table=(p, i, ip, size))
+            return fn(args[0], b, *args[2:], table=(p, i, ip, size, None))
 
     else:
         q, k, v = rand((n, 4, d), BF16, "cuda"), rand((n, h, d), BF16, "cuda"), rand((n, h, d), BF16, "cuda")
@@ -674,7 +685,23 @@ def test_page_table_builds_check_their_tables(op):
                 fn(*changed[:5], batch, *changed[6:], table=(pos, indices, indptr, ps))
     if op == "rope_set_mla_kv_buffer":  # no skip_slot either: FlashInfer's padding is batch_indices < 0
         with pytest.raises(ValueError, match=rf"^{op}: skip_slot: this module was built for another slot source"):
-            fn(*args[:-1], 0, table=(pos, indices, indptr, ps))
+            fn(*args[:-1], 0, table=(pos, indices, indptr, ps, None))
+        kv_c_rows = rand((pages * ps, d), E4M3, "cuda")  # separate caches: the rope parts in kpe_rows
+        kpe = rand((pages * ps, 32), E4M3, "cuda")
+        caches += (kv_c_rows, kpe)
+        before += [kv_c_rows.clone(), kpe.clone()]
+        bad_rows = [
+            (kpe.view(torch.uint8), TypeError, "kpe_rows: expected dtype float8_e4m3fn .the dtype of kv_buffer"),
+            (kpe[:-1], ValueError, "kpe_rows: expected 2-D rows, as many as kv_buffer's"),
+            (kpe[:, :16], ValueError, "kpe_rows: expected rows of at least k_pe's width"),
+            (kv_c_rows[:, :32], ValueError, "kpe_rows: shares memory with kv_buffer"),
+            (q_out.view(-1, 32)[: pages * ps], ValueError, "q_out: shares memory with kpe_rows"),
+        ]
+        for rows, error, message in bad_rows:
+            with pytest.raises(error, match=rf"^{op}: {message}"):
+                fn(kv_c_rows, batch, *args[2:], table=(pos, indices, indptr, ps, rows))
+        with pytest.raises(ValueError, match=rf"^{op}: kv_buffer: row width 32 is smaller than nope = {d}"):
+            fn(kpe, batch, *args[2:], table=(pos, indices, indptr, ps, kpe.clone()))
     torch.cuda.synchronize()
     for got, want in zip(caches, before):
         assert_bitwise(got, want)
