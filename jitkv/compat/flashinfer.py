@@ -189,43 +189,64 @@ def _on_table(op, make, fn, slot_at, table, args, max_tokens=None, more=()):
     positions, kv_indices, kv_indptr, page_size): ``args`` are op's arguments in schema order, the table's
     batch_indices at ``slot_at``, its slot index. On CUDA one launch where _table_ran runs op's build that
     reads the table itself; else page_slots' slots, then fn."""
-    page_size = _check_page_table(*table)
-    if not _table_ran(op, make, slot_at, table, page_size, args, max_tokens, more):
+    if not _table_ran(op, make, slot_at, table, args, max_tokens, more):
         head, tail = args[:slot_at], args[slot_at + 1 :]
-        fn(**dict(zip(_NAMES[op.name], (*head, _page_slots(*table[:4], page_size), *tail))))
+        fn(**dict(zip(_NAMES[op.name], (*head, _page_slots(*table[:4], _check_page_table(*table)), *tail))))
 
 
-def _table_ran(op, make, slot_at, table, page_size, args, max_tokens=None, more=(), checked=None) -> bool:
+def _table_ran(op, make, slot_at, table, args, max_tokens=None, more=(), checked=None) -> bool:
     """Whether op's build that reads FlashInfer's page table itself (``make``: ops/rope.py paged_runner,
     mla_paged_runner) ran op's arguments ``args`` (_on_table's; ``more``: the build's arguments after the
-    table; ``checked``: the arguments op's check takes in their place, None: args), the table checked
-    (_check_page_table gave ``page_size``): wherever the op would run its CUDA kernel (no backend forced
-    but jit; not under JITKV_DEBUG=1, whose host checks take slots; _table_build), for a page size the
-    kernels' 32-bit division takes, up to max_tokens tokens (None: any), where that kernel takes the
-    call. Nothing is written where it did not."""
-    bounded = max_tokens is None or table[0].shape[0] <= max_tokens
-    if not (args[0].is_cuda and page_size <= _INT32_MAX and bounded):
+    table; ``checked``: the arguments op's check takes in their place, None: args): wherever the op would
+    run its CUDA kernel (no backend forced but jit; not under JITKV_DEBUG=1, whose host checks take
+    slots; _table_build), for a page size the kernels' 32-bit division takes, up to max_tokens tokens
+    (None: any), where that kernel takes the call. Nothing is written where it did not. The binding checks
+    the table (_table_call: page_slots' errors where it refuses it)."""
+    page_size = _page_size(table)
+    if not (args[0].is_cuda and page_size <= _INT32_MAX and isinstance(table[0], torch.Tensor)):
+        return False
+    if max_tokens is not None and table[0].shape[0] > max_tokens:
         return False
     head, tail = args[:slot_at], args[slot_at + 1 :]
 
     def call(run, batch_indices, positions, kv_indices, kv_indptr):
         return run(*head, batch_indices, *tail, table=(positions, kv_indices, kv_indptr, page_size, *more))
 
-    return _table_call(op, make, args[0].device, args, table, call, checked)
+    return _table_call(op, make, args[0].device, args, slot_at, table, call, checked)
 
 
-def _table_call(op, make, device, args, table, call, checked=None) -> bool:
+def _page_size(table) -> int:
+    """The page size of FlashInfer's ``table`` as an int: a Python int as given (the bindings check it and
+    the table), any other value checked with the table here (_check_page_table)."""
+    return table[4] if type(table[4]) is int else _check_page_table(*table)
+
+
+def _table_call(op, make, device, args, slot_at, table, call, checked=None) -> bool:
     """Whether op's page-table build on device (``make(device, Variant)`` builds it: _table_build) ran a
-    call of op's arguments ``args`` (schema order) with FlashInfer's ``table``: ``call(fn, batch_indices,
-    positions, kv_indices, kv_indptr)`` runs it and returns whether the build declined (nothing written).
-    Where the variant or the binding refuses the call, op's check of ``checked`` (None: args) raises
-    first, naming the argument, as the op itself does (ops/_op.py)."""
+    call of op's arguments ``args`` (schema order, the table's batch_indices at ``slot_at``) with
+    FlashInfer's ``table``: ``call(fn, batch_indices, positions, kv_indices, kv_indptr)`` runs it and
+    returns whether the build declined (nothing written). The binding checks the table itself
+    (cuda/paged.cuh parse_page_table) and takes contiguous int32 / int64 entries: where the variant or the
+    binding refuses the call, page_slots' check of the table, then op's check of ``checked`` (None: args)
+    raise first, naming the argument, as page_slots and the op do (ops/_op.py); a table they take that the
+    binding does not (other integer dtypes, strides) is passed again as the kernels read it
+    (_int32_or_64). The common call pays no check in Python."""
     try:
-        fn = _table_build(op, device, op.variant(*args), make)
-        return fn is not None and not call(fn, *(_int32_or_64(t) for t in table[:4]))
+        return _table_try(op, make, device, args, table[:4], call)
     except _REFUSALS:
-        op.check(*(args if checked is None else checked))
-        raise
+        _check_page_table(*table)
+        entries = tuple(_int32_or_64(t) for t in table[:4])
+        given = args if checked is None else checked
+        op.check(*given[:slot_at], entries[0], *given[slot_at + 1 :])
+        if all(e is t for e, t in zip(entries, table)):
+            raise
+    return _table_try(op, make, device, (*args[:slot_at], entries[0], *args[slot_at + 1 :]), entries, call)
+
+
+def _table_try(op, make, device, args, entries, call) -> bool:
+    """_table_call's one try, with the table's four ``entries``."""
+    fn = _table_build(op, device, op.variant(*args), make)
+    return fn is not None and not call(fn, *entries)
 
 
 def _table_build(op, device, key, make):
@@ -256,20 +277,21 @@ def _table_build(op, device, key, make):
 def _append(table, k, v, k_cache, v_cache, page_size=None):
     """store_cache's copy of k and v (``[n, H, D]``) at the slots of FlashInfer's page table ``table`` =
     (batch_indices, positions, kv_indices, kv_indptr, page_size); ``page_size``: the table's as
-    _check_page_table returned it, where the caller checked the table (None: checked here). On CUDA one
+    _check_page_table returned it, where the caller checked the table (None: _page_size). On CUDA one
     launch: store_cache's build that reads the table itself (ops/store_cache.py table_runner), where the op
     would run its CUDA kernel and that build takes the views; else page_slots' slots, then store_cache."""
     if page_size is None:
-        page_size = _check_page_table(*table)
-    if k_cache.is_cuda and table[0].device == k_cache.device and page_size <= _INT32_MAX:
+        page_size = _page_size(table)
+    tensor = isinstance(table[0], torch.Tensor)
+    if k_cache.is_cuda and tensor and table[0].device == k_cache.device and page_size <= _INT32_MAX:
         args = (k, v, k_cache, v_cache, table[0], "auto", None, None, None, None)
 
         def call(fn, batch_indices, positions, kv_indices, kv_indptr):
             return fn(k, v, k_cache, v_cache, batch_indices, positions, kv_indices, kv_indptr, page_size)
 
-        if _table_call(store_cache_op.STORE_CACHE, store_cache_op.table_runner, k_cache.device, args, table, call):
+        if _table_call(store_cache_op.STORE_CACHE, store_cache_op.table_runner, k_cache.device, args, 4, table, call):
             return
-    store_cache(k, v, k_cache, v_cache, _page_slots(*table[:4], page_size))
+    store_cache(k, v, k_cache, v_cache, _page_slots(*table[:4], _check_page_table(*table)))
 
 
 def _nhd(cache, layout):
@@ -424,15 +446,14 @@ def _rope_mla(op, table, ckv_cache, kpe_cache, *args):
         _on_table(_MLA, rope.mla_paged_runner, rope_set_mla_kv_buffer, 1, table, args, more=(None,))
         return
     _check_apart(op, ckv_cache, kpe_cache)
-    page_size = _check_page_table(*table)  # its errors before anything is written
     ckv_rows, kpe_rows = _flat_rows(ckv_cache), _flat_rows(kpe_cache)
     if ckv_rows is not None and kpe_rows is not None:
         width = ckv_cache.shape[-1] + kpe_cache.shape[-1]
         checked = _mla_args(ckv_rows.new_empty((1, width)), table[0], *args)  # the op's rows: [ckv | kpe]
         mla_args = _mla_args(ckv_rows, table[0], *args)
-        if _table_ran(_MLA, rope.mla_paged_runner, 1, table, page_size, mla_args, more=(kpe_rows,), checked=checked):
+        if _table_ran(_MLA, rope.mla_paged_runner, 1, table, mla_args, more=(kpe_rows,), checked=checked):
             return
-    _rope_mla_apart(table, page_size, ckv_cache, kpe_cache, *args)
+    _rope_mla_apart(table, _check_page_table(*table), ckv_cache, kpe_cache, *args)
 
 
 def _check_apart(op, ckv_cache, kpe_cache):

@@ -730,3 +730,78 @@ def test_page_table_shims_raise_the_ops_errors():
         flashinfer.rope_quantize_fp8_append_paged_kv_cache(*args, indices, indptr, batch, pos, page_size=ps)
     for got, want in zip(caches, before):
         assert_bitwise(got, want)
+
+
+def _table_shim(form, ps, pages, n):
+    """A shim form that runs a page-table build on CUDA: (its caches' base tensors, call(table, bases)
+    running the shim on FlashInfer's ``table`` = (batch_indices, positions, kv_indices, kv_indptr,
+    page_size) into those bases)."""
+    q_rope, q_nope, k_rope, k_nope, v = _rope_inputs("cuda", n, 4, 2, 32, 32, form.startswith("rope mla"))
+    cs, pos_ids = table(64, 32).cuda(), torch.randint(0, 64, (n,), device="cuda")
+    rope_fp8 = flashinfer.rope_quantize_fp8_append_paged_kv_cache
+    if form == "append":
+        return [rand((pages, ps, 2, 64), BF16, "cuda") for _ in "kv"], lambda t, c: flashinfer.append_paged_kv_cache(
+            v, v, t[0], t[1], tuple(c), t[2], t[3], None
+        )
+    if form == "append mla":
+        caches = [rand((pages, ps, 32), BF16, "cuda") for _ in "kv"]
+        return caches, lambda t, c: flashinfer.append_paged_mla_kv_cache(
+            q_rope[:, 0], q_rope[:, 1], t[0], t[1], *c, *t[2:4], None
+        )
+    if form == "rope":
+        caches = [rand((pages, ps, 2, 64), E4M3, "cuda") for _ in "kv"]
+        return caches, lambda t, c: rope_fp8(
+            q_rope, k_rope, q_nope, k_nope, v, cs, pos_ids, tuple(c), *t[2:4], *t[:2], page_size=t[4]
+        )
+
+    def views(c):  # the MLA caches: one buffer's column views, or two tensors
+        return (c[0][..., :32], c[0][..., 32:]) if form == "rope mla one buffer" else tuple(c)
+
+    caches = [rand((pages, ps, w), E4M3, "cuda") for w in ((64,) if form == "rope mla one buffer" else (32, 32))]
+    return caches, lambda t, c: rope_fp8(
+        q_rope, k_rope, q_nope, k_nope, None, cs, pos_ids, views(c), *t[2:4], *t[:2], is_neox=False, page_size=t[4]
+    )
+
+
+@gpu
+@pytest.mark.parametrize("form", ["append", "append mla", "rope", "rope mla one buffer", "rope mla apart"])
+def test_table_shims_leave_the_table_to_their_builds(form, monkeypatch):
+    """The shims hand FlashInfer's table to the page-table builds unchecked (their bindings check it): a
+    table of other integer dtypes or of strided entries, which the bindings refuse, is checked in Python
+    and passed again as the kernels read it (one launch, the int32 table's bytes); a bad table raises
+    page_slots' error, naming the entry, with the caches unchanged."""
+    ps, pages = 4, 12
+    indices, indptr, batch, pos = _page_table([5, 9, 2], ps, pages, "cuda")
+    caches, call = _table_shim(form, ps, pages, batch.numel())
+    want = [c.clone() for c in caches]
+    want_q = call((batch, pos, indices, indptr, ps), want)
+    _refuse(monkeypatch, "_page_slots", "_rope_mla_apart")
+
+    def strided(t):
+        return torch.stack([t, t], 1)[:, 0]
+
+    for other in ((batch.short(), strided(pos), indices.to(torch.uint8), strided(indptr), ps),):
+        got = [c.clone() for c in caches]
+        got_q = call(other, got)
+        for g, w in zip((*got, *(got_q or ())), (*want, *(want_q or ()))):
+            assert_bitwise(g, w)
+    bad = [
+        (dict(b=batch.float()), TypeError, "batch_indices: expected an integer tensor, got dtype float32$"),
+        (dict(p=pos.view(-1, 1)), ValueError, r"positions: expected a 1-D tensor, got shape \[\d+, 1\]$"),
+        (dict(p=pos[:-1]), ValueError, r"positions: expected \d+ entries \(batch_indices'\), got \d+$"),
+        (dict(ip=indptr[:0]), ValueError, "kv_indptr: expected at least 1 entry, got 0$"),
+        (
+            dict(i=indices.cpu()),
+            ValueError,
+            "kv_indices: expected a tensor on cuda:0 like batch_indices, got one on cpu$",
+        ),
+    ]
+    if form.startswith("rope"):
+        bad.append((dict(size=0), ValueError, "page_size: expected >= 1, got 0$"))
+    for change, error, message in bad:
+        given = dict(b=batch, p=pos, i=indices, ip=indptr, size=ps) | change
+        got = [c.clone() for c in caches]
+        with pytest.raises(error, match=f"^page_slots: {message}"):
+            call(tuple(given.values()), got)
+        for g, c in zip(got, caches):
+            assert_bitwise(g, c)
