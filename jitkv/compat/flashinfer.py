@@ -171,7 +171,7 @@ _INT32_MAX = 2**31 - 1  # the largest page size the kernels' 32-bit page divisio
 _REFUSALS = (AttributeError, IndexError, KeyError, TypeError, ValueError, RuntimeError)
 _MLA = rope.ROPE_SET_MLA_KV_BUFFER
 # The ops' argument names in schema order (the public functions take most of them by keyword only).
-_NAMES = {op.name: tuple(p.name for p in op.params) for op in (rope.ROPE_STORE_CACHE, rope.ROPE_SET_MLA_KV_BUFFER)}
+_NAMES = {op.name: tuple(p.name for p in op.params) for op in (rope.ROPE_STORE_CACHE, _MLA)}
 
 
 def _rope_store(
@@ -197,7 +197,7 @@ def _on_table(op, make, fn, slot_at, table, args, max_tokens=None, more=()):
 def _table_ran(op, make, slot_at, table, args, max_tokens=None, more=(), checked=None) -> bool:
     """Whether op's build that reads FlashInfer's page table itself (``make``: ops/rope.py paged_runner,
     mla_paged_runner) ran op's arguments ``args`` (_on_table's; ``more``: the build's arguments after the
-    table; ``checked``: the arguments op's check takes in their place, None: args): wherever the op would
+    table; ``checked``: makes the arguments op's check takes in their place, None: args): wherever the op would
     run its CUDA kernel (no backend forced but jit; not under JITKV_DEBUG=1, whose host checks take
     slots; _table_build), for a page size the kernels' 32-bit division takes, up to max_tokens tokens
     (None: any), where that kernel takes the call. Nothing is written where it did not. The binding checks
@@ -227,7 +227,7 @@ def _table_call(op, make, device, args, slot_at, table, call, checked=None) -> b
     FlashInfer's ``table``: ``call(fn, batch_indices, positions, kv_indices, kv_indptr)`` runs it and
     returns whether the build declined (nothing written). The binding checks the table itself
     (cuda/paged.cuh parse_page_table) and takes contiguous int32 / int64 entries: where the variant or the
-    binding refuses the call, page_slots' check of the table, then op's check of ``checked`` (None: args)
+    binding refuses the call, page_slots' check of the table, then op's check of ``checked()`` (None: args)
     raise first, naming the argument, as page_slots and the op do (ops/_op.py); a table they take that the
     binding does not (other integer dtypes, strides) is passed again as the kernels read it
     (_int32_or_64). The common call pays no check in Python."""
@@ -236,7 +236,7 @@ def _table_call(op, make, device, args, slot_at, table, call, checked=None) -> b
     except _REFUSALS:
         _check_page_table(*table)
         entries = tuple(_int32_or_64(t) for t in table[:4])
-        given = args if checked is None else checked
+        given = args if checked is None else checked()
         op.check(*given[:slot_at], entries[0], *given[slot_at + 1 :])
         if all(e is t for e, t in zip(entries, table)):
             raise
@@ -449,7 +449,10 @@ def _rope_mla(op, table, ckv_cache, kpe_cache, *args):
     ckv_rows, kpe_rows = _flat_rows(ckv_cache), _flat_rows(kpe_cache)
     if ckv_rows is not None and kpe_rows is not None:
         width = ckv_cache.shape[-1] + kpe_cache.shape[-1]
-        checked = _mla_args(ckv_rows.new_empty((1, width)), table[0], *args)  # the op's rows: [ckv | kpe]
+
+        def checked():  # the op's rows are [ckv | kpe]
+            return _mla_args(ckv_rows.new_empty((1, width)), table[0], *args)
+
         mla_args = _mla_args(ckv_rows, table[0], *args)
         if _table_ran(_MLA, rope.mla_paged_runner, 1, table, mla_args, more=(kpe_rows,), checked=checked):
             return

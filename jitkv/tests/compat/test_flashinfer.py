@@ -731,6 +731,17 @@ def test_page_table_shims_raise_the_ops_errors():
     for got, want in zip(caches, before):
         assert_bitwise(got, want)
 
+    q_rope, q_nope, k_rope, k_nope, _ = _rope_inputs("cuda", n, 4, 1, 32, 64, True)  # MLA, both cache forms
+    buf = rand((pages, ps, 96), E4M3, "cuda")
+    apart = (rand((pages, ps, 64), E4M3, "cuda"), rand((pages, ps, 32), E4M3, "cuda"))
+    for caches in ((buf[..., :64], buf[..., 64:]), apart):
+        before = [c.clone() for c in caches]
+        args = (q_rope, k_rope, q_nope, k_nope, None, table(64, 32).cuda(), pos.float(), caches)
+        with pytest.raises(TypeError, match=r"^rope_set_mla_kv_buffer: positions: expected dtype int32 or int64"):
+            flashinfer.rope_quantize_fp8_append_paged_kv_cache(*args, indices, indptr, batch, pos, page_size=ps)
+        for got, want in zip(caches, before):
+            assert_bitwise(got, want)
+
 
 def _table_shim(form, ps, pages, n):
     """A shim form that runs a page-table build on CUDA: (its caches' base tensors, call(table, bases)
