@@ -7,9 +7,9 @@
 // kv_c and k_pe), JITKV_SRC_DTYPE (codes::SrcDtype), JITKV_Q_MODE (codes::RopeQ), JITKV_KV_DTYPE
 // (codes::KvFormat), JITKV_PAGE_TABLE (1: the rows' slots come from FlashInfer's page table, read in the
 // kernel: jitkv/page_table.h, and the rows' rope parts may go to a cache of their own; such a build exports
-// rope_set_mla_kv_buffer_table only), JITKV_PDL. One
-// module serves NeoX and GPT-J and both cos/sin dtypes (a kernel each, kernel_of). Which variants build
-// is decided in Python before building (ops/rope.py cuda_mla_refusal).
+// rope_set_mla_kv_buffer_table only), JITKV_PDL. One module serves NeoX and GPT-J and both cos/sin dtypes
+// (a kernel each, kernel_of). Which variants build is decided in Python before building (ops/rope.py
+// cuda_mla_refusal).
 //
 // Returns codes::Status: kNeedsAnyAlignment, before launching, for views the kernel's 16-byte lanes
 // cannot address, or a q_nope width that is no whole number of lanes; the op then runs Triton.
