@@ -294,6 +294,32 @@ def _append(table, k, v, k_cache, v_cache, page_size=None):
     store_cache(k, v, k_cache, v_cache, _page_slots(*table[:4], _check_page_table(*table)))
 
 
+def _tensors(op, required, optional=()):
+    """TypeError naming the first of ``required`` ((name, value) pairs) that is not a torch.Tensor, or of
+    ``optional`` that is neither None nor one: the arguments a shim reads before an op checks them."""
+    for name, t in required:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name}: expected a torch.Tensor, got {type(t).__name__}")
+    for name, t in optional:
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name}: expected a torch.Tensor or None, got {type(t).__name__}")
+
+
+def _pair(op, paged_kv_cache, what="a (k_cache, v_cache) pair of torch.Tensors"):
+    """(k_cache, v_cache) of a pair of tensors, else TypeError naming paged_kv_cache (``what``: expected)."""
+    pair = isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2
+    if not pair or not all(isinstance(c, torch.Tensor) for c in paged_kv_cache):
+        raise TypeError(f"{op}: paged_kv_cache: expected {what}, got {_described(paged_kv_cache)}")
+    return paged_kv_cache
+
+
+def _described(x):
+    """A bad paged_kv_cache's type, with its items' types where it is a tuple or list."""
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {', '.join(type(c).__name__ for c in x) or 'nothing'}"
+    return type(x).__name__
+
+
 def _nhd(cache, layout):
     """A paged cache as jitkv's logical [pages, page_size, H, D] view (HND given as stored)."""
     return cache.transpose(1, 2) if layout == "HND" else cache
@@ -310,7 +336,8 @@ def _unpack(paged_kv_cache, layout):
                 f"[pages, 2, ...] tensor, got shape {list(paged_kv_cache.shape)}"
             )
         paged_kv_cache = paged_kv_cache.unbind(1)
-    k_cache, v_cache = paged_kv_cache
+    what = "a (k_cache, v_cache) pair of torch.Tensors or a [pages, 2, ...] tensor"
+    k_cache, v_cache = _pair("append_paged_kv_cache", paged_kv_cache, what)
     return _nhd(k_cache, layout), _nhd(v_cache, layout)
 
 
@@ -338,8 +365,9 @@ def append_paged_kv_cache(
         kv_layout: "NHD" or "HND".
 
     Raises:
-        ValueError: an unknown kv_layout or a cache that is neither a pair nor 5-D; and the errors of
+        ValueError: an unknown kv_layout or a cache tensor that is not 5-D; and the errors of
         ``jitkv.store_cache`` (k, v, k_cache, v_cache, slot_mapping: the slots made from the page table).
+        TypeError: a paged_kv_cache that is neither a pair of tensors nor a tensor.
         IndexError: a slot past the cache (CPU; CUDA under JITKV_DEBUG=1).
     """
     k_cache, v_cache = _unpack(paged_kv_cache, kv_layout)
@@ -359,8 +387,11 @@ def append_paged_mla_kv_cache(
             tensors, or column views of one buffer).
 
     Raises:
-        the errors of ``jitkv.store_cache`` (the latent and rope parts are its k and v, one head each).
+        TypeError: an argument here that is not a tensor; and the errors of ``jitkv.store_cache`` (the
+        latent and rope parts are its k and v, one head each).
     """
+    named = (("append_ckv", append_ckv), ("append_kpe", append_kpe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache))
+    _tensors("append_paged_mla_kv_cache", named)
     table = (batch_indices, positions, kv_indices, kv_indptr, ckv_cache.shape[1])
     _append(table, append_ckv.unsqueeze(1), append_kpe.unsqueeze(1), ckv_cache.unsqueeze(2), kpe_cache.unsqueeze(2))
 
@@ -544,9 +575,16 @@ def rope_quantize_fp8_append_paged_kv_cache(
         than as the column views of one buffer whose pages are page_size rows apart), V given for MLA or
         missing for MHA; and the errors of ``page_slots``, ``jitkv.rope_store_cache`` and
         ``jitkv.rope_set_mla_kv_buffer``.
+        TypeError: q_rope, k_rope, cos_sin_cache, q_nope, k_nope or the q outputs not tensors (the optional
+        ones None), a paged_kv_cache that is no pair of tensors.
         IndexError: a position or slot out of range (CPU; CUDA under JITKV_DEBUG=1).
     """
     op = "rope_quantize_fp8_append_paged_kv_cache"
+    _tensors(
+        op,
+        (("q_rope", q_rope), ("k_rope", k_rope), ("cos_sin_cache", cos_sin_cache)),
+        (("q_nope", q_nope), ("k_nope", k_nope), ("q_rope_out", q_rope_out), ("q_nope_out", q_nope_out)),
+    )
     if cos_sin_cache.dtype != torch.float32:
         raise ValueError(f"{op}: cos_sin_cache: expected float32 (FlashInfer's), got {cos_sin_cache.dtype}")
     if quantize_dtype is None:
@@ -559,7 +597,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
     mla = k_rope.dim() == 2
     if mla and k_nope is None:
         k_nope = k_rope.new_empty(*k_rope.shape[:-1], 0)
-    k_cache, v_cache = paged_kv_cache
+    k_cache, v_cache = _pair(op, paged_kv_cache)
     for name, cache in (("paged_kv_cache[0]", k_cache), ("paged_kv_cache[1]", v_cache)):
         if cache.dtype != quantize_dtype or cache.dim() != (3 if mla else 4):
             raise ValueError(

@@ -311,6 +311,43 @@ def test_bad_input():
         assert_bitwise(q_out, q_before)
 
 
+def test_shims_name_arguments_that_are_not_tensors():
+    """What a shim reads itself before an op checks it raises TypeError naming FlashInfer's argument, not an
+    AttributeError; the caches are unchanged."""
+    indices, indptr, batch, pos = _page_table([3], 4, 4, "cpu")
+    n = batch.numel()
+    q, qn, k, kn, v = _rope_inputs("cpu", n, 2, 2, 16, 16, False)
+    caches = (rand((4, 4, 2, 32), E4M3, "cpu"), rand((4, 4, 2, 32), E4M3, "cpu"))
+    before = [c.clone() for c in caches]
+    args = dict(q_rope=q, k_rope=k, q_nope=qn, k_nope=kn, v=v, cos_sin_cache=table(8, 16), pos_ids=pos.long())
+    args |= dict(paged_kv_cache=caches, kv_indices=indices, kv_indptr=indptr, batch_indices=batch, positions=pos)
+    op = "rope_quantize_fp8_append_paged_kv_cache"
+    pair = r"expected a \(k_cache, v_cache\) pair of torch.Tensors"
+    for change, want in (
+        (dict(q_rope=q.tolist()), "q_rope: expected a torch.Tensor, got list"),
+        (dict(k_rope=None), "k_rope: expected a torch.Tensor, got NoneType"),
+        (dict(cos_sin_cache=1.0), "cos_sin_cache: expected a torch.Tensor, got float"),
+        (dict(q_nope=3), "q_nope: expected a torch.Tensor or None, got int"),
+        (dict(q_rope_out=[1]), "q_rope_out: expected a torch.Tensor or None, got list"),
+        (dict(paged_kv_cache=caches[0]), f"paged_kv_cache: {pair}, got Tensor"),
+        (dict(paged_kv_cache=caches + caches[:1]), f"paged_kv_cache: {pair}, got a tuple of Tensor, Tensor, Tensor"),
+        (dict(paged_kv_cache=(caches[0], None)), f"paged_kv_cache: {pair}, got a tuple of Tensor, NoneType"),
+    ):
+        with pytest.raises(TypeError, match=rf"^{op}: {want}$"):
+            flashinfer.rope_quantize_fp8_append_paged_kv_cache(**(args | change), page_size=4)
+    with pytest.raises(TypeError, match=rf"^append_paged_kv_cache: paged_kv_cache: {pair} or a \[pages, 2"):
+        flashinfer.append_paged_kv_cache(v, v, batch, pos, [caches[0]], indices, indptr, None)
+    mla = (rand((4, 4, 16), BF16, "cpu"), rand((4, 4, 8), BF16, "cpu"))
+    rows = (rand((n, 16), BF16, "cpu"), rand((n, 8), BF16, "cpu"))
+    for at, name in enumerate(("append_ckv", "append_kpe", "ckv_cache", "kpe_cache")):
+        given = [*rows, *mla]
+        given[at] = given[at].tolist()
+        with pytest.raises(TypeError, match=rf"^append_paged_mla_kv_cache: {name}: expected a torch.Tensor, got list$"):
+            flashinfer.append_paged_mla_kv_cache(*given[:2], batch, pos, *given[2:], indices, indptr, None)
+    for got, want in zip(caches, before):
+        assert_bitwise(got, want)
+
+
 def _random_page_table(n, requests, pages, page_size, dtype, device):
     """Random indices with every edge page_slots clamps or skips: padding tokens, requests past kv_indptr,
     positions past a request's pages and past kv_indices, negative positions; every other of the first
