@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch.compiler import is_compiling
 
-from .. import reference
+from .. import checks, reference
 from .. import rope_store_cache as _rope_store_cache
 from .. import set_mla_kv_buffer as _set_mla_kv_buffer
 from .. import store_cache as _store_cache
@@ -151,6 +151,7 @@ def apply_rope_with_cos_sin_cache_inplace(q, k, cos_sin_cache, positions, *, is_
     """
     kw = dict(is_neox=is_neox, rotary_dim=rope_dim or None, k_out=k)
     if fused_args is None:
+        checks.tensor("rope_store_cache", "positions", positions)  # the padding slots take its device
         scratch = [k.new_empty(1, *k.shape[1:]) if isinstance(k, torch.Tensor) else None for _ in "kv"]
         _rope_store_cache(q, k, k, *scratch, _padding_slots(len(q), positions), positions, cos_sin_cache, **kw)
         return

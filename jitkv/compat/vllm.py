@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import rope_set_mla_kv_buffer, set_mla_kv_buffer, store_cache, transfer_pages
+from .. import checks, rope_set_mla_kv_buffer, set_mla_kv_buffer, store_cache, transfer_pages
 from ..checks import dtype_name
 
 __all__ = ["concat_and_cache_mla", "concat_and_cache_mla_rope_fused", "reshape_and_cache_flash", "swap_blocks"]
@@ -220,6 +220,7 @@ def concat_and_cache_mla_rope_fused(
         )
     rows = _paged_rows(kv_cache, "concat_and_cache_mla_rope_fused")
     _require_full_width(rows, kv_c, k_pe, "concat_and_cache_mla_rope_fused")
+    checks.tensor("rope_set_mla_kv_buffer", "k_pe", k_pe)  # the op checks its k_pe_out (vLLM's k_pe) first
     fp8 = kv_cache_dtype != "auto"
     rope_set_mla_kv_buffer(
         rows,

@@ -258,6 +258,19 @@ def _rope_case(device, n=21, hq=4, hk=2, d=64, dtype=torch.bfloat16, size=64):
     return q, k, v.view(n, hk * d), k_buffer, v_buffer, torch.randint(0, 500, (n,), device=device)
 
 
+def test_apply_rope_names_positions_that_are_not_a_tensor():
+    """Without fused_args the shim reads positions' device for its padding slots: a list raises the
+    op's TypeError naming positions (not an AttributeError); q and k unchanged."""
+    from jitkv.tests.compat.rope_rule import table
+
+    q, k, _, _, _, positions = _rope_case("cpu")
+    q0, k0 = q.clone(), k.clone()
+    with pytest.raises(TypeError, match=r"^rope_store_cache: positions: expected a torch.Tensor, got list$"):
+        sglang.apply_rope_with_cos_sin_cache_inplace(q, k, table(500, 64), positions.tolist(), is_neox=True)
+    assert_bitwise(q, q0)
+    assert_bitwise(k, k0)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("rope_dim", [0, 32])

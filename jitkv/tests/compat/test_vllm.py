@@ -448,6 +448,8 @@ def test_concat_and_cache_mla_rope_fused(device, kv_cache_dtype, is_neox, table_
 
 
 def test_concat_and_cache_mla_rope_fused_refuses_ds_mla_and_wide_rows():
+    """fp8_ds_mla, rows wider than the parts, and a k_pe that is no tensor (named k_pe, not the op's
+    k_pe_out, which vLLM's k_pe also is) raise before anything is written."""
     kv_c, k_pe, q_pe = (
         rand((4, 512), torch.bfloat16, "cpu"),
         rand((4, 64), torch.bfloat16, "cpu"),
@@ -458,6 +460,11 @@ def test_concat_and_cache_mla_rope_fused_refuses_ds_mla_and_wide_rows():
         vllm.concat_and_cache_mla_rope_fused(*args, rand((2, 4, 656), torch.uint8, "cpu"), "fp8_ds_mla", None)
     with pytest.raises(ValueError, match=r"^concat_and_cache_mla_rope_fused: kv_cache: expected a row width of"):
         vllm.concat_and_cache_mla_rope_fused(*args, rand((2, 4, 600), torch.bfloat16, "cpu"), "auto", None)
+    cache = rand((2, 4, 576), torch.bfloat16, "cpu")
+    before = cache.clone()
+    with pytest.raises(TypeError, match=r"^rope_set_mla_kv_buffer: k_pe: expected a torch.Tensor, got list$"):
+        vllm.concat_and_cache_mla_rope_fused(*args[:2], k_pe.tolist(), *args[3:], cache, "auto", None)
+    assert_bitwise(cache, before)
 
 
 # ------------------------------------------------------------------------------------- swap_blocks
