@@ -168,13 +168,10 @@ RopeRows rope_rows(const MlaParams& p, const TensorView& kv_buffer, const Tensor
   jitkv::check_last_dim_contiguous(kOp, "kpe_rows", kpe_rows);
   jitkv::check_written(kOp, "kpe_rows", kpe_rows);
   jitkv::check_disjoint(kOp, "kpe_rows", kpe_rows, "kv_buffer", kv_buffer);
-  const Optional<TensorView>* outs[] = {&q_out, &k_pe_out, p.q.mode == RopeQ::kInPlace ? &q_pe : nullptr};
-  const char* names[] = {"q_out", "k_pe_out", "q_pe"};
-  for (int i = 0; i < 3; ++i) {
-    if (outs[i] != nullptr && outs[i]->has_value())
-      jitkv::check_disjoint(kOp, names[i], outs[i]->value(), "kpe_rows", kpe_rows);
-  }
-  return RopeRows{static_cast<char*>(kpe_rows.data_ptr()), kpe_rows.stride(0) * (kpe_rows.dtype().bits / 8)};
+  if (q_out.has_value()) jitkv::check_disjoint(kOp, "q_out", q_out.value(), "kpe_rows", kpe_rows);
+  if (k_pe_out.has_value()) jitkv::check_disjoint(kOp, "k_pe_out", k_pe_out.value(), "kpe_rows", kpe_rows);
+  if (p.q.mode == RopeQ::kInPlace) jitkv::check_disjoint(kOp, "q_pe", q_pe.value(), "kpe_rows", kpe_rows);
+  return RopeRows{jitkv::data_ptr(kpe_rows), kpe_rows.stride(0) * jitkv::elem_bytes(kpe_rows.dtype())};
 }
 
 // A paged build's entry: rope_set_mla_kv_buffer with the rows' slots FlashInfer's table gives
