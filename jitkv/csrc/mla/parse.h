@@ -163,6 +163,7 @@ inline void parse_fp8_scale(const char* op, KvFormat f, const Optional<TensorVie
     if (s.numel() != 1) {
       TVM_FFI_THROW(ValueError) << op << ": scale: expected a 1-element tensor, got shape " << shape_str(s);
     }
+    check_host_scale(op, "scale", s);
     p.scale_ptr = reinterpret_cast<const float*>(data_ptr(s));
     return;
   }

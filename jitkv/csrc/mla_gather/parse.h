@@ -103,6 +103,7 @@ inline void parse_scale(const char* op, const Optional<TensorView>& t, double va
     if (s.numel() != 1) {
       TVM_FFI_THROW(ValueError) << op << ": scale: expected a 1-element tensor, got " << s.numel() << " elements";
     }
+    check_host_scale(op, "scale", s);
     p.scale_ptr = reinterpret_cast<const float*>(data_ptr(s));
     return;
   }

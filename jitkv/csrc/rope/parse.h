@@ -148,6 +148,7 @@ inline void parse_q_scale(const char* op, RopeQ m, const Optional<TensorView>& s
     const TensorView& s = scale.value();
     check_device(op, "q_scale", s, dev, dev_from);
     require(is_f32(s.dtype()) && s.numel() == 1, op, "q_scale", "expected a 1-element float32 tensor");
+    check_host_scale(op, "q_scale", s);
     q.scale_ptr = reinterpret_cast<const float*>(data_ptr(s));
     return;
   }

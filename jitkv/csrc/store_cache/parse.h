@@ -179,6 +179,7 @@ inline void parse_scale(const char* op, const char* name, const Optional<TensorV
     if (per_head && (s.stride(0) < 0 || s.stride(0) > INT32_MAX)) {
       TVM_FFI_THROW(ValueError) << op << ": " << name << ": expected a stride below 2^31, got " << s.stride(0);
     }
+    check_host_scale(op, name, s);
     side.scale_ptr = reinterpret_cast<const float*>(data_ptr(s));
     side.scale_stride = per_head ? static_cast<int32_t>(s.stride(0)) : 0;
     return;

@@ -180,3 +180,42 @@ def test_numpy_is_not_a_tensor_even_where_a_binding_would_take_it():
     args["k_cache"] = np.zeros((32, 2, 64), dtype=np.float32)
     with pytest.raises(TypeError, match=r"^store_cache: k_cache: expected a torch.Tensor, got ndarray"):
         jitkv.store_cache(**args)
+
+
+HOST_SCALES = [
+    ("store_cache", "k_scale"),
+    ("store_cache", "v_scale"),
+    ("gather_mla_cache", "scale"),
+    ("rope_store_cache", "q_scale"),
+    ("rope_store_cache", "k_scale"),
+]
+
+
+@pytest.mark.parametrize("op_name,name", HOST_SCALES)
+def test_cpu_bindings_check_host_scale_values(op_name, name):
+    """The CPU jit bindings read a host scale tensor's values themselves (the op's wrapper leaves them to
+    the binding): its CPU runner, called without the op's Python check, raises a ValueError naming the
+    scale (the element, for per-head scales) before anything is written."""
+    op = jitkv.ops.OPS[op_name]
+    kw = op.sample(torch.device("cpu"), torch.Generator().manual_seed(0))
+    kw[name] = kw[name].clone()
+    kw[name].view(-1)[-1] = float("nan")
+    before = {d: kw[d].clone() for d in op.destinations if isinstance(kw.get(d), torch.Tensor)}
+    index = r"\[\d+\]" if kw[name].numel() > 1 else ""
+    with pytest.raises(ValueError, match=rf"^{op_name}: {name}{index}: must be finite and > 0, got nan"):
+        op.runner(torch.device("cpu"), "jit")(*op.args_of(kw))
+    for d, b in before.items():
+        assert_bitwise(kw[d], b)
+
+
+def test_set_mla_kv_buffer_binding_checks_a_host_scale():
+    """set_mla_kv_buffer's CPU binding reads a host scale tensor itself, as
+    test_cpu_bindings_check_host_scale_values."""
+    op = jitkv.ops.OPS["set_mla_kv_buffer"]
+    args = _mla_args("cpu")
+    args.update(kv_buffer=args["kv_buffer"].view(torch.uint8)[:, :576], kv_cache_dtype="fp8_e4m3")
+    args["scale"] = torch.tensor([0.0])
+    before = args["kv_buffer"].clone()
+    with pytest.raises(ValueError, match=r"^set_mla_kv_buffer: scale: must be finite and > 0, got 0"):
+        op.runner(torch.device("cpu"), "jit")(*op.args_of(args))
+    assert_bitwise(args["kv_buffer"], before)

@@ -192,6 +192,23 @@ inline void check_disjoint(const char* op, const char* name, const TensorView& t
                             << "; expected two separate caches";
 }
 
+// A float32 scale tensor's values, where they lie on the host: each finite and > 0 (what the kernel
+// divides by). The wrappers leave a host tensor's values to the bindings (reading them in Python cost
+// about 8 µs a tensor on a 2 GHz host, here a few ns); a device tensor's are the kernel's to read
+// (JITKV_DEBUG=1 checks them on the host first). s: 1 element, or 1-D (per-head scales).
+inline void check_host_scale(const char* op, const char* name, const TensorView& s) {
+  if (s.device().device_type != kDLCPU) return;
+  const float* p = reinterpret_cast<const float*>(data_ptr(s));
+  const int64_t n = s.numel(), stride = n > 1 ? s.stride(0) : 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = p[i * stride];
+    if (!(v > 0.0f && v <= 3.40282346638528859812e38f)) {  // NaN compares false
+      const std::string at = n > 1 ? std::string(name) + "[" + std::to_string(i) + "]" : std::string(name);
+      TVM_FFI_THROW(ValueError) << op << ": " << at << ": must be finite and > 0, got " << v;
+    }
+  }
+}
+
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // A base address and the byte strides stepping from it, all multiples of unit (a vector access's bytes).
