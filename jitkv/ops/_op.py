@@ -451,8 +451,8 @@ def jit_function(spec: JitSpec, name: str):
 def scale_args(op: str, name: str, scale) -> tuple:
     """A scale as the bindings take it: (float32 tensor or None, value or codes.MISSING_SCALE). A
     Python number is checked here; a tensor's dtype, size, device and, on the host, its values by the
-    binding (jitkv/check.h check_host_scale: reading them here cost about 8 µs a tensor); a CUDA one's
-    values only under JITKV_DEBUG=1."""
+    binding (jitkv/check.h check_host_scale; read here they cost microseconds a call: docs/performance.md
+    "Host scale tensors"); a CUDA one's values only under JITKV_DEBUG=1."""
     if isinstance(scale, torch.Tensor):
         return scale, codes.MISSING_SCALE
     if scale is None:

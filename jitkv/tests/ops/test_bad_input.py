@@ -208,14 +208,28 @@ def test_cpu_bindings_check_host_scale_values(op_name, name):
         assert_bitwise(kw[d], b)
 
 
-def test_set_mla_kv_buffer_binding_checks_a_host_scale():
-    """set_mla_kv_buffer's CPU binding reads a host scale tensor itself, as
+def _rope_mla_args(device):
+    a = _mla_args(device)
+    return dict(
+        kv_buffer=a["kv_buffer"],
+        loc=a["loc"],
+        kv_c=a["cache_k_nope"],
+        k_pe=a["cache_k_rope"],
+        positions=torch.randint(0, 16, (4,), device=device),
+        cos_sin_cache=rand((16, 64), torch.float32, device),
+        is_neox=False,
+    )
+
+
+@pytest.mark.parametrize("op_name,make", [("set_mla_kv_buffer", _mla_args), ("rope_set_mla_kv_buffer", _rope_mla_args)])
+def test_mla_bindings_check_a_host_scale(op_name, make):
+    """The MLA ops' CPU bindings read a host scale tensor themselves, as
     test_cpu_bindings_check_host_scale_values."""
-    op = jitkv.ops.OPS["set_mla_kv_buffer"]
-    args = _mla_args("cpu")
+    op = jitkv.ops.OPS[op_name]
+    args = make("cpu")
     args.update(kv_buffer=args["kv_buffer"].view(torch.uint8)[:, :576], kv_cache_dtype="fp8_e4m3")
     args["scale"] = torch.tensor([0.0])
     before = args["kv_buffer"].clone()
-    with pytest.raises(ValueError, match=r"^set_mla_kv_buffer: scale: must be finite and > 0, got 0"):
+    with pytest.raises(ValueError, match=rf"^{op_name}: scale: must be finite and > 0, got 0"):
         op.runner(torch.device("cpu"), "jit")(*op.args_of(args))
     assert_bitwise(args["kv_buffer"], before)

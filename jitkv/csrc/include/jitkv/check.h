@@ -193,9 +193,9 @@ inline void check_disjoint(const char* op, const char* name, const TensorView& t
 }
 
 // A float32 scale tensor's values, where they lie on the host: each finite and > 0 (what the kernel
-// divides by). The wrappers leave a host tensor's values to the bindings (reading them in Python cost
-// about 8 µs a tensor on a 2 GHz host, here a few ns); a device tensor's are the kernel's to read
-// (JITKV_DEBUG=1 checks them on the host first). s: 1 element, or 1-D (per-head scales).
+// divides by). The wrappers leave a host tensor's values to the bindings, where reading them costs a few
+// ns (in Python, microseconds a tensor: docs/performance.md "Host scale tensors"); a device tensor's are
+// the kernel's to read (JITKV_DEBUG=1 checks them on the host first). s: 1 element, or 1-D (per-head).
 inline void check_host_scale(const char* op, const char* name, const TensorView& s) {
   if (s.device().device_type != kDLCPU) return;
   const float* p = reinterpret_cast<const float*>(data_ptr(s));
