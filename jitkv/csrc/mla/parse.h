@@ -172,7 +172,7 @@ inline void parse_fp8_scale(const char* op, KvFormat f, const Optional<TensorVie
                               << "(a float or a 1-element float32 tensor, finite and > 0), got None";
   }
   const float v = static_cast<float>(value);
-  if (!(std::isfinite(v) && v > 0.0f)) {
+  if (!scale_ok(v)) {
     TVM_FFI_THROW(ValueError) << op << ": scale: must be finite and > 0 (as float32), got " << value;
   }
   p.scale = v;

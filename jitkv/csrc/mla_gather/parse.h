@@ -111,7 +111,7 @@ inline void parse_scale(const char* op, const Optional<TensorView>& t, double va
     TVM_FFI_THROW(ValueError) << op << ": scale: required for an fp8 kv_cache_dtype (no default scale)";
   }
   const float v = static_cast<float>(value);
-  if (!(v > 0.0f && v <= 3.4028234663852886e38f)) {
+  if (!scale_ok(v)) {
     TVM_FFI_THROW(ValueError) << op << ": scale: must be finite and > 0, got " << value;
   }
   p.scale_value = v;

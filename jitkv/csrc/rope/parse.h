@@ -153,8 +153,7 @@ inline void parse_q_scale(const char* op, RopeQ m, const Optional<TensorView>& s
     return;
   }
   const float f = static_cast<float>(value);
-  require(value != codes::kMissingScale && std::isfinite(f) && f > 0.0f, op, "q_scale",
-          "an fp8 q_out needs a scale, finite and > 0");
+  require(value != codes::kMissingScale && scale_ok(f), op, "q_scale", "an fp8 q_out needs a scale, finite and > 0");
   q.scale = f;
 }
 

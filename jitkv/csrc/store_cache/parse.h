@@ -190,7 +190,7 @@ inline void parse_scale(const char* op, const char* name, const Optional<TensorV
                               << "finite and > 0), got None";
   }
   float f = static_cast<float>(value);
-  if (!(std::isfinite(f) && f > 0.0f)) {
+  if (!scale_ok(f)) {
     TVM_FFI_THROW(ValueError) << op << ": " << name << ": must be finite and > 0 (as float32), got " << value;
   }
   side.scale = f;

@@ -8,6 +8,7 @@
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/optional.h>
 
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <sstream>
@@ -192,6 +193,9 @@ inline void check_disjoint(const char* op, const char* name, const TensorView& t
                             << "; expected two separate caches";
 }
 
+// An fp8 scale the kernels divide by: finite and > 0 as float32 (NaN fails both).
+inline bool scale_ok(float v) { return std::isfinite(v) && v > 0.0f; }
+
 // A float32 scale tensor's values, where they lie on the host: each finite and > 0 (what the kernel
 // divides by). The wrappers leave a host tensor's values to the bindings, where reading them costs a few
 // ns (in Python, microseconds a tensor: docs/performance.md "Host scale tensors"); a device tensor's are
@@ -202,7 +206,7 @@ inline void check_host_scale(const char* op, const char* name, const TensorView&
   const int64_t n = s.numel(), stride = n > 1 ? s.stride(0) : 0;
   for (int64_t i = 0; i < n; ++i) {
     const float v = p[i * stride];
-    if (!(v > 0.0f && v <= 3.40282346638528859812e38f)) {  // NaN compares false
+    if (!scale_ok(v)) {
       const std::string at = n > 1 ? std::string(name) + "[" + std::to_string(i) + "]" : std::string(name);
       TVM_FFI_THROW(ValueError) << op << ": " << at << ": must be finite and > 0, got " << v;
     }
