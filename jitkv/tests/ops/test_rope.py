@@ -166,14 +166,42 @@ def test_norm_over_the_float32_range(device, backend, src, d, eps):
     if backend == "triton" and eps == 0:
         pytest.skip("Triton's NVIDIA builds may flush float32 subnormals (the squares under eps = 0)")
     kw = _mha(device, n=11, hq=8, hk=4, d=d, src=src, norm=True)
+    _scale_heads_across_float32(kw, eps)
+    _run_mha(backend, kw)
+
+
+def _scale_heads_across_float32(kw, eps):
+    """Scales each q and k head by 2^-75 ... 2^64 (at least 2^-70 under eps = 0) and, where eps > 0, zeros
+    head 1 of every third token (test_norm_over_the_float32_range)."""
     kw["eps"] = eps
     exps = torch.tensor([-75 if eps > 0 else -70, -70, -60, -50, -20, 0, 20, 50, 60, 62, 64], dtype=torch.float32)
-    for name, heads in (("q", 8), ("k", 4)):
-        scale = torch.exp2(exps[torch.randint(0, len(exps), (kw[name].shape[0], heads))]).to(device)
-        kw[name].copy_((kw[name].float() * scale.unsqueeze(-1)).to(src))
+    for name in ("q", "k"):
+        x = kw[name]
+        scale = torch.exp2(exps[torch.randint(0, len(exps), x.shape[:2])]).to(x.device)
+        x.copy_((x.float() * scale.unsqueeze(-1)).to(x.dtype))
         if eps > 0:
-            kw[name][::3, 1] = 0
-    _run_mha(backend, kw)
+            x[::3, 1] = 0
+
+
+@gpu
+@pytest.mark.parametrize(
+    "src,d,rot,is_neox",
+    [(BF16, 128, None, True), (BF16, 128, 64, True), (BF16, 64, None, False), (torch.float32, 80, None, True)],
+)
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_norm_at_four_heads_per_thread(src, d, rot, is_neox, kv):
+    """The CUDA kernels' build of kBulkHpt heads per thread with the norm (each thread folding four heads'
+    group sums, lanes.cuh gather_fold): enough tokens of 8 + 2 x 4 heads to take it (rope/geometry.h
+    heads_per_thread: 2048 threads per SM at one head per thread), split and exchanging lanes, partial
+    rotary, GPT-J, bf16 and e4m3 caches, heads across the float32 range and zero heads: the reference's
+    bytes."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    n = 2048 * sms // (16 * 8) + 1  # 16 heads of at least 8 lanes each
+    kw = _mha("cuda", n=n, hq=8, hk=4, d=d, src=src, rot=rot, kv=kv, norm=True, num_slots=2 * n)
+    kw["is_neox"] = is_neox
+    kw["slot_mapping"][::5] = -1
+    _scale_heads_across_float32(kw, 1e-6)
+    _run_mha("jit", kw)
 
 
 # Scales the CUDA kernels divide by with one multiply (fp8.cuh with_divider: a power of two whose
