@@ -274,13 +274,16 @@ def _table_build(op, device, key, make):
     return _TABLE_BUILDS[at]
 
 
-def _append(table, k, v, k_cache, v_cache):
+def _append(table, k, v, k_cache, v_cache, checked=False):
     """store_cache's copy of k and v (``[n, H, D]``) at the slots of FlashInfer's page table ``table`` =
     (batch_indices, positions, kv_indices, kv_indptr, page_size). On CUDA one launch: store_cache's build
     that reads the table itself (ops/store_cache.py table_runner; its binding checks the table:
     _table_call), where the op would run its CUDA kernel and that build takes the views; else page_slots'
-    slots, then store_cache."""
-    page_size = _page_size(table)
+    slots, then store_cache. checked: the caller ran _check_page_table on the table (page_size its int),
+    which is then not checked again here."""
+    if not checked and type(table[4]) is not int:
+        table, checked = (*table[:4], _check_page_table(*table)), True
+    page_size = table[4]
     tensor = isinstance(table[0], torch.Tensor)
     if k_cache.is_cuda and tensor and table[0].device == k_cache.device and page_size <= _INT32_MAX:
         args = (k, v, k_cache, v_cache, table[0], "auto", None, None, None, None)
@@ -290,7 +293,7 @@ def _append(table, k, v, k_cache, v_cache):
 
         if _table_call(store_cache_op.STORE_CACHE, store_cache_op.table_runner, k_cache.device, args, 4, table, call):
             return
-    store_cache(k, v, k_cache, v_cache, _page_slots(*table[:4], _check_page_table(*table)))
+    store_cache(k, v, k_cache, v_cache, _page_slots(*table[:4], page_size if checked else _check_page_table(*table)))
 
 
 def _tensors(op, required, optional=()):
@@ -488,7 +491,7 @@ def _rope_mla(op, table, ckv_cache, kpe_cache, *args):
         mla_args = _mla_args(ckv_rows, table[0], *args)
         if _table_ran(_MLA, rope.mla_paged_runner, 1, table, mla_args, more=(kpe_rows,), checked=checked):
             return
-    _check_page_table(*table)  # its errors before the op writes q_out
+    table = (*table[:4], _check_page_table(*table))  # its errors before the op writes q_out
     _rope_mla_apart(table, ckv_cache, kpe_cache, *args)
 
 
@@ -506,16 +509,16 @@ def _check_apart(op, ckv_cache, kpe_cache):
 
 def _rope_mla_apart(table, ckv_cache, kpe_cache, *args):
     """_rope_mla for separate caches where its page-table build does not run (args: _mla_args' after loc;
-    the table checked by the caller): rope_set_mla_kv_buffer writes token t's row [ckv | kpe] into row t of
-    a scratch buffer and q_out, then store_cache's append copies the two parts into their pages (_append;
-    padding tokens are not written). On CUDA three launches (the scratch rows' indices, the op, the
-    append), the rows' bytes once more through memory."""
+    the table checked by the caller, its page_size an int): rope_set_mla_kv_buffer writes token t's row
+    [ckv | kpe] into row t of a scratch buffer and q_out, then store_cache's append copies the two parts
+    into their pages (_append; padding tokens are not written). On CUDA three launches (the scratch rows'
+    indices, the op, the append), the rows' bytes once more through memory."""
     n, nope = table[0].shape[0], ckv_cache.shape[-1]
     rows = torch.empty((n, nope + kpe_cache.shape[-1]), dtype=ckv_cache.dtype, device=ckv_cache.device)
     mla_args = _mla_args(rows, torch.arange(n, device=rows.device), *args)
     rope_set_mla_kv_buffer(**dict(zip(_NAMES[rope.MLA_OP], mla_args)))
     k, v = rows[:, :nope].unsqueeze(1), rows[:, nope:].unsqueeze(1)
-    _append(table, k, v, ckv_cache.unsqueeze(2), kpe_cache.unsqueeze(2))
+    _append(table, k, v, ckv_cache.unsqueeze(2), kpe_cache.unsqueeze(2), checked=True)
 
 
 def rope_quantize_fp8_append_paged_kv_cache(
