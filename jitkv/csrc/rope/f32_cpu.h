@@ -1,7 +1,8 @@
 // Float32 rows for the rope CPU kernel (rope_cpu.cpp): a row of bf16 / fp16 / fp32 loaded as float32, and
 // a float32 row stored rounded to nearest even into bf16 or fp16 (or copied into fp32), torch's rounding
 // (NaN stays a NaN; its payload is not specified). AVX-512 or AVX2 where built (jitkv/cpu/isa.h: 16 or 8
-// lanes, masked or scalar tails), scalar otherwise.
+// lanes, masked or scalar tails), scalar otherwise. On AVX2 also a whole 16-bit head rotated from its
+// source into its row in one pass (rope_row16, rope_normed_row16).
 #pragma once
 
 #include <cstdint>
@@ -116,6 +117,82 @@ inline void store_row(char* dst, SrcKind k, const float* src, int64_t n) {
   }
 #endif
   for (; i < n; ++i) out[i] = k == SrcKind::kBF16 ? f32_to_bf16(src[i]) : f32_to_f16(src[i]);
+}
+
+// Whether rope_row16 takes a head of d values of kind k: an AVX2 build, 16-bit values, d a multiple of 16.
+// AVX-512 and scalar builds take the three passes (load_row, rotate, store_row; not measured there).
+inline bool row16_takes(SrcKind k, int64_t d) {
+#if defined(JITKV_CPU_AVX2)
+  return k != SrcKind::kF32 && d % 16 == 0;
+#else
+  (void)k, (void)d;
+  return false;
+#endif
+}
+
+#if defined(JITKV_CPU_AVX2)
+// out[0, d) = rope of the values load(i) gives 8 at a time, rounded to nearest even into kind K (bf16,
+// fp16): rotate's arithmetic and store_row's rounding.
+template <SrcKind K, class Load>
+void rope_row16_k(uint16_t* out, const float* C, const float* S, int64_t d, bool neox, Load load) {
+  const auto store8 = [&](int64_t i, __m256 v) {
+    const __m128i h = K == SrcKind::kBF16 ? bf16x8(v) : _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+  };
+  if (neox) {
+    const int64_t h = d / 2;
+    for (int64_t i = 0; i < h; i += 8) {
+      const __m256 a = load(i), b = load(h + i);
+      const __m256 c = _mm256_loadu_ps(C + i), sn = _mm256_loadu_ps(S + h + i);  // S: [-s | s]
+      store8(i, _mm256_sub_ps(_mm256_mul_ps(a, c), _mm256_mul_ps(b, sn)));
+      store8(h + i, _mm256_add_ps(_mm256_mul_ps(b, c), _mm256_mul_ps(a, sn)));
+    }
+    return;
+  }
+  for (int64_t i = 0; i < d; i += 8) {  // 4 pairs: the partner vector swaps adjacent lanes
+    const __m256 v = load(i);
+    const __m256 a = _mm256_mul_ps(v, _mm256_loadu_ps(C + i));
+    const __m256 b = _mm256_mul_ps(_mm256_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)), _mm256_loadu_ps(S + i));
+    store8(i, _mm256_add_ps(a, b));
+  }
+}
+#endif
+
+// A head of d 16-bit values of kind k (row16_takes) rotated over all d dims from src into dst (dst ==
+// src allowed) in one pass through registers: load_row's, rotate's and store_row's arithmetic and
+// rounding, so the same bytes, without the float32 row between them (docs/performance.md "rope CPU rows
+// in one pass"). C, S: the expanded cos/sin row (rotate).
+inline void rope_row16(char* dst, const char* src, SrcKind k, const float* C, const float* S, int64_t d, bool neox) {
+#if defined(JITKV_CPU_AVX2)
+  cpu::with_kind(k, [&](auto kind) {
+    constexpr SrcKind K = decltype(kind)::value;
+    if constexpr (K != SrcKind::kF32) {
+      rope_row16_k<K>(reinterpret_cast<uint16_t*>(dst), C, S, d, neox,
+                      [&](int64_t i) { return cpu::load8<K>(src, i); });
+    }
+  });
+#else
+  (void)dst, (void)src, (void)k, (void)C, (void)S, (void)d, (void)neox;
+#endif
+}
+
+// rope_row16 of a normed head: x its float32 values, each scaled as (x * r) * w before the rotation (the
+// norm's last step), in the same pass.
+inline void rope_normed_row16(char* dst, const float* x, float r, const float* w, SrcKind k, const float* C,
+                              const float* S, int64_t d, bool neox) {
+#if defined(JITKV_CPU_AVX2)
+  const __m256 rv = _mm256_set1_ps(r);
+  cpu::with_kind(k, [&](auto kind) {
+    constexpr SrcKind K = decltype(kind)::value;
+    if constexpr (K != SrcKind::kF32) {
+      rope_row16_k<K>(reinterpret_cast<uint16_t*>(dst), C, S, d, neox, [&](int64_t i) {
+        return _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), rv), _mm256_loadu_ps(w + i));
+      });
+    }
+  });
+#else
+  (void)dst, (void)x, (void)r, (void)w, (void)k, (void)C, (void)S, (void)d, (void)neox;
+#endif
 }
 
 }  // namespace rope

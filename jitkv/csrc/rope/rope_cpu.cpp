@@ -7,10 +7,12 @@
 // -ffp-contract=off). Per head: load into float32, RMSNorm in the fixed order (groups of 8 folded by
 // halves, then the group sums by halves: rope/norm_cpu.h; normed heads kNormBatch at a time), rotate,
 // then store every destination from the float32 result: round to nearest even (bf16, fp16), or fp8 by
-// fp8.h's exact conversion. V and the MLA kv_c are copied or quantized from their sources as store_cache /
-// set_mla_kv_buffer do. Vectors: AVX-512 or AVX2 (jitkv/cpu/isa.h), scalar otherwise; OpenMP above a
-// payload threshold, and the cache rows by streaming stores where store_cache / set_mla_kv_buffer would
-// stream them (scatter.h want_streaming).
+// fp8.h's exact conversion. On AVX2 a head without norm, rotated over all its dims into 16-bit rows (q,
+// q_out, k_out, the bf16 / fp16 cache, MLA's q_pe), takes one pass through registers instead (f32_cpu.h
+// rope_row16: the same arithmetic and rounding). V and the MLA kv_c are copied or quantized from their
+// sources as store_cache / set_mla_kv_buffer do. Vectors: AVX-512 or AVX2 (jitkv/cpu/isa.h), scalar
+// otherwise; OpenMP above a payload threshold, and the cache rows by streaming stores where store_cache
+// / set_mla_kv_buffer would stream them (scatter.h want_streaming).
 #include <tvm/ffi/function.h>
 
 #include <algorithm>
@@ -36,8 +38,11 @@ namespace {
 using cpu::SrcKind;
 using rope::load_row;
 using rope::pow2_at_least;
+using rope::rope_normed_row16;
+using rope::rope_row16;
 using rope::RopeQ;
 using rope::rotate;
+using rope::row16_takes;
 using rope::Rows;
 using rope::store_row;
 using rope::sum_squares;
@@ -105,6 +110,17 @@ void expand_cos_sin(const rope::Rotation& r, int64_t t, Scratch& s) {
   }
 }
 
+// Heads [h0, h0 + m) of a side (m <= kNormBatch) loaded into s.x, m heads of d values, and inv[b] = 1 /
+// sqrt(mean(x^2) + eps) of each: the norm up to its scaling.
+template <class RowOf>
+void load_norm_batch(SrcKind src, int64_t d, float eps, int64_t h0, int64_t m, RowOf row, float* inv, Scratch& s) {
+  for (int64_t b = 0; b < m; ++b) load_row(s.x + b * d, src, row(h0 + b), d);
+  for (int64_t b = 0; b < m; ++b) {
+    const float mean = sum_squares(s.x + b * d, d, s.g) / static_cast<float>(d);
+    inv[b] = 1.0f / std::sqrt(mean + eps);
+  }
+}
+
 // The heads [0, heads) of a side: row(h) the source row of head h, loaded, normed with w (float32, nullptr:
 // none), rotated, then store(h, x) with x its float32 values. Normed heads go kNormBatch at a time (see
 // kNormBatch); the others one by one.
@@ -123,17 +139,41 @@ void side_heads(const rope::Rotation& r, const float* w, float eps, int64_t d, S
   for (int64_t h0 = 0; h0 < heads; h0 += kNormBatch) {
     const int64_t m = std::min(kNormBatch, heads - h0);
     float inv[kNormBatch];
-    for (int64_t b = 0; b < m; ++b) load_row(x + b * d, src, row(h0 + b), d);
-    for (int64_t b = 0; b < m; ++b) {
-      const float mean = sum_squares(x + b * d, d, s.g) / static_cast<float>(d);
-      inv[b] = 1.0f / std::sqrt(mean + eps);
-    }
+    load_norm_batch(src, d, eps, h0, m, row, inv, s);
     for (int64_t b = 0; b < m; ++b) {
       float* y = x + b * d;
       for (int64_t i = 0; i < d; ++i) y[i] = (y[i] * inv[b]) * w[i];
     }
     for (int64_t b = 0; b < m; ++b) rotate(x + b * d, s.C, s.S, r.rot, r.neox);
     for (int64_t b = 0; b < m; ++b) store(h0 + b, x + b * d);
+  }
+}
+
+// side_heads where every head is rotated over all its d dims into a 16-bit row of the sources' kind
+// (row16_takes): head h into first(h) (nullptr: none) in one pass through registers (rope_row16, after the
+// norm's sums rope_normed_row16), then then(h, first(h)).
+template <class RowOf, class First, class Then>
+void side_heads16(const rope::Rotation& r, const float* w, float eps, int64_t d, SrcKind src, int64_t heads, RowOf row,
+                  First first, Then then, Scratch& s) {
+  if (w == nullptr) {
+    for (int64_t h = 0; h < heads; ++h) {
+      if (char* out = first(h)) {
+        rope_row16(out, row(h), src, s.C, s.S, d, r.neox);
+        then(h, out);
+      }
+    }
+    return;
+  }
+  for (int64_t h0 = 0; h0 < heads; h0 += kNormBatch) {
+    const int64_t m = std::min(kNormBatch, heads - h0);
+    float inv[kNormBatch];
+    load_norm_batch(src, d, eps, h0, m, row, inv, s);
+    for (int64_t b = 0; b < m; ++b) {
+      if (char* out = first(h0 + b)) {
+        rope_normed_row16(out, s.x + b * d, inv[b], w, src, s.C, s.S, d, r.neox);
+        then(h0 + b, out);
+      }
+    }
   }
 }
 
@@ -237,20 +277,42 @@ void store_token(const rope::StoreParams& p, const StoreQuantizers& fp8, const f
   const SrcKind src = cpu::src_kind(kv.src_dtype);
   expand_cos_sin(p.rot, t, s);
   const cpu::Fp8Quantizer* q_fp8 = StoreQuantizers::at(fp8.q, 0);
-  side_heads(
-      p.rot, qw, p.eps, d, src, p.q.heads, [&](int64_t h) { return row_of(p.q.src, t, h); },
-      [&](int64_t h, const float* x) { store_head(row_of(p.q.dst, t, h), src, x, d, q_fp8); }, s);
+  const bool one_pass = p.rot.rot == d && row16_takes(src, d);  // 16-bit rows: side_heads16
+  const auto q_row = [&](int64_t h) { return row_of(p.q.src, t, h); };
+  if (one_pass && q_fp8 == nullptr) {
+    side_heads16(
+        p.rot, qw, p.eps, d, src, p.q.heads, q_row, [&](int64_t h) { return row_of(p.q.dst, t, h); },
+        [](int64_t, const char*) {}, s);
+  } else {
+    side_heads(
+        p.rot, qw, p.eps, d, src, p.q.heads, q_row,
+        [&](int64_t h, const float* x) { store_head(row_of(p.q.dst, t, h), src, x, d, q_fp8); }, s);
+  }
   const auto k_row = [&](int64_t h) { return kv.k.src + t * kv.k.src_stride_token + h * kv.k.src_stride_head; };
-  side_heads(
-      p.rot, kw, p.eps, d, src, kv.num_heads, k_row,
-      [&](int64_t h, const float* x) {
-        if (p.k_out.ptr != nullptr) store_row(row_of(p.k_out, t, h), src, x, d);
-        if (slot >= 0) {
-          char* dst = store_cache::slot_row(kv.k, slot) + h * kv.k.dst_stride_head;
-          store_cache_head(dst, src, x, d, StoreQuantizers::at(fp8.k, h), nt, s);
-        }
-      },
-      s);
+  const auto k_dst = [&](int64_t h) {
+    return slot >= 0 ? store_cache::slot_row(kv.k, slot) + h * kv.k.dst_stride_head : nullptr;
+  };
+  if (one_pass && fp8.k.empty()) {
+    // Rotated into k_out, else into the cache row (staged in s.half where it is streamed), then copied on.
+    const auto first = [&](int64_t h) -> char* {
+      if (p.k_out.ptr != nullptr) return row_of(p.k_out, t, h);
+      char* dst = k_dst(h);
+      return dst != nullptr && nt ? reinterpret_cast<char*>(s.half) : dst;
+    };
+    const auto then = [&](int64_t h, const char* out) {
+      char* dst = k_dst(h);
+      if (dst != nullptr && dst != out) cpu::copy_seg(dst, out, d * src_es, nt);
+    };
+    side_heads16(p.rot, kw, p.eps, d, src, kv.num_heads, k_row, first, then, s);
+  } else {
+    side_heads(
+        p.rot, kw, p.eps, d, src, kv.num_heads, k_row,
+        [&](int64_t h, const float* x) {
+          if (p.k_out.ptr != nullptr) store_row(row_of(p.k_out, t, h), src, x, d);
+          if (char* dst = k_dst(h)) store_cache_head(dst, src, x, d, StoreQuantizers::at(fp8.k, h), nt, s);
+        },
+        s);
+  }
   if (slot < 0) return;
   for (int64_t h = 0; h < kv.num_heads; ++h) {
     const char* v = kv.v.src + t * kv.v.src_stride_token + h * kv.v.src_stride_head;
@@ -346,6 +408,10 @@ void mla_token(const rope::MlaParams& p, const MlaQuantizers& fp8, int64_t t, in
           cpu::copy_seg(dst, qn, p.nope_q * es, false);
         }
         dst += p.nope_q * dst_es;
+      }
+      if (q_fp8 == nullptr && row16_takes(src, r)) {
+        rope_row16(dst, row_of(p.q.src, t, h), src, s.C, s.S, r, p.rot.neox);
+        continue;
       }
       load_row(s.x, src, row_of(p.q.src, t, h), r);
       rotate(s.x, s.C, s.S, p.rot.rot, p.rot.neox);
