@@ -7,12 +7,12 @@
 // -ffp-contract=off). Per head: load into float32, RMSNorm in the fixed order (groups of 8 folded by
 // halves, then the group sums by halves: rope/norm_cpu.h; normed heads kNormBatch at a time), rotate,
 // then store every destination from the float32 result: round to nearest even (bf16, fp16), or fp8 by
-// fp8.h's exact conversion. On AVX2 a head without norm, rotated over all its dims into 16-bit rows (q,
-// q_out, k_out, the bf16 / fp16 cache, MLA's q_pe), takes one pass through registers instead (f32_cpu.h
-// rope_row16: the same arithmetic and rounding). V and the MLA kv_c are copied or quantized from their
-// sources as store_cache / set_mla_kv_buffer do. Vectors: AVX-512 or AVX2 (jitkv/cpu/isa.h), scalar
-// otherwise; OpenMP above a payload threshold, and the cache rows by streaming stores where store_cache
-// / set_mla_kv_buffer would stream them (scatter.h want_streaming).
+// fp8.h's exact conversion. On AVX2 a head rotated over all its dims into 16-bit rows (q, q_out, k_out,
+// the bf16 / fp16 cache, MLA's q_pe) takes one pass through registers instead, a normed one after its
+// sums (f32_cpu.h rope_row16, rope_normed_row16: the same arithmetic and rounding). V and the MLA kv_c
+// are copied or quantized from their sources as store_cache / set_mla_kv_buffer do. Vectors: AVX-512 or
+// AVX2 (jitkv/cpu/isa.h), scalar otherwise; OpenMP above a payload threshold, and the cache rows by
+// streaming stores where store_cache / set_mla_kv_buffer would stream them (scatter.h want_streaming).
 #include <tvm/ffi/function.h>
 
 #include <algorithm>
@@ -110,14 +110,19 @@ void expand_cos_sin(const rope::Rotation& r, int64_t t, Scratch& s) {
   }
 }
 
-// Heads [h0, h0 + m) of a side (m <= kNormBatch) loaded into s.x, m heads of d values, and inv[b] = 1 /
-// sqrt(mean(x^2) + eps) of each: the norm up to its scaling.
-template <class RowOf>
-void load_norm_batch(SrcKind src, int64_t d, float eps, int64_t h0, int64_t m, RowOf row, float* inv, Scratch& s) {
-  for (int64_t b = 0; b < m; ++b) load_row(s.x + b * d, src, row(h0 + b), d);
-  for (int64_t b = 0; b < m; ++b) {
-    const float mean = sum_squares(s.x + b * d, d, s.g) / static_cast<float>(d);
-    inv[b] = 1.0f / std::sqrt(mean + eps);
+// The heads [0, heads) of a side kNormBatch at a time, the norm up to its scaling: the m heads from h0
+// loaded into s.x (head b at s.x + b d), inv[b] = 1 / sqrt(mean(x^2) + eps) of each, then f(h0, m, inv).
+template <class RowOf, class F>
+void norm_batches(SrcKind src, int64_t d, float eps, int64_t heads, RowOf row, Scratch& s, F f) {
+  for (int64_t h0 = 0; h0 < heads; h0 += kNormBatch) {
+    const int64_t m = std::min(kNormBatch, heads - h0);
+    float inv[kNormBatch];
+    for (int64_t b = 0; b < m; ++b) load_row(s.x + b * d, src, row(h0 + b), d);
+    for (int64_t b = 0; b < m; ++b) {
+      const float mean = sum_squares(s.x + b * d, d, s.g) / static_cast<float>(d);
+      inv[b] = 1.0f / std::sqrt(mean + eps);
+    }
+    f(h0, m, inv);
   }
 }
 
@@ -136,17 +141,14 @@ void side_heads(const rope::Rotation& r, const float* w, float eps, int64_t d, S
     }
     return;
   }
-  for (int64_t h0 = 0; h0 < heads; h0 += kNormBatch) {
-    const int64_t m = std::min(kNormBatch, heads - h0);
-    float inv[kNormBatch];
-    load_norm_batch(src, d, eps, h0, m, row, inv, s);
+  norm_batches(src, d, eps, heads, row, s, [&](int64_t h0, int64_t m, const float* inv) {
     for (int64_t b = 0; b < m; ++b) {
       float* y = x + b * d;
       for (int64_t i = 0; i < d; ++i) y[i] = (y[i] * inv[b]) * w[i];
     }
     for (int64_t b = 0; b < m; ++b) rotate(x + b * d, s.C, s.S, r.rot, r.neox);
     for (int64_t b = 0; b < m; ++b) store(h0 + b, x + b * d);
-  }
+  });
 }
 
 // side_heads where every head is rotated over all its d dims into a 16-bit row of the sources' kind
@@ -164,17 +166,14 @@ void side_heads16(const rope::Rotation& r, const float* w, float eps, int64_t d,
     }
     return;
   }
-  for (int64_t h0 = 0; h0 < heads; h0 += kNormBatch) {
-    const int64_t m = std::min(kNormBatch, heads - h0);
-    float inv[kNormBatch];
-    load_norm_batch(src, d, eps, h0, m, row, inv, s);
+  norm_batches(src, d, eps, heads, row, s, [&](int64_t h0, int64_t m, const float* inv) {
     for (int64_t b = 0; b < m; ++b) {
       if (char* out = first(h0 + b)) {
         rope_normed_row16(out, s.x + b * d, inv[b], w, src, s.C, s.S, d, r.neox);
         then(h0 + b, out);
       }
     }
-  }
+  });
 }
 
 // q_out's quantizer (one element) for an fp8 q_out, else none; its setup is shared by every head.
