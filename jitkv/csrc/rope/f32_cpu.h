@@ -120,7 +120,8 @@ inline void store_row(char* dst, SrcKind k, const float* src, int64_t n) {
 }
 
 // Whether rope_row16 takes a head of d values of kind k: an AVX2 build, 16-bit values, d a multiple of 16.
-// AVX-512 and scalar builds take the three passes (load_row, rotate, store_row; not measured there).
+// AVX-512 and scalar builds take the three passes (load_row, rotate, store_row: docs/performance.md "rope
+// CPU rows in one pass").
 inline bool row16_takes(SrcKind k, int64_t d) {
 #if defined(JITKV_CPU_AVX2)
   return k != SrcKind::kF32 && d % 16 == 0;
