@@ -301,30 +301,46 @@ __device__ __forceinline__ void store_v(const typename S::Args& p, int64_t t, in
   }
 }
 
+// Blocks per SM a kernel is built for (__launch_bounds__' second argument; 0: none, ptxas's choice): 8
+// for the normed NeoX kBulkHpt kernels with fp8 caches, whose registers ptxas otherwise sets at 72 (7
+// blocks of 128 per SM) where 64 hold them without a spill; the GPT-J ones spill at 64 and keep ptxas's
+// choice, as does every other kernel (a minimum they did not have changes their code). Re-measure:
+// docs/performance.md "The kBulkHpt kernels' prologue".
+template <class S, int kHpt, bool kNeox>
+constexpr int min_blocks() {
+  return kNeox && S::kNorms != 0 && S::kFmt != KvFormat::kCopy && kHpt == kBulkHpt ? 8 : 0;
+}
+
 // kHpt: heads per thread (1 for latency; more at large n, so that each thread has that many loads in
 // flight and reads the cos/sin row once for them; the binding picks it, heads_per_thread). kNeox, kCs:
-// the rotation and the cos/sin table's dtype (with_rotation).
+// the rotation and the cos/sin table's dtype (with_rotation). The kBulkHpt kernels run many blocks an
+// SM, whose parameter block is warm after the first: they skip warm_params (16 instructions of each
+// warp) and take the piece bounds unsigned (the head counts are positive, the binding checks them), so
+// that their quotients are shifts; the other kernels keep the code their latency was measured with.
 template <class S, int kHpt, bool kNeox, SrcDtype kCs>
-__global__ void __launch_bounds__(block_bounds(S::kNorms != 0, kHpt))
+__global__ void __launch_bounds__(block_bounds(S::kNorms != 0, kHpt), (min_blocks<S, kHpt, kNeox>()))
     rope_store_cache_kernel(const __grid_constant__ typename S::Args p) {
-  cuda::warm_params(p, p.n);
+  constexpr bool kBulk = kHpt == kBulkHpt;
+  using T = std::conditional_t<kBulk, unsigned, int>;
+  if constexpr (!kBulk) cuda::warm_params(p, p.n);
   const int64_t t = blockIdx.x;
-  const int r = int(blockIdx.y * blockDim.x + threadIdx.x);
-  const int piece = r / S::kG, j = r % S::kG;
-  const typename S::template Pieces<int> at(p.q_heads, p.kv_heads, kHpt);
+  const T r = T(blockIdx.y * blockDim.x + threadIdx.x);
+  const T piece = r / S::kG;
+  const int j = int(r % S::kG);
+  const typename S::template Pieces<T> at(T(p.q_heads), T(p.kv_heads), kHpt);
   const bool is_q = piece < at.q_end, is_k = piece >= at.k_begin && piece < at.k_end;
   const bool is_v = piece >= at.v_begin && piece < at.end;
   if (!is_q && !is_k && !is_v) return;  // the gaps before a warp and the token's last warp: whole groups
   cuda::pdl_wait();
   if (!is_v) {
-    const int h0 = (is_k ? piece - at.k_begin : piece) * kHpt;
+    const int h0 = int(is_k ? piece - at.k_begin : piece) * kHpt;
     if (is_k) {
       rope_heads<S, kHpt, true, kNeox, kCs>(p, t, h0, j);
     } else {
       rope_heads<S, kHpt, false, kNeox, kCs>(p, t, h0, j);
     }
   } else {
-    const int v = piece - at.v_begin;
+    const int v = int(piece - at.v_begin);
     store_v<S, kHpt>(p, t, v / S::kVPieces * kHpt, (v % S::kVPieces) * S::kG + j);
   }
 }
